@@ -1,0 +1,1 @@
+"""Vector collections and their ANN engines (cuVS on GPU, FAISS on CPU, pgvector in Postgres). Knows no HTTP."""

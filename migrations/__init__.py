@@ -1,0 +1,1 @@
+"""Ordered SQL migrations (NNNN_name.sql), applied once each at start-up by service.migrate."""

@@ -1,0 +1,1 @@
+"""Star Schema Benchmark data, tables and queries (cuDF, DuckDB, PostgreSQL). Knows no HTTP."""

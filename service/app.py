@@ -1,0 +1,50 @@
+"""The app factory: one FastAPI app per Settings, so tests can build many."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from . import __version__
+from .errors import install_error_handlers
+from .limits import BodySizeLimitMiddleware
+from .metrics import HTTPMetricsMiddleware
+from .routes import engines, ops
+from .runtime import Runtime
+from .settings import Settings
+
+DESCRIPTION = """
+Switchyard routes vector search, geometry joins and Star Schema Benchmark aggregates to the fastest engine
+that can do them: GPU (cuVS, numba-cuda, cuDF) when a device is present, CPU (FAISS, numba, DuckDB), or
+PostgreSQL (pgvector, PostGIS, heap tables).
+
+Every error is `application/problem+json` (RFC 9457) with `type`, `title`, `status`, `detail` and, for bad
+input, `field`. With `SWITCHYARD_API_KEY` set, every `/v1` route needs `Authorization: Bearer <key>`.
+"""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    runtime = Runtime(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(title="Switchyard", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.switchyard = runtime
+    install_error_handlers(app)
+
+    for module in (ops, engines):
+        app.include_router(module.router)
+
+    # Outermost first: metrics see every response, including the 413s the size limit sends.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics)
+    return app

@@ -1,0 +1,101 @@
+"""The `switchyard` command: `serve` runs the HTTP service, `migrate` applies database migrations."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from .settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    # Command-line options override the environment; they go through the environment so that every
+    # Uvicorn worker process builds the same Settings.
+    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("data_dir", "DATA_DIR"),
+                        ("database_url", "DATABASE_URL"), ("log_level", "LOG_LEVEL")):
+        value = getattr(args, option, None)
+        if value is not None:
+            os.environ[f"SWITCHYARD_{env}"] = str(value)
+    try:
+        return Settings()
+    except ValidationError as exc:
+        lines = [f"  SWITCHYARD_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()]
+        sys.exit("invalid configuration:\n" + "\n".join(lines))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    settings = _settings(args)
+    uvicorn.run(
+        "service.app:create_app", factory=True, host=settings.host, port=settings.port, workers=settings.workers,
+        log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
+    )
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from .database import EmbeddedPostgres, connect
+    from .migrate import apply_migrations
+
+    settings = _settings(args)
+
+    async def run() -> int:
+        embedded = None
+        dsn = settings.database_url
+        if dsn is None:
+            embedded = EmbeddedPostgres(settings.embedded_pgdata)
+            dsn = await asyncio.to_thread(embedded.start)
+        try:
+            conn = await connect(dsn, settings.db_connect_timeout_s)
+            try:
+                applied = await apply_migrations(conn)
+            finally:
+                await conn.close()
+        finally:
+            if embedded is not None:
+                await asyncio.to_thread(embedded.stop)
+        for m in applied:
+            print(f"applied {m.version:04d}_{m.name}")
+        if not applied:
+            print("database is up to date")
+        return 0
+
+    return asyncio.run(run())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP service (Uvicorn)")
+    serve.add_argument("--host", help="interface to listen on (SWITCHYARD_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (SWITCHYARD_PORT, default 8000)")
+    serve.add_argument("--workers", type=int, help="Uvicorn worker processes (SWITCHYARD_WORKERS, default 1)")
+    serve.set_defaults(run=_serve)
+
+    migrate = sub.add_parser("migrate", help="apply pending database migrations and exit")
+    migrate.set_defaults(run=_migrate)
+
+    for p in (serve, migrate):
+        p.add_argument("--data-dir", dest="data_dir", help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")
+        p.add_argument("--database-url", dest="database_url",
+                       help="PostgreSQL URL (SWITCHYARD_DATABASE_URL); unset: embedded PostgreSQL in the data dir")
+        p.add_argument("--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=(args.log_level or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Typed dependency aliases for route handlers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from .auth import require_api_key
+from .runtime import Runtime
+
+
+def get_runtime(request: Request) -> Runtime:
+    return request.app.state.switchyard
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def v1_router(**kwargs) -> APIRouter:
+    """A router for /v1 routes, behind the API key when one is set.
+
+    The prefix sits on the router (not on include_router) so each route's own path is its full template,
+    which the metrics label requests with.
+    """
+    return APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], **kwargs)

@@ -1,0 +1,151 @@
+"""Every error is application/problem+json (RFC 9457): type, title, status, detail, and for bad input the field.
+
+Domain packages raise their own exceptions; this module is the one place that turns exceptions into HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("switchyard.errors")
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+TYPE_PREFIX = "urn:switchyard:problem:"
+
+
+class ProblemError(Exception):
+    """An error with its HTTP status; subclasses name the kind of problem."""
+
+    status: int = 400
+    slug: str = "bad-request"
+    title: str = "Bad request"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+        self.headers = headers or {}
+        self.extra = extra
+
+
+class BadRequest(ProblemError):
+    pass
+
+
+class Unauthorized(ProblemError):
+    status, slug, title = 401, "unauthorized", "Unauthorized"
+
+
+class NotFound(ProblemError):
+    status, slug, title = 404, "not-found", "Not found"
+
+
+class Conflict(ProblemError):
+    status, slug, title = 409, "conflict", "Conflict"
+
+
+class PayloadTooLarge(ProblemError):
+    status, slug, title = 413, "payload-too-large", "Payload too large"
+
+
+class ServiceUnavailable(ProblemError):
+    status, slug, title = 503, "unavailable", "Service unavailable"
+
+
+def problem_response(
+    status: int,
+    slug: str,
+    title: str,
+    detail: str,
+    *,
+    instance: str | None = None,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> Response:
+    body: dict[str, Any] = {"type": TYPE_PREFIX + slug, "title": title, "status": status, "detail": detail}
+    if instance:
+        body["instance"] = instance
+    if field:
+        body["field"] = field
+    body.update(extra)
+    return Response(orjson.dumps(body), status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
+    # ("body", "vectors", 3) -> "vectors[3]"; the leading "body"/"query"/"path" is said in "in".
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else [str(p) for p in loc]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or (str(loc[0]) if loc else "body")
+
+
+def _validation_problem(request: Request, exc: RequestValidationError) -> Response:
+    errors = []
+    for err in exc.errors():
+        loc = err.get("loc", ())
+        errors.append({"field": _field_name(loc), "in": str(loc[0]) if loc else "body", "reason": err.get("msg", "invalid")})
+    first = errors[0] if errors else {"field": "body", "reason": "invalid"}
+    detail = f"{first['field']}: {first['reason']}"
+    if len(errors) > 1:
+        detail += f" (and {len(errors) - 1} more)"
+    return problem_response(
+        422, "validation-error", "Invalid request", detail,
+        instance=request.url.path, field=first["field"], errors=errors,
+    )
+
+
+_HTTP_SLUGS = {
+    404: ("not-found", "Not found"),
+    405: ("method-not-allowed", "Method not allowed"),
+    401: ("unauthorized", "Unauthorized"),
+    413: ("payload-too-large", "Payload too large"),
+}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProblemError)
+    async def _problem(request: Request, exc: ProblemError) -> Response:
+        return problem_response(
+            exc.status, exc.slug, exc.title, exc.detail,
+            instance=request.url.path, field=exc.field, headers=exc.headers, **exc.extra,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_problem(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        slug, title = _HTTP_SLUGS.get(exc.status_code, ("http-error", "HTTP error"))
+        detail = exc.detail if isinstance(exc.detail, str) else title
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route {request.method} {request.url.path}"
+        return problem_response(exc.status_code, slug, title, detail, instance=request.url.path, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        # Never echo exception text: it can leak internals. Log it under an id the client can quote.
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("internal error %s on %s %s", error_id, request.method, request.url.path)
+        return problem_response(
+            500, "internal-error", "Internal server error",
+            f"the server failed to handle this request; quote error id {error_id} when reporting it",
+            instance=request.url.path, error_id=error_id,
+        )

@@ -1,0 +1,92 @@
+"""Prometheus metrics: HTTP requests per route and status, and per-engine query counts and latency.
+
+Each app owns its registry, so tests can build many apps in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "switchyard_http_requests_total", "HTTP requests by route template, method and status.",
+            ["route", "method", "status"], registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "switchyard_http_request_duration_seconds", "HTTP request latency by route template, method and status.",
+            ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.engine_queries = Counter(
+            "switchyard_engine_queries_total", "Engine calls by engine, operation and outcome.",
+            ["domain", "engine", "operation", "outcome"], registry=self.registry,
+        )
+        self.engine_latency = Histogram(
+            "switchyard_engine_query_duration_seconds", "Engine call latency by engine and operation.",
+            ["domain", "engine", "operation"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.engine_available = Gauge(
+            "switchyard_engine_available", "1 if the engine can run on this machine.",
+            ["domain", "engine", "kind"], registry=self.registry,
+        )
+        self.engine_ready = Gauge(
+            "switchyard_engine_ready", "1 if the engine has its data loaded.",
+            ["domain", "engine", "kind"], registry=self.registry,
+        )
+
+    @contextmanager
+    def engine_call(self, domain: str, engine: str, operation: str) -> Iterator[None]:
+        """Time one engine call; the outcome is 'ok' or 'error'."""
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            self.engine_queries.labels(domain, engine, operation, outcome).inc()
+            self.engine_latency.labels(domain, engine, operation).observe(time.perf_counter() - start)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI, so it costs microseconds per request; labels by route template, never by raw path."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            labels = (template, scope["method"], str(status))
+            self.metrics.http_requests.labels(*labels).inc()
+            self.metrics.http_latency.labels(*labels).observe(time.perf_counter() - start)

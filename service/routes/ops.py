@@ -1,0 +1,34 @@
+"""Operations endpoints, outside /v1 and never behind the API key: probes and metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from .. import __version__
+from ..deps import RuntimeDep
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/healthz", summary="Liveness: the process answers")
+async def healthz() -> dict[str, Any]:
+    return {"status": "ok", "version": __version__}
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: database reachable, migrations applied, engines loaded",
+    responses={503: {"description": "Not ready; the body says which check failed."}},
+)
+async def readyz(runtime: RuntimeDep) -> JSONResponse:
+    ok, checks = await runtime.readiness()
+    body = {"status": "ready" if ok else "not ready", "checks": checks}
+    return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(runtime: RuntimeDep) -> Response:
+    return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)

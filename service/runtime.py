@@ -1,0 +1,110 @@
+"""What the service holds while it runs, and its start-up and shutdown order.
+
+Start: PostgreSQL (the configured URL, or the embedded server) -> migrations -> pool -> engine probes ->
+engines start in the background (so /healthz answers while they load) -> ready.
+Stop: not ready -> engines stop -> pool closes -> embedded server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+import asyncpg
+
+from .database import EmbeddedPostgres, connect, open_pool, server_facts
+from .devices import probe_cuda
+from .engines import EngineRegistry
+from .metrics import Metrics
+from .migrate import apply_migrations, load_migrations
+from .settings import Settings
+
+log = logging.getLogger("switchyard")
+
+Phase = Literal["created", "starting", "running", "stopping", "stopped", "failed"]
+
+
+class Runtime:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu != "off"))
+        self.phase: Phase = "created"
+        self.embedded: EmbeddedPostgres | None = None
+        self.dsn: str | None = None
+        self.pool: asyncpg.Pool | None = None
+        self.postgres_version: str | None = None
+        self.latest_migration = max((m.version for m in load_migrations()), default=0)
+        self._engines_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.phase = "starting"
+        try:
+            s = self.settings
+            if s.database_url is None:
+                self.embedded = EmbeddedPostgres(s.embedded_pgdata)
+                self.dsn = await asyncio.to_thread(self.embedded.start)
+            else:
+                self.dsn = s.database_url
+            conn = await connect(self.dsn, s.db_connect_timeout_s)
+            try:
+                applied = await apply_migrations(conn)
+                self.postgres_version, extensions = await server_facts(conn)
+            finally:
+                await conn.close()
+            if applied:
+                log.info("applied %d migration(s): %s", len(applied), ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
+            self.pool = await open_pool(
+                self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s
+            )
+            self.registry.probe(self.postgres_version, extensions)
+            self._engines_task = asyncio.create_task(self._start_engines(), name="switchyard-engines")
+            self.phase = "running"
+        except BaseException:
+            self.phase = "failed"
+            await self._release()
+            raise
+
+    async def _start_engines(self) -> None:
+        await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics)
+        for status in self.registry.list():
+            labels = (status.spec.domain, status.spec.name, status.spec.kind)
+            self.metrics.engine_available.labels(*labels).set(1 if status.available else 0)
+            self.metrics.engine_ready.labels(*labels).set(1 if status.ready else 0)
+
+    async def stop(self) -> None:
+        self.phase = "stopping"
+        await self._release()
+        self.phase = "stopped"
+
+    async def _release(self) -> None:
+        task, self._engines_task = self._engines_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.registry.stop()
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+            self.embedded = None
+
+    async def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when the database answers, every migration is applied and the engines are loaded."""
+        checks: dict[str, Any] = {"phase": self.phase}
+        if self.phase != "running" or self.pool is None:
+            return False, checks
+        try:
+            async with asyncio.timeout(self.settings.readiness_timeout_s):
+                applied = await self.pool.fetchval("SELECT coalesce(max(version), 0) FROM schema_migrations")
+            checks["database"] = "ok"
+            checks["migrations"] = "ok" if applied >= self.latest_migration else f"at {applied}, need {self.latest_migration}"
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            checks["database"] = f"unreachable: {type(exc).__name__}"
+            checks["migrations"] = "unknown"
+        loading = self.registry.not_ready()
+        checks["engines"] = "ok" if self.registry.ready else (f"loading: {', '.join(loading)}" if loading else "starting")
+        ok = checks["database"] == "ok" and checks["migrations"] == "ok" and checks["engines"] == "ok"
+        return ok, checks

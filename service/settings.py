@@ -1,0 +1,50 @@
+"""One settings object, read from SWITCHYARD_* environment variables (or given directly in tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None,
+        description="PostgreSQL URL (postgresql://user:pass@host:port/db). Unset: an embedded PostgreSQL "
+        "with pgvector is started in <data_dir>/postgres and stopped on shutdown.",
+    )
+    data_dir: Path = Field(default=Path("data"), description="Local state: embedded database, index snapshots, SSB data.")
+    api_key: SecretStr | None = Field(default=None, description="If set, every /v1 route needs 'Authorization: Bearer <key>'.")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    workers: int = Field(default=1, ge=1, description="Uvicorn workers; each holds its own resident indexes.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Larger request bodies get 413 unparsed.")
+    db_pool_min: int = Field(default=1, ge=0)
+    db_pool_max: int = Field(default=10, ge=1)
+    db_connect_timeout_s: float = Field(default=30.0, gt=0)
+    db_command_timeout_s: float = Field(default=300.0, gt=0)
+    readiness_timeout_s: float = Field(default=2.0, gt=0, description="How long /readyz waits for the database.")
+    gpu: Literal["auto", "off"] = Field(default="auto", description="'off' hides any CUDA device from the engines.")
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_scheme(cls, url: str | None) -> str | None:
+        if url is None or url.strip() == "":
+            return None
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql:// or postgres://")
+        return url
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        return path.expanduser().resolve()
+
+    @property
+    def embedded_pgdata(self) -> Path:
+        return self.data_dir / "postgres"

@@ -1,0 +1,89 @@
+"""Liveness, readiness before/after start-up and when the database goes away, metrics, OpenAPI."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+from fastapi.testclient import TestClient
+
+from conftest import fresh_database, run, _execute
+from helpers import wait_ready
+from service.app import create_app
+
+
+def test_healthz_answers(client):
+    r = client.get("/healthz")
+    assert r.status_code == 200
+    assert r.json()["status"] == "ok"
+
+
+def test_readyz_is_503_before_startup(make_settings):
+    app = create_app(make_settings())
+    client = TestClient(app)  # not entered: the lifespan has not run
+    r = client.get("/readyz")
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["checks"]["phase"] == "created"
+
+
+def test_readyz_is_200_after_startup_with_every_check(client):
+    body = wait_ready(client)
+    assert body["checks"] == {"phase": "running", "database": "ok", "migrations": "ok", "engines": "ok"}
+
+
+def test_readyz_is_503_after_shutdown(make_settings):
+    app = create_app(make_settings())
+    with TestClient(app) as client:
+        wait_ready(client)
+    runtime = app.state.switchyard
+    ok, checks = asyncio.run(runtime.readiness())
+    assert not ok and checks["phase"] == "stopped"
+
+
+def test_readyz_is_503_when_the_database_disappears(server_dsn, make_settings):
+    with fresh_database(server_dsn, "vanishing") as dsn:
+        app = create_app(make_settings(database_url=dsn))
+        with TestClient(app) as client:
+            wait_ready(client)
+            name = urlsplit(dsn).path.lstrip("/")
+            run(_execute(server_dsn, f'DROP DATABASE "{name}" WITH (FORCE)'))
+            r = client.get("/readyz")
+            assert r.status_code == 503
+            assert r.json()["checks"]["database"].startswith("unreachable")
+            assert client.get("/healthz").status_code == 200  # alive, just not ready
+
+
+def test_metrics_count_requests_per_route_template_and_status(client):
+    client.get("/v1/engines")
+    client.get("/v1/engines")
+    client.get("/no/such/route")
+    text = client.get("/metrics").text
+    assert 'switchyard_http_requests_total{method="GET",route="/v1/engines",status="200"} 2.0' in text
+    assert 'switchyard_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
+    assert 'switchyard_http_request_duration_seconds_bucket{le="0.0005",method="GET",route="/v1/engines",status="200"}' in text
+    # Engine gauges exist for every engine, whatever it can do here.
+    assert 'switchyard_engine_available{domain="vectors",engine="cuvs",kind="gpu"} 0.0' in text
+
+
+def test_engine_call_metrics_record_outcome_and_latency(client):
+    metrics = client.app.state.switchyard.metrics
+    with metrics.engine_call("vectors", "faiss", "search"):
+        pass
+    try:
+        with metrics.engine_call("vectors", "faiss", "search"):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    text = client.get("/metrics").text
+    assert 'switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="ok"} 1.0' in text
+    assert 'switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="error"} 1.0' in text
+    assert 'switchyard_engine_query_duration_seconds_count{domain="vectors",engine="faiss",operation="search"} 2.0' in text
+
+
+def test_openapi_documents_routes_and_bearer_auth(client):
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    assert {"/healthz", "/readyz", "/metrics", "/v1/engines"} <= set(spec["paths"])
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert spec["paths"]["/v1/engines"]["get"]["security"] == [{"HTTPBearer": []}]
