@@ -40,6 +40,12 @@ class Settings(BaseSettings):
             raise ValueError("must start with postgresql:// or postgres://")
         return url
 
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, key: object) -> object:
+        # compose passes SWITCHYARD_API_KEY="" when the variable is unset: that means "no key", not "the empty key".
+        return None if isinstance(key, str) and key.strip() == "" else key
+
     @field_validator("data_dir")
     @classmethod
     def _absolute(cls, path: Path) -> Path:

@@ -1,0 +1,91 @@
+"""`switchyard serve` with no database configured: embedded PostgreSQL, ready, clean Ctrl-C, data dir reused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from conftest import run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(data_dir: Path, port: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return time.monotonic() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"not ready within {timeout_s} s:\n{proc.stdout.read()}")
+
+
+def interrupt(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return out
+
+
+async def _sql(pgdata: Path, sql: str):
+    conn = await asyncpg.connect(f"postgresql://postgres:@/postgres?host={pgdata}")
+    try:
+        return await conn.fetch(sql) if sql.lstrip().upper().startswith("SELECT") else await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def test_serve_embedded_ready_then_ctrl_c_then_reuse(tmp_path):
+    data_dir, port = tmp_path / "data", free_port()
+    pgdata = data_dir / "postgres"
+
+    first = serve(data_dir, port)
+    took = wait_ready(port, first)
+    assert took < 60
+    engines = httpx.get(f"http://127.0.0.1:{port}/v1/engines").json()["engines"]
+    assert not any(e["available"] for e in engines if e["kind"] == "gpu")
+    run(_sql(pgdata, "CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)"))
+    out = interrupt(first)
+    assert "applied 1 migration" in out
+    assert not (pgdata / "postmaster.pid").exists(), "the embedded server was not stopped"
+
+    second = serve(data_dir, port)
+    wait_ready(port, second)
+    assert [r["x"] for r in run(_sql(pgdata, "SELECT x FROM kept"))] == [42]
+    out = interrupt(second)
+    assert "applied" not in out  # nothing to migrate the second time
+    assert not (pgdata / "postmaster.pid").exists()
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path):
+    env = {**os.environ, "SWITCHYARD_PORT": "99999"}
+    out = subprocess.run([sys.executable, "-m", "service.cli", "serve"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    assert "SWITCHYARD_PORT" in out.stderr and "less than or equal to 65535" in out.stderr

@@ -1,0 +1,67 @@
+"""compose.yaml, its CPU override and the Dockerfile, checked by parsing (no Docker engine runs here)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """SafeLoader that understands Compose's !reset and !override tags."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: {"__reset__": True})
+ComposeLoader.add_constructor("!override", lambda loader, node: loader.construct_mapping(node))
+
+
+def load(name: str) -> dict:
+    return yaml.load((ROOT / name).read_text(), Loader=ComposeLoader)
+
+
+def test_compose_services_ports_and_dependency():
+    compose = load("compose.yaml")
+    services = compose["services"]
+    assert set(services) == {"db", "switchyard"}
+    assert "pgvector" in services["db"]["image"]
+    assert services["db"]["ports"] == ["127.0.0.1:5432:5432"]
+    app = services["switchyard"]
+    assert app["ports"] == ["127.0.0.1:8000:8000"]
+    assert app["depends_on"]["db"]["condition"] == "service_healthy"
+    url = app["environment"]["SWITCHYARD_DATABASE_URL"]
+    assert re.match(r"postgresql://switchyard:.*@db:5432/switchyard$", url)
+    assert app["environment"]["SWITCHYARD_HOST"] == "0.0.0.0"
+    assert set(compose["volumes"]) == {"pgdata", "switchyard-data"}
+
+
+def test_compose_healthchecks():
+    services = load("compose.yaml")["services"]
+    assert "pg_isready" in " ".join(services["db"]["healthcheck"]["test"])
+    app_check = " ".join(services["switchyard"]["healthcheck"]["test"])
+    assert "/readyz" in app_check and ":8000" in app_check
+    for service in services.values():
+        assert service["healthcheck"]["start_period"]
+
+
+def test_compose_reserves_a_gpu_and_the_override_drops_it():
+    app = load("compose.yaml")["services"]["switchyard"]
+    (device,) = app["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    override = load("compose.cpu.yaml")["services"]["switchyard"]
+    assert override["deploy"] == {"__reset__": True}
+    assert override["build"]["args"]["EXTRAS"] == ""
+
+
+def test_dockerfile_is_cuda_based_healthy_unprivileged_and_serves():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", text, re.M)
+    assert "HEALTHCHECK" in text and "/readyz" in text
+    assert re.search(r"^USER (?!root)\w+", text, re.M)
+    assert re.search(r'^CMD \["switchyard", "serve"\]', text, re.M)
+    assert "EXPOSE 8000" in text
+    # The pip install names each package directory the project ships.
+    for package in ("service", "indexes", "spatial", "olap", "migrations"):
+        assert f"COPY {package} ./{package}" in text
