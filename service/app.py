@@ -11,7 +11,7 @@ from . import __version__
 from .errors import install_error_handlers
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
-from .routes import engines, ops
+from .routes import engines, jobs, ops, vectors
 from .runtime import Runtime
 from .settings import Settings
 
@@ -41,10 +41,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.switchyard = runtime
     install_error_handlers(app)
 
-    for module in (ops, engines):
+    for module in (ops, engines, vectors, jobs):
         app.include_router(module.router)
 
     # Outermost first: metrics see every response, including the 413s the size limit sends.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics)
     return app

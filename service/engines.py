@@ -51,11 +51,11 @@ class EngineSpec:
 # Every engine Switchyard routes to, in the order `auto` prefers within a domain.
 CATALOG: tuple[EngineSpec, ...] = (
     EngineSpec("cuvs", "vectors", "gpu", "cuVS brute force, IVF-Flat, IVF-PQ and CAGRA on device-resident indexes",
-               modules=("cuvs", "cupy"), distribution="cuvs-cu12", planned_in="issue #3"),
+               modules=("cuvs", "cupy"), distribution="cuvs-cu12", implementation="indexes.engines:CuvsEngine"),
     EngineSpec("faiss", "vectors", "cpu", "FAISS Flat, IVFFlat, IVFPQ and HNSW indexes resident in RAM",
-               modules=("faiss",), distribution="faiss-cpu", planned_in="issue #3"),
+               modules=("faiss",), distribution="faiss-cpu", implementation="indexes.engines:FaissEngine"),
     EngineSpec("pgvector", "vectors", "postgres", "pgvector HNSW, IVFFlat and exact search inside PostgreSQL",
-               postgres_extension="vector", distribution="pgvector", planned_in="issue #3"),
+               postgres_extension="vector", implementation="indexes.engines:PgvectorEngine"),
     EngineSpec("cuda-spatial", "spatial", "gpu", "numba-cuda kernels carrying cuSpatial's quadtree point-in-polygon",
                modules=("numba.cuda",), distribution="numba-cuda", planned_in="issue #5"),
     EngineSpec("cpu-spatial", "spatial", "cpu", "numba/numpy point-in-polygon and haversine joins over GeoArrow buffers",

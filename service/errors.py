@@ -119,7 +119,30 @@ _HTTP_SLUGS = {
 }
 
 
+def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
+    """Status, slug, title and headers for the domain packages' errors (they know nothing of HTTP)."""
+    from indexes import errors as vec
+
+    if isinstance(exc, vec.InvalidInput):
+        return 422, "validation-error", "Invalid request", {}
+    if isinstance(exc, vec.CollectionNotFound):
+        return 404, "not-found", "Not found", {}
+    if isinstance(exc, vec.CollectionExists):
+        return 409, "conflict", "Conflict", {}
+    if isinstance(exc, vec.EngineUnavailable):
+        return 409, "engine-unavailable", "Engine unavailable", {}
+    return 503, "engine-failed", "Engine failed", {"Retry-After": "1"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    from indexes.errors import VectorError
+
+    @app.exception_handler(VectorError)
+    async def _domain(request: Request, exc: VectorError) -> Response:
+        status, slug, title, headers = _domain_problem(exc)
+        return problem_response(status, slug, title, exc.detail, instance=request.url.path, field=exc.field,
+                                headers=headers or None)
+
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:
         return problem_response(

@@ -13,36 +13,37 @@ class BodySizeLimitMiddleware:
     """413 for a declared Content-Length over the limit without reading a byte; for chunked bodies the
     stream is counted as it arrives and cut off at the limit."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, max_bulk_bytes: int | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_bulk_bytes = max_bulk_bytes or max_body_bytes
 
-    def _problem(self, scope: Scope, declared: int | None = None):
-        said = f"{declared} bytes" if declared is not None else "the body"
+    def _problem(self, scope: Scope, limit: int, declared: int):
+        setting = "SWITCHYARD_MAX_BULK_BYTES" if limit == self.max_bulk_bytes != self.max_body_bytes else "SWITCHYARD_MAX_BODY_BYTES"
         return problem_response(
             413, "payload-too-large", "Payload too large",
-            f"{said} exceeds the limit of {self.max_body_bytes} bytes (SWITCHYARD_MAX_BODY_BYTES); "
-            "send large loads in parts or as an Arrow IPC stream job",
-            instance=scope.get("path"), limit_bytes=self.max_body_bytes,
+            f"{declared} bytes exceeds the limit of {limit} bytes ({setting}); "
+            "send large loads in parts or as an Arrow IPC stream (application/vnd.apache.arrow.stream)",
+            instance=scope.get("path"), limit_bytes=limit,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared > self.max_body_bytes:
-                    await self._problem(scope, declared)(scope, receive, send)
-                    return
-                break
+        headers = dict(scope.get("headers", ()))
+        # Bulk loads (Arrow IPC streams) have their own, larger limit.
+        bulk = headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/vnd.apache.arrow.stream"
+        limit = self.max_bulk_bytes if bulk else self.max_body_bytes
+        try:
+            declared = int(headers.get(b"content-length", b"-1"))
+        except ValueError:
+            declared = -1
+        if declared > limit:
+            await self._problem(scope, limit, declared)(scope, receive, send)
+            return
 
         received = 0
-        limit = self.max_body_bytes
 
         async def counting_receive() -> Message:
             nonlocal received

@@ -50,13 +50,16 @@ class Metrics:
     def engine_call(self, domain: str, engine: str, operation: str) -> Iterator[None]:
         """Time one engine call; the outcome is 'ok' or 'error'."""
         start = time.perf_counter()
-        outcome = "error"
+        ok = False
         try:
             yield
-            outcome = "ok"
+            ok = True
         finally:
-            self.engine_queries.labels(domain, engine, operation, outcome).inc()
-            self.engine_latency.labels(domain, engine, operation).observe(time.perf_counter() - start)
+            self.observe(domain, engine, operation, time.perf_counter() - start, ok)
+
+    def observe(self, domain: str, engine: str, operation: str, seconds: float, ok: bool) -> None:
+        self.engine_queries.labels(domain, engine, operation, "ok" if ok else "error").inc()
+        self.engine_latency.labels(domain, engine, operation).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,8 +14,11 @@ from typing import Any, Literal
 import asyncpg
 
 from .database import EmbeddedPostgres, connect, open_pool, server_facts
+from indexes.manager import CollectionManager
+
 from .devices import probe_cuda
 from .engines import EngineRegistry
+from .jobs import JobRunner
 from .metrics import Metrics
 from .migrate import apply_migrations, load_migrations
 from .settings import Settings
@@ -34,6 +37,8 @@ class Runtime:
         self.embedded: EmbeddedPostgres | None = None
         self.dsn: str | None = None
         self.pool: asyncpg.Pool | None = None
+        self.vectors: CollectionManager | None = None
+        self.jobs: JobRunner | None = None
         self.postgres_version: str | None = None
         self.latest_migration = max((m.version for m in load_migrations()), default=0)
         self._engines_task: asyncio.Task[None] | None = None
@@ -59,6 +64,13 @@ class Runtime:
                 self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s
             )
             self.registry.probe(self.postgres_version, extensions)
+            self.jobs = JobRunner(self.pool)
+            if interrupted := await self.jobs.recover():
+                log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
+            self.vectors = CollectionManager(
+                self.pool, s.data_dir, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
+                observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
+            )
             self._engines_task = asyncio.create_task(self._start_engines(), name="switchyard-engines")
             self.phase = "running"
         except BaseException:
@@ -67,7 +79,10 @@ class Runtime:
             raise
 
     async def _start_engines(self) -> None:
-        await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics)
+        await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
+                                  vectors=self.vectors)
+        if self.vectors is not None:
+            await self.vectors.start()
         for status in self.registry.list():
             labels = (status.spec.domain, status.spec.name, status.spec.kind)
             self.metrics.engine_available.labels(*labels).set(1 if status.available else 0)
@@ -83,6 +98,12 @@ class Runtime:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self.jobs is not None:
+            await self.jobs.stop()
+            self.jobs = None
+        if self.vectors is not None:
+            await self.vectors.stop()  # writes snapshots of what changed
+            self.vectors = None
         await self.registry.stop()
         if self.pool is not None:
             await self.pool.close()

@@ -24,6 +24,12 @@ class Settings(BaseSettings):
     workers: int = Field(default=1, ge=1, description="Uvicorn workers; each holds its own resident indexes.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Larger request bodies get 413 unparsed.")
+    max_bulk_bytes: int = Field(default=4 * 1024**3, ge=1024,
+                                description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")
+    batch_max: int = Field(default=64, ge=1, le=4096, description="Most single-vector searches merged into one engine call.")
+    batch_window_ms: float = Field(default=0.0, ge=0, le=100,
+                                   description="How long an idle collection waits for company before searching; 0 = "
+                                   "never wait, batch only what queues while the engine is busy.")
     db_pool_min: int = Field(default=1, ge=0)
     db_pool_max: int = Field(default=10, ge=1)
     db_connect_timeout_s: float = Field(default=30.0, gt=0)

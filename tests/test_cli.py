@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,7 +73,7 @@ def test_serve_embedded_ready_then_ctrl_c_then_reuse(tmp_path):
     assert not any(e["available"] for e in engines if e["kind"] == "gpu")
     run(_sql(pgdata, "CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)"))
     out = interrupt(first)
-    assert "applied 1 migration" in out
+    assert re.search(r"applied \d+ migration", out), out
     assert not (pgdata / "postmaster.pid").exists(), "the embedded server was not stopped"
 
     second = serve(data_dir, port)

@@ -82,6 +82,7 @@ def test_two_processes_migrating_at_once_both_succeed(dsn, tmp_path):
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert sum("applied 0001_vector_extension" in out for out in outputs) == 1
+    assert sum("applied 0002_vector_collections" in out for out in outputs) == 1
     assert sum("up to date" in out for out in outputs) == 1
 
 

@@ -1,0 +1,97 @@
+"""One distance convention for every engine, and exact search written once over an array namespace.
+
+Responses always carry distances where smaller is closer:
+  l2            -> Euclidean distance            (pgvector <->; FAISS/cuVS return it squared)
+  cosine        -> 1 - cosine similarity         (pgvector <=>; resident indexes store unit vectors, use dot)
+  inner_product -> minus the dot product         (pgvector <#>; FAISS/cuVS return +dot, larger is closer)
+
+`xp` is numpy here and cupy on a GPU; the code below uses only what both provide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+METRICS = ("l2", "cosine", "inner_product")
+
+
+def uses_inner_product(metric: str) -> bool:
+    """Resident indexes search cosine as inner product over unit vectors."""
+    return metric in ("cosine", "inner_product")
+
+
+def prepare(xp: Any, vectors: Any, metric: str) -> Any:
+    """What a resident index stores and searches with: unit vectors for cosine, the vectors otherwise."""
+    vectors = xp.ascontiguousarray(vectors, dtype=xp.float32)
+    if metric != "cosine":
+        return vectors
+    norms = xp.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / xp.where(norms == 0, 1, norms)
+
+
+def from_engine(xp: Any, raw: Any, metric: str) -> Any:
+    """Convert what FAISS / cuVS return (squared L2, or dot product) to the response convention."""
+    if metric == "l2":
+        return xp.sqrt(xp.maximum(raw, 0))
+    if metric == "cosine":
+        return 1 - raw
+    return -raw
+
+
+def scores(xp: Any, data: Any, queries: Any, metric: str) -> Any:
+    """Engine-space scores, (nq, n): squared L2 (ascending is closer) or dot product (descending)."""
+    dots = queries @ data.T
+    if uses_inner_product(metric):
+        return dots
+    sq_data = xp.sum(data * data, axis=1)
+    sq_queries = xp.sum(queries * queries, axis=1)
+    return xp.maximum(sq_queries[:, None] - 2 * dots + sq_data[None, :], 0)
+
+
+def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: Any = None) -> tuple[Any, Any]:
+    """Exact top-k over prepared `data` rows: (engine-space scores, row numbers), row -1 where fewer than k.
+
+    `keep` is an optional boolean mask over rows; rows where it is False are never returned.
+    """
+    nq, n = queries.shape[0], data.shape[0]
+    ip = uses_inner_product(metric)
+    worst = -xp.inf if ip else xp.inf
+    out_scores = xp.full((nq, k), worst, dtype=xp.float32)
+    out_rows = xp.full((nq, k), -1, dtype=xp.int64)
+    if n == 0 or k == 0:
+        return out_scores, out_rows
+    s = scores(xp, data, queries, metric).astype(xp.float32)
+    if keep is not None:
+        s = xp.where(keep[None, :], s, worst)
+    order_key = -s if ip else s
+    take = min(k, n)
+    if take < n:
+        part = xp.argpartition(order_key, take - 1, axis=1)[:, :take]
+    else:
+        part = xp.broadcast_to(xp.arange(n), (nq, n))
+    part_keys = xp.take_along_axis(order_key, part, axis=1)
+    order = xp.argsort(part_keys, axis=1, kind="stable")
+    rows = xp.take_along_axis(part, order, axis=1)
+    best = xp.take_along_axis(s, rows, axis=1)
+    valid = xp.isfinite(best)
+    out_scores[:, :take] = best
+    out_rows[:, :take] = xp.where(valid, rows, -1)
+    return out_scores, out_rows
+
+
+def merge_topk(xp: Any, metric: str, k: int, *parts: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Merge several (scores, rows) candidate lists for the same queries into one top-k."""
+    s = xp.concatenate([p[0] for p in parts], axis=1)
+    r = xp.concatenate([p[1] for p in parts], axis=1)
+    ip = uses_inner_product(metric)
+    key = xp.where(r < 0, xp.inf, -s if ip else s)
+    order = xp.argsort(key, axis=1, kind="stable")[:, :k]
+    return xp.take_along_axis(s, order, axis=1), xp.take_along_axis(r, order, axis=1)
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """Host copy of a numpy or cupy array."""
+    get = getattr(array, "get", None)
+    return get() if callable(get) else np.asarray(array)

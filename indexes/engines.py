@@ -1,0 +1,62 @@
+"""The vector engines as the service's registry sees them: each one plugs its backend into the
+CollectionManager when it starts, and is ready when the collections it holds are loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .manager import CollectionManager
+
+
+class _ResidentEngine:
+    kind = ""
+
+    def __init__(self, vectors: CollectionManager, **_: Any) -> None:
+        self.vectors = vectors
+
+    def backend(self) -> Any:
+        raise TypeError("subclasses name their backend")
+
+    async def start(self) -> None:
+        self.vectors.attach(self.kind, self.backend())
+
+    async def stop(self) -> None:
+        """The manager stops (and snapshots) the collections; nothing of the engine's own to release."""
+
+    @property
+    def ready(self) -> bool:
+        # Only the engine that holds the resident indexes has anything to load.
+        return self.vectors.resident_kind != self.kind or self.vectors.ready
+
+
+class FaissEngine(_ResidentEngine):
+    kind = "cpu"
+
+    def backend(self) -> Any:
+        from .faiss_index import FaissBackend
+
+        return FaissBackend()
+
+
+class CuvsEngine(_ResidentEngine):
+    kind = "gpu"
+
+    def backend(self) -> Any:
+        from .cuvs_index import CuvsBackend
+
+        return CuvsBackend()
+
+
+class PgvectorEngine:
+    """Searches inside PostgreSQL: nothing to load, ready as soon as the database is."""
+
+    ready = True
+
+    def __init__(self, vectors: CollectionManager, **_: Any) -> None:
+        self.vectors = vectors
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

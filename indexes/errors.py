@@ -1,0 +1,30 @@
+"""Errors the vector domain raises; service/ maps each to an HTTP status."""
+
+from __future__ import annotations
+
+
+class VectorError(Exception):
+    def __init__(self, detail: str, *, field: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+
+
+class InvalidInput(VectorError):
+    """The request cannot be done as asked (wrong dimension, NaN, bad encoding...): nothing was changed."""
+
+
+class CollectionNotFound(VectorError):
+    pass
+
+
+class CollectionExists(VectorError):
+    pass
+
+
+class EngineUnavailable(VectorError):
+    """The engine asked for cannot serve this collection now (absent, not loaded, or failed)."""
+
+
+class EngineFailed(VectorError):
+    """The engine raised while serving; `auto` falls back to the next engine."""

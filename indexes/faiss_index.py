@@ -1,0 +1,129 @@
+"""FAISS (CPU) indexes: Flat, IVFFlat, IVFPQ with exact re-ranking, and HNSW as CAGRA's CPU twin.
+
+FAISS labels are insertion order, so they are exactly the resident row numbers. Search parameters are always
+set explicitly: FAISS defaults (nprobe 1, efSearch 16) differ from cuVS's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+# Set before FAISS loads OpenMP: idle OpenMP threads must sleep, not spin on the two cores the HTTP server
+# also needs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import faiss  # noqa: E402
+
+from .ann import IndexConfig, default_n_lists, default_pq_dim  # noqa: E402
+from .distance import uses_inner_product  # noqa: E402
+
+VERSION = faiss.__version__
+TRAIN_SAMPLE_PER_LIST = 256  # k-means sees at most this many points per list: enough, and bounded
+
+
+def _metric(metric: str) -> int:
+    return faiss.METRIC_INNER_PRODUCT if uses_inner_product(metric) else faiss.METRIC_L2
+
+
+def _train_sample(vectors: np.ndarray, n_lists: int, seed: int = 1234) -> np.ndarray:
+    limit = n_lists * TRAIN_SAMPLE_PER_LIST
+    if len(vectors) <= limit:
+        return vectors
+    rows = np.random.default_rng(seed).choice(len(vectors), size=limit, replace=False)
+    return vectors[np.sort(rows)]
+
+
+class FaissIndex:
+    engine = "faiss"
+    supports_add = True
+    supports_filter = True
+
+    def __init__(self, config: IndexConfig, index: Any) -> None:
+        self.config = config
+        self.index = index
+        self._bitmap: np.ndarray | None = None  # kept alive while FAISS reads it
+
+    @classmethod
+    def build(cls, config: IndexConfig, vectors: np.ndarray) -> "FaissIndex":
+        d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
+        t = config.index_type
+        if t == "brute_force":
+            index = faiss.IndexFlat(d, metric)
+        elif t in ("hnsw", "cagra"):
+            m = p["m"] if t == "hnsw" else max(4, p["graph_degree"] // 2)
+            index = faiss.IndexHNSWFlat(d, m, metric)
+            index.hnsw.efConstruction = p["ef_construction"] if t == "hnsw" else p["intermediate_graph_degree"]
+        elif t in ("ivf_flat", "ivf_pq"):
+            # FAISS's Python constructors keep a reference to the quantizer / base index they are given.
+            n_lists = p.get("n_lists") or default_n_lists(n)
+            quantizer = faiss.IndexFlat(d, metric)
+            if t == "ivf_flat":
+                index = faiss.IndexIVFFlat(quantizer, d, n_lists, metric)
+            else:
+                pq_dim = p.get("pq_dim") or default_pq_dim(d)
+                ivf = faiss.IndexIVFPQ(quantizer, d, n_lists, pq_dim, p.get("pq_bits", 8), metric)
+                index = faiss.IndexRefineFlat(ivf)  # keeps the raw vectors to re-rank PQ candidates exactly
+            index.train(_train_sample(vectors, n_lists))
+        else:
+            raise ValueError(f"FAISS has no index type {t!r}")
+        built = cls(config, index)
+        if n:
+            built.add(vectors)
+        return built
+
+    @classmethod
+    def from_bytes(cls, config: IndexConfig, data: bytes) -> "FaissIndex":
+        return cls(config, faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)))
+
+    def to_bytes(self) -> bytes:
+        return faiss.serialize_index(self.index).tobytes()
+
+    @property
+    def size(self) -> int:
+        return int(self.index.ntotal)
+
+    def add(self, vectors: np.ndarray) -> None:
+        self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+
+    def _search_parameters(self, k: int, params: dict[str, Any], selector: Any) -> tuple[Any, int]:
+        t = self.config.index_type
+        if t in ("hnsw", "cagra"):
+            ef = params.get("ef") if t == "hnsw" else params.get("itopk_size")
+            return faiss.SearchParametersHNSW(efSearch=max(k, int(ef or 64)), sel=selector), k
+        if t == "ivf_flat":
+            return faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector), k
+        if t == "ivf_pq":
+            ratio = float(params.get("refine_ratio", 2.0))
+            inner = faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector)
+            return faiss.IndexRefineSearchParameters(k_factor=ratio, base_index_params=inner), k
+        return (faiss.SearchParameters(sel=selector) if selector is not None else None), k
+
+    def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
+               keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        selector = None
+        if keep is not None:
+            self._bitmap = np.packbits(keep[: self.size], bitorder="little")
+            selector = faiss.IDSelectorBitmap(self._bitmap)
+        search_params, kk = self._search_parameters(k, params, selector)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        if search_params is None:
+            scores, rows = self.index.search(queries, kk)
+        else:
+            scores, rows = self.index.search(queries, kk, params=search_params)
+        return scores, rows
+
+
+class FaissBackend:
+    """Keeps collections resident in RAM as FAISS indexes (the IndexBackend protocol of resident.py)."""
+
+    name = "faiss"
+    kind = "cpu"
+
+    def build(self, config: IndexConfig, vectors: np.ndarray) -> FaissIndex:
+        return FaissIndex.build(config, vectors)
+
+    def load(self, config: IndexConfig, data: bytes) -> FaissIndex:
+        return FaissIndex.from_bytes(config, data)

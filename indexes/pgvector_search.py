@@ -1,0 +1,101 @@
+"""pgvector: search inside PostgreSQL (HNSW, IVFFlat or an exact scan), and its index's construction.
+
+pgvector's operators already give the response convention: <-> Euclidean, <=> 1 - cosine, <#> -dot.
+Per-query knobs go through set_config(..., is_local => true) inside the query's transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import numpy as np
+import orjson
+
+from .errors import InvalidInput
+from .resident import SearchResult
+from .store import OPCLASSES, Collection
+
+INDEX_DEFAULTS = {"hnsw": {"m": 16, "ef_construction": 64}, "ivfflat": {"lists": None}, "none": {}}
+SEARCH_KNOBS = {"ef_search": ("hnsw.ef_search", 1, 1000), "probes": ("ivfflat.probes", 1, 32768)}
+
+
+def check_index(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """The pgvector index a collection asks for: {"type": "hnsw"|"ivfflat"|"none", ...its parameters}."""
+    spec = dict(spec or {"type": "hnsw"})
+    kind = spec.pop("type", "hnsw")
+    if kind not in INDEX_DEFAULTS:
+        raise InvalidInput("must be 'hnsw', 'ivfflat' or 'none'", field="pgvector_index.type")
+    unknown = sorted(set(spec) - set(INDEX_DEFAULTS[kind]))
+    if unknown:
+        raise InvalidInput(f"unknown parameter for {kind}", field=f"pgvector_index.{unknown[0]}")
+    limits = {"m": (2, 100), "ef_construction": (4, 1000), "lists": (1, 32768)}
+    for name, value in spec.items():
+        low, high = limits[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+            raise InvalidInput(f"must be an integer from {low} to {high}", field=f"pgvector_index.{name}")
+    return {"type": kind, **INDEX_DEFAULTS[kind], **{k: v for k, v in spec.items() if v is not None}}
+
+
+def check_search_params(params: dict[str, Any] | None) -> dict[str, int]:
+    out = {}
+    for name, value in (params or {}).items():
+        if name not in SEARCH_KNOBS:
+            raise InvalidInput(f"unknown pgvector parameter; known: {sorted(SEARCH_KNOBS)}", field=f"params.{name}")
+        _, low, high = SEARCH_KNOBS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidInput(f"must be an integer from {low} to {high}", field=f"params.{name}")
+        out[name] = value
+    return out
+
+
+async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int) -> str | None:
+    """Create the collection's pgvector index if it does not exist yet; returns its kind, or None."""
+    spec = c.pgvector_index or {"type": "hnsw", **INDEX_DEFAULTS["hnsw"]}
+    kind = spec.get("type", "hnsw")
+    if kind == "none":
+        return None
+    if kind == "hnsw":
+        with_ = f"m = {int(spec['m'])}, ef_construction = {int(spec['ef_construction'])}"
+    else:
+        lists = spec.get("lists") or max(1, min(32768, n_rows // 1000 if n_rows <= 1_000_000 else int(n_rows ** 0.5)))
+        with_ = f"lists = {int(lists)}"
+    name = f"{c.table}_ann"
+    async with pool.acquire() as conn:
+        # Builds go faster with more memory for the graph; this is local to the session.
+        await conn.execute("SET maintenance_work_mem = '1GB'")
+        await conn.execute(
+            f"CREATE INDEX IF NOT EXISTS {name} ON {c.table} USING {kind} (embedding {OPCLASSES[c.metric]}) "
+            f"WITH ({with_})"
+        )
+        await conn.execute(f"ANALYZE {c.table}")
+    return kind
+
+
+async def has_index(pool: asyncpg.Pool, c: Collection) -> bool:
+    return await pool.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{c.table}_ann")
+
+
+async def search(pool: asyncpg.Pool, c: Collection, queries: np.ndarray, k: int, params: dict[str, int],
+                 payload_filter: dict[str, Any] | None) -> SearchResult:
+    op = c.operator
+    where = "WHERE payload @> $3::jsonb" if payload_filter else ""
+    # A filtered approximate scan stops early; iterative scans keep going until k rows pass the filter,
+    # and the outer ORDER BY restores strict order after the relaxed scan ("+ 0" keeps it a sort on PG 17+).
+    sql = (f"WITH r AS MATERIALIZED (SELECT id, embedding {op} $1 AS distance FROM {c.table} {where} "
+           f"ORDER BY embedding {op} $1 LIMIT $2) SELECT id, distance FROM r ORDER BY distance + 0")
+    ids: list[list[int]] = []
+    distances: list[list[float]] = []
+    async with pool.acquire() as conn, conn.transaction():
+        for name, value in params.items():
+            await conn.execute("SELECT set_config($1, $2, true)", SEARCH_KNOBS[name][0], str(value))
+        if payload_filter:
+            await conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
+            await conn.execute("SELECT set_config('ivfflat.iterative_scan', 'relaxed_order', true)")
+        stmt = await conn.prepare(sql)
+        extra = (orjson.dumps(payload_filter).decode(),) if payload_filter else ()
+        for q in queries:
+            rows = await stmt.fetch(q, k, *extra)
+            ids.append([r["id"] for r in rows])
+            distances.append([float(r["distance"]) for r in rows])
+    return SearchResult(ids, distances)

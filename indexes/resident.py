@@ -1,0 +1,251 @@
+"""A collection resident in memory: its vectors, the id <-> row mapping, deletes, and an ANN index.
+
+Engine-neutral: the same code serves FAISS and cuVS indexes (anything with the AnnIndex protocol).
+- Rows 0..index.size-1 are in the ANN index; rows after that (the delta) are searched exactly and merged.
+- A delete or a replaced id marks its row dead (a tombstone); searches never return dead rows, through
+  the index's keep-filter or, for indexes without one, by over-fetching. Rebuild compacts dead rows away.
+- `watermark` is the highest change sequence applied, so a snapshot knows where replay must start.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
+from .distance import exact_search, from_engine, merge_topk, prepare
+
+# A filter passing fewer rows than this is answered by exact search over just those rows.
+EXACT_FILTER_ROWS = 20_000
+MAX_OVERFETCH = 4096
+
+
+class IndexBackend(Protocol):
+    """Builds and restores one engine's indexes (FAISS on CPU, cuVS on GPU)."""
+
+    name: str
+    kind: str
+
+    def build(self, config: IndexConfig, vectors: np.ndarray) -> AnnIndex: ...
+
+    def load(self, config: IndexConfig, data: bytes) -> AnnIndex: ...
+
+
+@dataclass
+class SearchResult:
+    ids: list[list[int]]
+    distances: list[list[float]]
+
+
+class ResidentCollection:
+    def __init__(self, name: str, dim: int, metric: str, index_type: str, build_params: dict[str, Any],
+                 backend: IndexBackend) -> None:
+        self.name, self.dim, self.metric = name, dim, metric
+        self.index_type = index_type  # as configured: may be "auto"
+        self.build_params = build_params
+        self.backend = backend
+        self.lock = threading.RLock()
+        self._ids = np.empty(0, dtype=np.int64)
+        self._vectors = np.empty((0, dim), dtype=np.float32)
+        self._alive = np.empty(0, dtype=bool)
+        self.n_rows = 0
+        self.n_dead = 0
+        self.row_of: dict[int, int] = {}
+        self.index: AnnIndex | None = None
+        self.watermark = 0
+
+    # -- state -----------------------------------------------------------------------------------------
+    @property
+    def count(self) -> int:
+        return self.n_rows - self.n_dead
+
+    @property
+    def indexed_rows(self) -> int:
+        return self.index.size if self.index is not None else 0
+
+    @property
+    def delta_rows(self) -> int:
+        return self.n_rows - self.indexed_rows
+
+    def _grow(self, extra: int) -> None:
+        need = self.n_rows + extra
+        if need <= len(self._ids):
+            return
+        capacity = max(need, int(len(self._ids) * 1.5), 1024)
+        for attr, shape in (("_ids", (capacity,)), ("_vectors", (capacity, self.dim)), ("_alive", (capacity,))):
+            old = getattr(self, attr)
+            new = np.zeros(shape, dtype=old.dtype)
+            new[: self.n_rows] = old[: self.n_rows]
+            setattr(self, attr, new)
+
+    def _kill(self, ids: np.ndarray) -> None:
+        for i in ids.tolist():
+            row = self.row_of.pop(i, None)
+            if row is not None:
+                self._alive[row] = False
+                self.n_dead += 1
+
+    # -- writes ----------------------------------------------------------------------------------------
+    def upsert(self, ids: np.ndarray, vectors: np.ndarray, seq: int) -> None:
+        """Insert or replace: the old row of a replaced id becomes dead, the new one is appended."""
+        prepared = prepare(np, vectors, self.metric)
+        with self.lock:
+            self._kill(ids)
+            self._grow(len(ids))
+            start, end = self.n_rows, self.n_rows + len(ids)
+            self._ids[start:end] = ids
+            self._vectors[start:end] = prepared
+            self._alive[start:end] = True
+            self.row_of.update(zip(ids.tolist(), range(start, end)))
+            self.n_rows = end
+            if self.index is not None and self.index.supports_add and self.delta_rows == len(ids):
+                self.index.add(prepared)  # the delta was empty: the index stays a full prefix
+            self.watermark = max(self.watermark, seq)
+
+    def delete(self, ids: np.ndarray, seq: int | None) -> None:
+        with self.lock:
+            self._kill(ids)
+            if seq is not None:
+                self.watermark = max(self.watermark, seq)
+
+    # -- build -----------------------------------------------------------------------------------------
+    def config_for(self, n_rows: int) -> IndexConfig:
+        return IndexConfig(resolve_type(self.index_type, n_rows), self.metric, self.dim, self.build_params)
+
+    def needs_rebuild(self) -> bool:
+        """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type."""
+        with self.lock:
+            live = max(self.count, 1)
+            config = self.config_for(self.count)
+            if self.count < min_train_rows(config.index_type, config.params):
+                return self.index is not None and self.n_dead > 0.5 * live
+            if self.index is None or self.index.config.index_type != config.index_type:
+                return True
+            return self.n_dead > 0.2 * live or self.delta_rows > max(10_000, 0.1 * live)
+
+    def rebuild(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compact dead rows and build a fresh index over the live ones. Searches and writes go on meanwhile:
+        the build runs outside the lock, and what changed during it is carried over at the swap."""
+        with self.lock:
+            rows = np.flatnonzero(self._alive[: self.n_rows])
+            base_ids = self._ids[rows].copy()
+            base_vectors = self._vectors[rows].copy()
+            snapshot_rows = self.n_rows
+        config = self.config_for(len(rows))
+        index = None
+        if len(rows) >= min_train_rows(config.index_type, config.params) and len(rows) > 0:
+            if progress:
+                progress(f"building {config.index_type} over {len(rows)} vectors")
+            index = self.backend.build(config, base_vectors)
+        with self.lock:
+            still_alive = self._alive[rows]
+            tail = slice(snapshot_rows, self.n_rows)
+            ids = np.concatenate([base_ids, self._ids[tail]])
+            vectors = np.concatenate([base_vectors, self._vectors[tail]])
+            alive = np.concatenate([still_alive, self._alive[tail]])
+            self._ids, self._vectors, self._alive = ids, vectors, alive
+            self.n_rows = len(ids)
+            self.n_dead = int((~alive).sum())
+            self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
+            self.index = index
+            if index is not None and index.supports_add and self.delta_rows:
+                index.add(self._vectors[index.size: self.n_rows])
+
+    # -- search ----------------------------------------------------------------------------------------
+    def keep_mask(self, allowed_ids: np.ndarray | None) -> np.ndarray | None:
+        """Rows a search may return, or None when every row may be returned."""
+        if allowed_ids is None:
+            return self._alive[: self.n_rows].copy() if self.n_dead else None
+        keep = np.zeros(self.n_rows, dtype=bool)
+        rows = [self.row_of[i] for i in allowed_ids.tolist() if i in self.row_of]
+        keep[rows] = True
+        return keep
+
+    def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
+               allowed_ids: np.ndarray | None = None) -> SearchResult:
+        q = prepare(np, queries, self.metric)
+        with self.lock:
+            keep = self.keep_mask(allowed_ids)
+            if keep is not None and allowed_ids is not None and int(keep.sum()) <= EXACT_FILTER_ROWS:
+                scores, rows = self._exact_subset(q, k, np.flatnonzero(keep))
+            else:
+                scores, rows = self._search_rows(q, k, params, keep)
+            ids = np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
+        return _shape(ids, from_engine(np, scores, self.metric))
+
+    def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scores, local = exact_search(np, self._vectors[rows], q, k, self.metric)
+        return scores, np.where(local >= 0, rows[np.maximum(local, 0)], -1)
+
+    def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any],
+                     keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        parts = []
+        size = self.indexed_rows
+        if size:
+            index_keep = keep[:size] if keep is not None else None
+            if index_keep is None or self.index.supports_filter:
+                parts.append(self.index.search(q, k, params, index_keep))
+            else:  # no filter in this index: over-fetch past the rows that will be dropped
+                excluded = size - int(index_keep.sum())
+                fetch = min(size, k + min(excluded, MAX_OVERFETCH))
+                s, r = self.index.search(q, fetch, params, None)
+                bad = (r < 0) | ~index_keep[np.maximum(r, 0)]
+                parts.append((s, np.where(bad, -1, r)))
+        if self.n_rows > size:
+            delta_keep = keep[size:] if keep is not None else None
+            s, r = exact_search(np, self._vectors[size:self.n_rows], q, k, self.metric, delta_keep)
+            parts.append((s, np.where(r >= 0, r + size, -1)))
+        if not parts:
+            return exact_search(np, self._vectors[:0], q, k, self.metric)
+        return merge_topk(np, self.metric, k, *parts) if len(parts) > 1 or parts[0][1].shape[1] != k else parts[0]
+
+    def vectors_of(self, ids: np.ndarray) -> np.ndarray:
+        """Prepared vectors of live ids (for recall sampling)."""
+        with self.lock:
+            return self._vectors[[self.row_of[i] for i in ids.tolist()]].copy()
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, prepared vectors) of every live row."""
+        with self.lock:
+            rows = np.flatnonzero(self._alive[: self.n_rows])
+            return self._ids[rows].copy(), self._vectors[rows].copy()
+
+    # -- snapshots -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything a snapshot needs, copied under the lock."""
+        with self.lock:
+            return {
+                "ids": self._ids[: self.n_rows].copy(),
+                "vectors": self._vectors[: self.n_rows].copy(),
+                "alive": self._alive[: self.n_rows].copy(),
+                "watermark": self.watermark,
+                "index_type": self.index.config.index_type if self.index is not None else None,
+                "index_bytes": self.index.to_bytes() if self.index is not None else None,
+            }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        ids, vectors, alive = state["ids"], state["vectors"], state["alive"]
+        index = None
+        if state["index_type"] is not None:
+            config = IndexConfig(state["index_type"], self.metric, self.dim, self.build_params)
+            index = self.backend.load(config, state["index_bytes"])
+        with self.lock:
+            self._ids, self._vectors, self._alive = ids, vectors, alive
+            self.n_rows = len(ids)
+            self.n_dead = int((~alive).sum())
+            self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
+            self.index = index
+            self.watermark = int(state["watermark"])
+
+
+def _shape(ids: np.ndarray, distances: np.ndarray) -> SearchResult:
+    """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
+    out_ids, out_d = [], []
+    for row_ids, row_d in zip(ids.tolist(), distances.tolist()):
+        n = next((j for j, v in enumerate(row_ids) if v < 0), len(row_ids))
+        out_ids.append(row_ids[:n])
+        out_d.append(row_d[:n])
+    return SearchResult(out_ids, out_d)

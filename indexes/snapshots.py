@@ -1,0 +1,81 @@
+"""Resident-index snapshots: one file per collection and engine, written atomically (temp file, fsync,
+rename, fsync of the directory), carrying the change sequence it covers.
+
+A snapshot is a cache of what Postgres holds: one that is missing, unreadable or made for another
+configuration is ignored (and the index rebuilt from Postgres), never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("switchyard.snapshots")
+
+FORMAT = 1
+ARRAYS = ("ids", "vectors", "alive")
+
+
+def path_for(directory: Path, collection_id: int, engine: str) -> Path:
+    return directory / f"collection-{collection_id}.{engine}.snapshot"
+
+
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    header = {**meta, "format": FORMAT, "watermark": int(state["watermark"]), "index_type": state["index_type"]}
+    with open(tmp, "wb") as raw:
+        with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED) as z:
+            z.writestr("meta.json", json.dumps(header))
+            for name in ARRAYS:
+                with z.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    np.save(f, state[name], allow_pickle=False)
+            if state["index_bytes"] is not None:
+                z.writestr("index.bin", state["index_bytes"])
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
+    """The saved state, or None (with the reason logged) when it is absent, unreadable or does not match."""
+    if not path.exists():
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            meta = json.loads(z.read("meta.json"))
+            if meta.get("format") != FORMAT:
+                log.warning("snapshot %s has format %s, not %s: rebuilding", path, meta.get("format"), FORMAT)
+                return None
+            mismatch = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+            if mismatch:
+                log.warning("snapshot %s was made for another configuration %s: rebuilding", path, mismatch)
+                return None
+            state: dict[str, Any] = {name: np.load(z.open(f"{name}.npy"), allow_pickle=False) for name in ARRAYS}
+            state["index_bytes"] = z.read("index.bin") if "index.bin" in z.namelist() else None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
+        log.warning("snapshot %s is unreadable (%s): rebuilding", path, exc)
+        return None
+    n = len(state["ids"])
+    if state["vectors"].shape != (n, expect.get("dim", state["vectors"].shape[1])) or len(state["alive"]) != n:
+        log.warning("snapshot %s has inconsistent arrays: rebuilding", path)
+        return None
+    state["watermark"] = int(meta["watermark"])
+    state["index_type"] = meta["index_type"]
+    return state
+
+
+def remove(path: Path) -> None:
+    for p in (path, path.with_suffix(path.suffix + ".tmp")):
+        p.unlink(missing_ok=True)

@@ -1,0 +1,132 @@
+"""Turning what clients send (JSON float lists, base64 float32, Arrow IPC) into checked numpy arrays.
+
+Every check names the field and the reason, and happens before anything is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from .errors import InvalidInput
+
+MAX_ID = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Points:
+    ids: np.ndarray  # int64, unique
+    vectors: np.ndarray  # float32 (n, dim), finite
+    payloads: list[bytes | None] | None  # JSON text per point, or None when no point has one
+
+
+def as_matrix(values: object, dim: int, field: str) -> np.ndarray:
+    """A (n, dim) finite float32 matrix from nested lists or an array."""
+    try:
+        matrix = np.asarray(values, dtype=np.float32)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"must be a list of equal-length lists of numbers ({exc})", field=field) from None
+    if matrix.ndim == 1 and matrix.size == dim:
+        matrix = matrix.reshape(1, dim)
+    if matrix.ndim != 2:
+        raise InvalidInput("must be a list of vectors", field=field)
+    if matrix.shape[1] != dim:
+        raise InvalidInput(f"vectors have dimension {matrix.shape[1]}, the collection has {dim}", field=field)
+    check_finite(matrix, field)
+    return np.ascontiguousarray(matrix)
+
+
+def check_finite(matrix: np.ndarray, field: str) -> None:
+    finite = np.isfinite(matrix)
+    if not finite.all():
+        row, col = map(int, np.argwhere(~finite)[0])
+        raise InvalidInput(f"vector {row} has a non-finite value (NaN or Inf) at position {col}", field=f"{field}[{row}]")
+    # float32 overflow: a finite float64 beyond 3.4e38 became inf above; values near it would overflow squared distances.
+    if matrix.size and float(np.abs(matrix).max()) > 1e15:
+        raise InvalidInput("vector values must be within +-1e15", field=field)
+
+
+def from_base64(text: str, dim: int, field: str) -> np.ndarray:
+    """Little-endian float32 values, row after row, base64-encoded."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("is not valid base64", field=field) from None
+    if len(raw) % (4 * dim):
+        raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors", field=field)
+    return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
+
+
+def check_ids(ids: object, field: str = "ids") -> np.ndarray:
+    try:
+        array = np.asarray(ids, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidInput("ids must be integers between 0 and 2^63-1", field=field) from None
+    if array.ndim != 1:
+        raise InvalidInput("must be a list of integers", field=field)
+    if array.size and array.min() < 0:
+        raise InvalidInput(f"ids must be >= 0 (got {int(array.min())})", field=field)
+    unique, counts = np.unique(array, return_counts=True)
+    if (counts > 1).any():
+        raise InvalidInput(f"id {int(unique[counts > 1][0])} appears more than once in one request", field=field)
+    return array
+
+
+def encode_payloads(payloads: list[object] | None, n: int) -> list[bytes | None] | None:
+    if payloads is None:
+        return None
+    if len(payloads) != n:
+        raise InvalidInput(f"has {len(payloads)} entries for {n} points", field="payloads")
+    out: list[bytes | None] = []
+    for i, p in enumerate(payloads):
+        if p is not None and not isinstance(p, dict):
+            raise InvalidInput("each payload must be a JSON object or null", field=f"payloads[{i}]")
+        out.append(None if p is None else orjson.dumps(p))
+    return out if any(p is not None for p in out) else None
+
+
+def make_points(ids: object, vectors: np.ndarray, payloads: list[object] | None) -> Points:
+    id_array = check_ids(ids)
+    if len(id_array) != len(vectors):
+        raise InvalidInput(f"{len(id_array)} ids for {len(vectors)} vectors", field="ids")
+    return Points(id_array, vectors, encode_payloads(payloads, len(id_array)))
+
+
+def from_arrow_ipc(data: bytes, dim: int) -> Points:
+    """An Arrow IPC stream with columns id (integer), vector (fixed-size or plain list of float), and
+    optionally payload (JSON text or struct)."""
+    import pyarrow as pa
+
+    try:
+        table = pa.ipc.open_stream(data).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise InvalidInput(f"is not a readable Arrow IPC stream ({exc})", field="body") from None
+    columns = set(table.column_names)
+    vector_column = "vector" if "vector" in columns else "embedding" if "embedding" in columns else None
+    if "id" not in columns or vector_column is None:
+        raise InvalidInput(f"needs columns 'id' and 'vector'; it has {sorted(columns)}", field="body")
+    if table.column("id").null_count or table.column(vector_column).null_count:
+        raise InvalidInput("ids and vectors must not be null", field="body")
+    ids = table.column("id").to_numpy()
+    vec = table.column(vector_column).combine_chunks()
+    if not pa.types.is_list(vec.type) and not pa.types.is_fixed_size_list(vec.type) and not pa.types.is_large_list(vec.type):
+        raise InvalidInput(f"column {vector_column!r} must be a list of floats, not {vec.type}", field=vector_column)
+    flat = vec.flatten().to_numpy(zero_copy_only=False)
+    if len(flat) != len(vec) * dim:
+        raise InvalidInput(f"vectors must all have dimension {dim}", field=vector_column)
+    vectors = as_matrix(flat.reshape(len(vec), dim), dim, vector_column)
+    payloads = None
+    if "payload" in columns:
+        payloads = []
+        for value in table.column("payload").to_pylist():
+            if isinstance(value, str):
+                try:
+                    value = orjson.loads(value)
+                except orjson.JSONDecodeError:
+                    raise InvalidInput("payload strings must be JSON objects", field="payload") from None
+            payloads.append(value)
+    return make_points(ids, vectors, payloads)

@@ -1,0 +1,127 @@
+"""Long-running work (bulk loads, index builds, SSB generation) as jobs with progress.
+
+A job's state lives in memory while it runs and in the `jobs` table, so GET /v1/jobs/{id} answers after
+the fact and after a restart; a job that was running when the process died is marked failed at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import asyncpg
+import orjson
+
+log = logging.getLogger("switchyard.jobs")
+
+Progress = Callable[[int, int | None, str], None]
+FLUSH_EVERY_S = 0.5
+
+
+@dataclass
+class Job:
+    id: str
+    kind: str
+    subject: str | None
+    state: str = "queued"
+    done: int = 0
+    total: int | None = None
+    message: str | None = None
+    result: dict[str, Any] | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "subject": self.subject, "state": self.state, "done": self.done,
+                "total": self.total, "message": self.message, "result": self.result,
+                "created_at": self.created_at, "updated_at": self.updated_at}
+
+
+class JobRunner:
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self.running: dict[str, Job] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    async def recover(self) -> int:
+        """Jobs left queued or running by a previous process will never finish: say so."""
+        status = await self.pool.execute(
+            "UPDATE jobs SET state = 'failed', message = 'interrupted: the service stopped while it ran; "
+            "what it had committed is kept', updated_at = now() WHERE state IN ('queued', 'running')"
+        )
+        return int(status.split()[-1])
+
+    async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> Job:
+        job = Job(str(uuid.uuid4()), kind, subject)
+        await self.pool.execute(
+            "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind, subject
+        )
+        self.running[job.id] = job
+        task = asyncio.create_task(self._run(job, work), name=f"job-{kind}-{job.id}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return job
+
+    async def _run(self, job: Job, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> None:
+        last_flush = 0.0
+
+        def progress(done: int, total: int | None, message: str) -> None:
+            nonlocal last_flush
+            job.done, job.message, job.updated_at = done, message, time.time()
+            if total is not None:
+                job.total = total
+            if time.monotonic() - last_flush > FLUSH_EVERY_S:
+                last_flush = time.monotonic()
+                asyncio.get_running_loop().create_task(self._flush(job))
+
+        job.state = "running"
+        await self._flush(job)
+        try:
+            job.result = await work(progress)
+            job.state, job.message = "succeeded", job.message or "done"
+        except asyncio.CancelledError:
+            job.state, job.message = "failed", "cancelled: the service is stopping"
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded on the job, which is what the client watches
+            log.exception("job %s (%s) failed", job.id, job.kind)
+            job.state, job.message = "failed", f"{type(exc).__name__}: {getattr(exc, 'detail', exc)}"
+        finally:
+            job.updated_at = time.time()
+            try:
+                await asyncio.shield(self._flush(job))
+            finally:
+                self.running.pop(job.id, None)
+
+    async def _flush(self, job: Job) -> None:
+        try:
+            await self.pool.execute(
+                "UPDATE jobs SET state = $2, done = $3, total = $4, message = $5, result = $6, updated_at = now() "
+                "WHERE id = $1", uuid.UUID(job.id), job.state, job.done, job.total, job.message,
+                orjson.dumps(job.result).decode() if job.result is not None else None,
+            )
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            log.warning("could not record progress of job %s", job.id)
+
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        if job_id in self.running:
+            return self.running[job_id].as_dict()
+        try:
+            key = uuid.UUID(job_id)
+        except ValueError:
+            return None
+        row = await self.pool.fetchrow("SELECT * FROM jobs WHERE id = $1", key)
+        if row is None:
+            return None
+        return {"id": str(row["id"]), "kind": row["kind"], "subject": row["subject"], "state": row["state"],
+                "done": row["done"], "total": row["total"], "message": row["message"],
+                "result": orjson.loads(row["result"]) if row["result"] else None,
+                "created_at": row["created_at"].timestamp(), "updated_at": row["updated_at"].timestamp()}
+
+    async def stop(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,242 @@
+"""Vector collections over HTTP: create / list / get / delete, upsert and delete points, search, recall."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Path, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from indexes.manager import MAX_K, CollectionManager
+from indexes.vectors import as_matrix, check_ids, from_arrow_ipc, from_base64, make_points
+
+from ..deps import RuntimeDep, v1_router
+from ..errors import ServiceUnavailable
+
+router = v1_router(tags=["vectors"])
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+CollectionName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="Collection name.")]
+Scalar = str | int | float | bool | None
+
+
+def manager(runtime: RuntimeDep) -> CollectionManager:
+    if runtime.vectors is None:
+        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
+    return runtime.vectors
+
+
+class IndexSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "brute_force", "ivf_flat", "ivf_pq", "cagra", "hnsw"] = Field(
+        default="auto", description="`auto`: exact below 20,000 vectors, HNSW (CPU) / CAGRA (GPU) above.")
+    params: dict[str, int | float] = Field(default_factory=dict, description=(
+        "Build parameters: ivf_flat {n_lists}; ivf_pq {n_lists, pq_dim, pq_bits}; hnsw {m, ef_construction}; "
+        "cagra {graph_degree, intermediate_graph_degree}."))
+
+
+class PgvectorIndexSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["hnsw", "ivfflat", "none"] = "hnsw"
+    m: int | None = Field(default=None, ge=2, le=100)
+    ef_construction: int | None = Field(default=None, ge=4, le=1000)
+    lists: int | None = Field(default=None, ge=1, le=32768)
+
+
+class CreateCollection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+    dim: int = Field(ge=1, le=16000)
+    metric: Literal["l2", "cosine", "inner_product"] = "l2"
+    index: IndexSpec = Field(default_factory=IndexSpec)
+    pgvector_index: PgvectorIndexSpec = Field(default_factory=PgvectorIndexSpec, description=(
+        "The index pgvector builds in PostgreSQL (after a bulk load, or on POST .../build)."))
+
+
+class CollectionOut(BaseModel):
+    name: str
+    dim: int
+    metric: str
+    index: dict[str, Any]
+    pgvector_index: dict[str, Any]
+    count: int | None = None
+    engines: list[str] | None = None
+    index_state: dict[str, Any] | None = None
+
+
+def _collection_out(c: Any, **extra: Any) -> CollectionOut:
+    return CollectionOut(name=c.name, dim=c.dim, metric=c.metric, index={"type": c.index_type, "params": c.index_params},
+                         pgvector_index=c.pgvector_index, **extra)
+
+
+class UpsertPoints(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(min_length=1, max_length=100_000)
+    vectors: list[list[float]] | None = Field(default=None, description="One float list per id.")
+    vectors_b64: str | None = Field(default=None, description="All vectors as base64 of little-endian float32, row after row.")
+    payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
+
+    @model_validator(mode="after")
+    def _one_encoding(self) -> "UpsertPoints":
+        if (self.vectors is None) == (self.vectors_b64 is None):
+            raise ValueError("give exactly one of 'vectors' and 'vectors_b64'")
+        return self
+
+
+class WriteOut(BaseModel):
+    upserted: int | None = None
+    deleted: int | None = None
+    seq: int | None = Field(default=None, description="Change sequence of the committed write.")
+
+
+class DeletePoints(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(min_length=1, max_length=100_000)
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    vector: list[float] | None = Field(default=None, description="One query vector.")
+    vectors: list[list[float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
+    vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
+    k: int = Field(default=10, ge=1, le=MAX_K)
+    engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
+    params: dict[str, int | float] | None = Field(default=None, description=(
+        "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
+        "cagra {itopk_size, search_width}; pgvector {ef_search, probes}."))
+    filter: dict[str, Scalar] | None = Field(default=None, description="Payload equality filter: every key must match.")
+
+    @model_validator(mode="after")
+    def _one_query(self) -> "SearchRequest":
+        given = [x for x in (self.vector, self.vectors, self.vectors_b64) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'vector', 'vectors' and 'vectors_b64'")
+        return self
+
+
+class SearchOut(BaseModel):
+    ids: list[int] | list[list[int]] = Field(description="Nearest ids, closest first (a list per query for a batch).")
+    distances: list[float] | list[list[float]] = Field(description=(
+        "Smaller is closer: l2 = Euclidean distance, cosine = 1 - cosine similarity, inner_product = -dot."))
+    engine: str
+    took_ms: float
+    fallback: str | None = Field(default=None, description="Why `auto` did not use its first choice.")
+
+
+class RecallRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    k: int = Field(default=10, ge=1, le=MAX_K)
+    engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
+    params: dict[str, int | float] | None = None
+    sample: int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
+    queries: list[list[float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
+    seed: int = 0
+
+
+class JobAccepted(BaseModel):
+    job: str
+    state: str
+    location: str
+
+
+@router.post("/collections", status_code=201, summary="Create a collection")
+async def create_collection(body: CreateCollection, runtime: RuntimeDep) -> CollectionOut:
+    pg = body.pgvector_index.model_dump(exclude_none=True)
+    c = await manager(runtime).create(body.name, body.dim, body.metric, body.index.type, body.index.params, pg)
+    return _collection_out(c, count=0)
+
+
+@router.get("/collections", summary="List collections")
+async def list_collections(runtime: RuntimeDep) -> list[CollectionOut]:
+    return [_collection_out(c) for c in await manager(runtime).store.list()]
+
+
+@router.get("/collections/{name}", summary="A collection with its count, index state and engines")
+async def get_collection(name: CollectionName, runtime: RuntimeDep) -> CollectionOut:
+    info = await manager(runtime).describe(name)
+    return _collection_out(info["collection"], count=info["count"], engines=info["engines"],
+                           index_state=info["index_state"])
+
+
+@router.delete("/collections/{name}", status_code=204, summary="Delete a collection and its points")
+async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Response:
+    await manager(runtime).drop(name)
+    return Response(status_code=204)
+
+
+@router.put(
+    "/collections/{name}/points",
+    summary="Upsert points (JSON), or bulk-load an Arrow IPC stream as a job",
+    responses={202: {"model": JobAccepted, "description": "Arrow IPC body: loading as a job."}},
+    openapi_extra={"requestBody": {"content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/UpsertPoints"}},
+        ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
+            "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")},
+    }, "required": True}},
+)
+async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep) -> Any:
+    vectors = manager(runtime)
+    if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
+        c = await vectors.store.get(name)
+        points = from_arrow_ipc(await request.body(), c.dim)
+        job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, points, progress))
+        location = f"/v1/jobs/{job.id}"
+        return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
+                        media_type="application/json", headers={"Location": location})
+    try:
+        body = UpsertPoints.model_validate_json(await request.body())
+    except ValidationError as exc:  # the same 422 problem FastAPI gives for declared bodies
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    c = await vectors.store.get(name)
+    matrix = (as_matrix(body.vectors, c.dim, "vectors") if body.vectors is not None
+              else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
+    points = make_points(body.ids, matrix, body.payloads)
+    seq = await vectors.upsert(name, points)
+    return WriteOut(upserted=len(points.ids), seq=seq)
+
+
+@router.post("/collections/{name}/points/delete", summary="Delete points by id")
+async def delete_points(name: CollectionName, body: DeletePoints, runtime: RuntimeDep) -> WriteOut:
+    deleted = await manager(runtime).delete(name, check_ids(body.ids))
+    return WriteOut(deleted=deleted)
+
+
+@router.post("/collections/{name}/search", summary="k nearest neighbours of one vector or a batch")
+async def search(name: CollectionName, body: SearchRequest, runtime: RuntimeDep) -> SearchOut:
+    vectors = manager(runtime)
+    c = await vectors.store.get(name)
+    if body.vector is not None:
+        queries = as_matrix([body.vector], c.dim, "vector")
+    elif body.vectors is not None:
+        queries = as_matrix(body.vectors, c.dim, "vectors")
+    else:
+        queries = from_base64(body.vectors_b64, c.dim, "vectors_b64")
+    answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
+                                  single=body.vector is not None)
+    ids, distances = answer.result.ids, answer.result.distances
+    if body.vector is not None:
+        ids, distances = ids[0], distances[0]
+    return SearchOut(ids=ids, distances=distances, engine=answer.engine, took_ms=answer.took_ms,
+                     fallback=answer.fallback)
+
+
+@router.post("/collections/{name}/recall", summary="recall@k of an engine against exact search")
+async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep) -> dict[str, Any]:
+    vectors = manager(runtime)
+    queries = None
+    if body.queries is not None:
+        c = await vectors.store.get(name)
+        queries = as_matrix(body.queries, c.dim, "queries")
+    return await vectors.recall(name, body.k, body.engine, body.params, body.sample, queries, body.seed)
+
+
+@router.post("/collections/{name}/build", status_code=202, summary="Rebuild (compact) the resident index and "
+             "create the pgvector index, as a job")
+async def build(name: CollectionName, runtime: RuntimeDep, response: Response) -> JobAccepted:
+    vectors = manager(runtime)
+    await vectors.store.get(name)  # 404 now rather than in the job
+    job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress))
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobAccepted(job=job.id, state=job.state, location=f"/v1/jobs/{job.id}")
+
