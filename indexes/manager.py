@@ -68,6 +68,7 @@ class CollectionManager:
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
         self.loading: asyncio.Task | None = None
+        self.catalog: dict[str, Collection] = {}  # collection definitions never change, so they are cached
 
     # -- engines ---------------------------------------------------------------------------------------
     def attach(self, kind: str, backend: IndexBackend) -> None:
@@ -103,6 +104,13 @@ class CollectionManager:
             executor.shutdown(wait=True)
 
     # -- collections -----------------------------------------------------------------------------------
+    async def collection(self, name: str) -> Collection:
+        """The collection's definition, from memory after the first lookup (no database round trip)."""
+        c = self.catalog.get(name)
+        if c is None:
+            c = self.catalog[name] = await self.store.get(name)
+        return c
+
     async def create(self, name: str, dim: int, metric: str, index_type: str, index_params: dict[str, Any] | None,
                      pgvector_index: dict[str, Any] | None) -> Collection:
         if metric not in METRICS:
@@ -112,12 +120,14 @@ class CollectionManager:
         params = check_params("build", index_type, index_params, "index.params")
         pg_index = pgvector_search.check_index(pgvector_index)
         c = await self.store.create(name, dim, metric, index_type, params, pg_index)
+        self.catalog[name] = c
         if self.resident_kind is not None:
             self.resident[name] = Resident(c, self._new_index(c), loaded=True)
         return c
 
     async def drop(self, name: str) -> None:
-        c = await self.store.get(name)
+        c = await self.collection(name)
+        self.catalog.pop(name, None)
         r = self.resident.pop(name, None)
         if r is not None and r.rebuild_task is not None:
             r.rebuild_task.cancel()
@@ -126,7 +136,7 @@ class CollectionManager:
             snapshots.remove(snapshots.path_for(self.snapshot_dir, c.id, kind))
 
     async def describe(self, name: str) -> dict[str, Any]:
-        c = await self.store.get(name)
+        c = await self.collection(name)
         r = self.resident.get(name)
         engines = ["pgvector"]
         state: dict[str, Any] = {"resident": False}
@@ -154,7 +164,7 @@ class CollectionManager:
     # -- writes ----------------------------------------------------------------------------------------
     async def upsert(self, name: str, points: Points) -> int:
         """Returns the change sequence of the write; acknowledged data is committed in Postgres."""
-        c = await self.store.get(name)
+        c = await self.collection(name)
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
@@ -168,7 +178,7 @@ class CollectionManager:
         return seq
 
     async def delete(self, name: str, ids: np.ndarray) -> int:
-        c = await self.store.get(name)
+        c = await self.collection(name)
         r = self.resident.get(name)
         if r is None:
             gone, _ = await self.store.delete(c, ids)
@@ -194,7 +204,7 @@ class CollectionManager:
 
     async def build(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
         """Compact and rebuild the resident index, and create the pgvector index if it is missing."""
-        c = await self.store.get(name)
+        c = await self.collection(name)
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
         out: dict[str, Any] = {}
@@ -241,7 +251,7 @@ class CollectionManager:
     async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
                      params: dict[str, Any] | None = None, payload_filter: dict[str, Any] | None = None,
                      single: bool = False) -> SearchAnswer:
-        c = await self.store.get(name)
+        c = await self.collection(name)
         if queries.shape[1] != c.dim:
             raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
         if not 1 <= k <= MAX_K:
@@ -304,7 +314,7 @@ class CollectionManager:
     async def recall(self, name: str, k: int, engine: str, params: dict[str, Any] | None, sample: int,
                      queries: np.ndarray | None, seed: int) -> dict[str, Any]:
         """recall@k of `engine` against exact search over the same stored vectors."""
-        c = await self.store.get(name)
+        c = await self.collection(name)
         r = self.resident.get(name)
         if r is not None and r.loaded:
             ids, data = await self._in_executor(r, r.index.live)
@@ -339,6 +349,7 @@ class CollectionManager:
         if self.resident_kind is None:
             return
         for c in await self.store.list():
+            self.catalog[c.name] = c
             r = Resident(c, self._new_index(c))
             self.resident[c.name] = r
         for r in list(self.resident.values()):

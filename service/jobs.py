@@ -68,15 +68,17 @@ class JobRunner:
 
     async def _run(self, job: Job, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> None:
         last_flush = 0.0
+        loop = asyncio.get_running_loop()
 
         def progress(done: int, total: int | None, message: str) -> None:
+            """Callable from the event loop or from a worker thread (index builds report from there)."""
             nonlocal last_flush
             job.done, job.message, job.updated_at = done, message, time.time()
             if total is not None:
                 job.total = total
             if time.monotonic() - last_flush > FLUSH_EVERY_S:
                 last_flush = time.monotonic()
-                asyncio.get_running_loop().create_task(self._flush(job))
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._flush(job)))
 
         job.state = "running"
         await self._flush(job)

@@ -178,7 +178,7 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep) -> Any:
     vectors = manager(runtime)
     if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
-        c = await vectors.store.get(name)
+        c = await vectors.collection(name)
         points = from_arrow_ipc(await request.body(), c.dim)
         job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, points, progress))
         location = f"/v1/jobs/{job.id}"
@@ -188,7 +188,7 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
         body = UpsertPoints.model_validate_json(await request.body())
     except ValidationError as exc:  # the same 422 problem FastAPI gives for declared bodies
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    c = await vectors.store.get(name)
+    c = await vectors.collection(name)
     matrix = (as_matrix(body.vectors, c.dim, "vectors") if body.vectors is not None
               else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
     points = make_points(body.ids, matrix, body.payloads)
@@ -205,7 +205,7 @@ async def delete_points(name: CollectionName, body: DeletePoints, runtime: Runti
 @router.post("/collections/{name}/search", summary="k nearest neighbours of one vector or a batch")
 async def search(name: CollectionName, body: SearchRequest, runtime: RuntimeDep) -> SearchOut:
     vectors = manager(runtime)
-    c = await vectors.store.get(name)
+    c = await vectors.collection(name)
     if body.vector is not None:
         queries = as_matrix([body.vector], c.dim, "vector")
     elif body.vectors is not None:
@@ -226,7 +226,7 @@ async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep)
     vectors = manager(runtime)
     queries = None
     if body.queries is not None:
-        c = await vectors.store.get(name)
+        c = await vectors.collection(name)
         queries = as_matrix(body.queries, c.dim, "queries")
     return await vectors.recall(name, body.k, body.engine, body.params, body.sample, queries, body.seed)
 
@@ -235,7 +235,7 @@ async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep)
              "create the pgvector index, as a job")
 async def build(name: CollectionName, runtime: RuntimeDep, response: Response) -> JobAccepted:
     vectors = manager(runtime)
-    await vectors.store.get(name)  # 404 now rather than in the job
+    await vectors.collection(name)  # 404 now rather than in the job
     job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress))
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobAccepted(job=job.id, state=job.state, location=f"/v1/jobs/{job.id}")

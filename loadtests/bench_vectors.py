@@ -1,0 +1,407 @@
+"""Vector search benchmark: Switchyard's engines over HTTP against pgvector HNSW queried directly, one run.
+
+    python loadtests/bench_vectors.py                      # 100,000 x 384 seeded data, 1,000 queries
+    python loadtests/bench_vectors.py --data base.npy --queries-file q.npy
+
+Steps: seeded data set (a Gaussian mixture in a 32-dimensional latent space with 1,000 overlapping clusters,
+projected to 384 dimensions plus isotropic noise: IVF at a few probes is far from recall 0.98), exact ground
+truth, a fresh `switchyard serve` with embedded PostgreSQL, one bulk load (Arrow IPC, as a job) that also builds
+the resident index and pgvector's HNSW index (m=16, ef_construction=64) in the same database; then for each
+engine and each value of its search parameter: recall@10, QPS for one client sending single queries, QPS for 32
+concurrent clients (threads, keep-alive connections; micro-batching on), QPS for batches of 100. pgvector is
+queried directly with asyncpg (prepared statements, one connection per client thread). Clients share the 2 cores
+with the servers. Writes JSON and a PNG (recall against QPS) under loadtests/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import http.client
+import io
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import orjson
+
+from benchkit import MachineLoad, Service, repeat, run_clients, save_json, versions, wait_for_quiet
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- data ---------------------------------------------------------------------------------------------
+def make_data(n: int, n_queries: int, dim: int, seed: int, latent: int = 32, clusters: int = 1000,
+              noise: float = 0.35) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, latent)).astype(np.float32)
+    projection = (rng.standard_normal((latent, dim)) / np.sqrt(latent)).astype(np.float32)
+
+    def sample(m: int) -> np.ndarray:
+        z = centers[rng.integers(0, clusters, m)] + rng.standard_normal((m, latent)).astype(np.float32)
+        return (z @ projection + noise * rng.standard_normal((m, dim)).astype(np.float32)).astype(np.float32)
+
+    return sample(n), sample(n_queries)
+
+
+def ground_truth(base: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    import faiss
+
+    flat = faiss.IndexFlatL2(base.shape[1])
+    flat.add(base)
+    return flat.search(queries, k)[1]
+
+
+def recall_at(found: list[list[int]], truth: np.ndarray, k: int) -> float:
+    return float(np.mean([len(set(f[:k]) & set(t[:k].tolist())) / k for f, t in zip(found, truth)]))
+
+
+# -- Switchyard over HTTP -----------------------------------------------------------------------------
+class Http:
+    """One keep-alive connection; the same style for every thread-client."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.conn.request("POST", path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+                          {"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        data = response.read()
+        if response.status not in (200, 201):
+            raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
+        return orjson.loads(data)
+
+
+def http_search_all(port: int, collection: str, queries: np.ndarray, k: int, engine: str,
+                    params: dict[str, Any]) -> list[list[int]]:
+    client = Http(port)
+    found: list[list[int]] = []
+    for start in range(0, len(queries), 100):
+        body = {"vectors_b64": base64.b64encode(queries[start:start + 100].astype("<f4").tobytes()).decode(),
+                "k": k, "engine": engine, "params": params}
+        found.extend(client.post(f"/v1/collections/{collection}/search", body)["ids"])
+    return found
+
+
+def http_modes(port: int, collection: str, queries: np.ndarray, k: int, engine: str, params: dict[str, Any],
+               clients: int, batch: int, duration: float, runs: int, load: MachineLoad) -> dict[str, Any]:
+    path = f"/v1/collections/{collection}/search"
+    singles = [orjson.dumps({"vector": q, "k": k, "engine": engine, "params": params},
+                            option=orjson.OPT_SERIALIZE_NUMPY) for q in queries]
+    batches = [orjson.dumps({"vectors_b64": base64.b64encode(queries[s:s + batch].astype("<f4").tobytes()).decode(),
+                             "k": k, "engine": engine, "params": params})
+               for s in range(0, len(queries), batch)]
+
+    def client_for(bodies: list[bytes], per_call: int) -> Callable[[int], Callable[[int], int]]:
+        def make(_: int) -> Callable[[int], int]:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+            def call(i: int) -> int:
+                conn.request("POST", path, bodies[i % len(bodies)], {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}")
+                return per_call
+            return call
+        return make
+
+    out: dict[str, Any] = {}
+    for mode, n, bodies, per in (("single_1_client", 1, singles, 1), (f"single_{clients}_clients", clients, singles, 1),
+                                 (f"batch_{batch}", 1, batches, batch)):
+        m: dict[str, Any] = {}
+        with load.measure(m):
+            m.update(repeat(runs, lambda: run_clients(n, duration, client_for(bodies, per))))
+        out[mode] = m
+    return out
+
+
+# -- pgvector directly --------------------------------------------------------------------------------
+class PgClient:
+    """A thread's own asyncpg connection and event loop, with prepared statements."""
+
+    def __init__(self, dsn: str, table: str, k: int, ef_search: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.conn = self.loop.run_until_complete(self._connect(dsn, ef_search))
+        self.single = self.loop.run_until_complete(self.conn.prepare(
+            f"SELECT id FROM {table} ORDER BY embedding <-> $1 LIMIT {k}"))
+        self.batch = self.loop.run_until_complete(self.conn.prepare(
+            f"SELECT q.i, n.id FROM unnest($1::vector[]) WITH ORDINALITY AS q(v, i) "
+            f"CROSS JOIN LATERAL (SELECT id FROM {table} ORDER BY embedding <-> q.v LIMIT {k}) n"))
+
+    @staticmethod
+    async def _connect(dsn: str, ef_search: int):
+        import asyncpg
+        from pgvector.asyncpg import register_vector
+
+        conn = await asyncpg.connect(dsn)
+        await register_vector(conn)
+        await conn.execute(f"SET hnsw.ef_search = {int(ef_search)}")
+        return conn
+
+    def search(self, q: np.ndarray) -> list[int]:
+        return [r[0] for r in self.loop.run_until_complete(self.single.fetch(q))]
+
+    def search_batch(self, qs: np.ndarray) -> int:
+        from pgvector import Vector
+
+        rows = self.loop.run_until_complete(self.batch.fetch([Vector(q) for q in qs]))
+        return len(rows)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.conn.close())
+        self.loop.close()
+
+
+def pg_modes(dsn: str, table: str, queries: np.ndarray, k: int, ef: int, clients: int, batch: int,
+             duration: float, runs: int, load: MachineLoad) -> dict[str, Any]:
+    opened: list[PgClient] = []
+    lock = threading.Lock()
+
+    def client_for(batched: bool, per: int) -> Callable[[int], Callable[[int], int]]:
+        def make(_: int) -> Callable[[int], int]:
+            c = PgClient(dsn, table, k, ef)
+            with lock:
+                opened.append(c)
+            if batched:
+                return lambda i: c.search_batch(queries[(i * batch) % len(queries):][:batch]) and per
+            return lambda i: len(c.search(queries[i % len(queries)])) and 1
+        return make
+
+    out: dict[str, Any] = {}
+    try:
+        for mode, n, batched, per in (("single_1_client", 1, False, 1), (f"single_{clients}_clients", clients, False, 1),
+                                      (f"batch_{batch}", 1, True, batch)):
+            m: dict[str, Any] = {}
+            with load.measure(m):
+                m.update(repeat(runs, lambda: run_clients(n, duration, client_for(batched, per))))
+            out[mode] = m
+    finally:
+        for c in opened:
+            c.close()
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------------
+def parse_params(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in filter(None, text.split(",")):
+        key, value = part.split("=")
+        out[key] = float(value) if "." in value else int(value)
+    return out
+
+
+def progress_bar(label: str, done: int, total: int | None) -> None:
+    if total:
+        width = 30
+        filled = int(width * done / total)
+        print(f"\r  {label}: [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", flush=True)
+
+
+def bulk_load(port: int, collection: str, base: np.ndarray) -> dict[str, Any]:
+    import pyarrow as pa
+
+    ids = pa.array(np.arange(len(base), dtype=np.int64))
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(base.reshape(-1)), base.shape[1])
+    table = pa.table({"id": ids, "vector": vectors})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    started = time.perf_counter()
+    conn.request("PUT", f"/v1/collections/{collection}/points", sink.getvalue(),
+                 {"Content-Type": "application/vnd.apache.arrow.stream"})
+    r = conn.getresponse()
+    accepted = orjson.loads(r.read())
+    if r.status != 202:
+        raise RuntimeError(f"bulk load refused: {accepted}")
+    message = ""
+    while True:
+        conn.request("GET", accepted["location"])
+        job = orjson.loads(conn.getresponse().read())
+        progress_bar("bulk load", job["done"], job["total"])
+        if job["message"] != message:
+            message = job["message"] or ""
+        if job["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.5)
+    print()
+    if job["state"] != "succeeded":
+        raise RuntimeError(f"bulk load failed: {job['message']}")
+    return {**job["result"], "total_s": round(time.perf_counter() - started, 2)}
+
+
+def best_at(results: list[dict[str, Any]], mode: str, target: float) -> dict[str, Any] | None:
+    ok = [r for r in results if r["recall"] >= target]
+    return max(ok, key=lambda r: r["modes"][mode]["qps"]) if ok else None
+
+
+def plot(path: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = report["modes"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5))
+    for ax, mode in zip(axes, modes):
+        for engine, rows in report["engines"].items():
+            xs = [r["recall"] for r in rows["sweep"]]
+            ys = [r["modes"][mode]["qps"] for r in rows["sweep"]]
+            ax.plot(xs, ys, marker="o", label=f"{engine} ({rows['label']})")
+            for r, x, y in zip(rows["sweep"], xs, ys):
+                ax.annotate(str(r["param"]), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(report["recall_target"], color="grey", linestyle=":", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("recall@10")
+        ax.set_ylabel("queries per second")
+        ax.set_title(mode.replace("_", " "))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['data']['n']} x {report['data']['dim']} vectors, {report['data']['queries']} queries, "
+                 f"k={report['k']}, {report['versions']['cores']} cores shared by clients and servers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=100_000)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--data", type=Path, help=".npy of base vectors (float32, n x dim) instead of generated data")
+    ap.add_argument("--queries-file", type=Path, help=".npy of query vectors to go with --data")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--cpu-index", default="hnsw", choices=["hnsw", "ivf_flat", "ivf_pq", "brute_force", "cagra"])
+    ap.add_argument("--cpu-build", default="m=24,ef_construction=40", help="build parameters, name=value,...")
+    ap.add_argument("--cpu-param", default="ef", help="the search parameter swept for the CPU engine")
+    ap.add_argument("--cpu-sweep", default="32,48,64,96,128")
+    ap.add_argument("--pg-sweep", default="40,64,100,160")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per QPS measurement")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per point (after one warm-up)")
+    ap.add_argument("--recall-target", type=float, default=0.95)
+    ap.add_argument("--out", type=Path, default=RESULTS / "vectors")
+    args = ap.parse_args()
+
+    if args.data is not None:
+        base = np.load(args.data).astype(np.float32)
+        queries = np.load(args.queries_file).astype(np.float32) if args.queries_file else base[
+            np.random.default_rng(args.seed).choice(len(base), args.queries, replace=False)]
+        source = str(args.data)
+    else:
+        base, queries = make_data(args.n, args.queries, args.dim, args.seed)
+        source = f"generated: seed {args.seed}, 1,000-cluster mixture in 32 latent dimensions, noise 0.35"
+    n, dim = base.shape
+    print(f"data: {n} x {dim}, {len(queries)} queries ({source})")
+    truth = ground_truth(base, queries, args.k)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vectors-"))
+    service = Service(work / "data")
+    (work / "data").mkdir()
+    service.start()
+    load = MachineLoad(service.pids)
+    report: dict[str, Any] = {
+        "benchmark": "vectors", "k": args.k, "recall_target": args.recall_target,
+        "data": {"n": n, "dim": dim, "queries": len(queries), "source": source, "metric": "l2"},
+        "client": f"Python threads, one keep-alive connection each (http.client / asyncpg), on the same "
+                  f"{versions()['cores']} cores as the servers",
+        "versions": versions("switchyard", "faiss-cpu", "fastapi", "uvicorn", "asyncpg", "pgvector", "numpy"),
+        "modes": ["single_1_client", f"single_{args.clients}_clients", f"batch_{args.batch}"],
+        "engines": {},
+    }
+    try:
+        conn = Http(service.port)
+        build = parse_params(args.cpu_build)
+        conn.post("/v1/collections", {"name": "bench", "dim": dim, "metric": "l2",
+                                      "index": {"type": args.cpu_index, "params": build},
+                                      "pgvector_index": {"type": "hnsw", "m": 16, "ef_construction": 64}})
+        print("bulk load (stores, builds the resident index and pgvector's HNSW index)...")
+        loaded = bulk_load(service.port, "bench", base)
+        report["build"] = loaded
+        print(f"  resident {args.cpu_index} build {loaded['resident_build_s']} s; "
+              f"pgvector HNSW build {loaded['pgvector_build_s']} s")
+        import asyncpg  # noqa: F401 - fail early if missing
+
+        pg_version = asyncio.run(_pg_version(service.pg_dsn))
+        report["versions"]["postgresql / pgvector"] = pg_version
+        wait_for_quiet()
+
+        cpu_rows = []
+        for value in [int(v) if "." not in v else float(v) for v in args.cpu_sweep.split(",")]:
+            params = {args.cpu_param: value}
+            found = http_search_all(service.port, "bench", queries, args.k, "cpu", params)
+            row = {"param": f"{args.cpu_param}={value}", "params": params, "recall": round(recall_at(found, truth, args.k), 4)}
+            row["modes"] = http_modes(service.port, "bench", queries, args.k, "cpu", params, args.clients, args.batch,
+                                      args.duration, args.runs, load)
+            cpu_rows.append(row)
+            print(f"  cpu {row['param']}: recall {row['recall']}; " + ", ".join(
+                f"{m} {v['qps']:.0f} QPS" for m, v in row["modes"].items()))
+        report["engines"]["switchyard cpu (faiss) over HTTP"] = {
+            "label": f"{args.cpu_index} {args.cpu_build}", "build_s": loaded["resident_build_s"], "sweep": cpu_rows}
+
+        pg_rows = []
+        table = asyncio.run(_table_of(service.pg_dsn, "bench"))
+        for ef in [int(v) for v in args.pg_sweep.split(",")]:
+            client = PgClient(service.pg_dsn, table, args.k, ef)
+            found = [client.search(q) for q in queries]
+            client.close()
+            row = {"param": f"ef_search={ef}", "params": {"ef_search": ef}, "recall": round(recall_at(found, truth, args.k), 4)}
+            row["modes"] = pg_modes(service.pg_dsn, table, queries, args.k, ef, args.clients, args.batch,
+                                    args.duration, args.runs, load)
+            pg_rows.append(row)
+            print(f"  pgvector {row['param']}: recall {row['recall']}; " + ", ".join(
+                f"{m} {v['qps']:.0f} QPS" for m, v in row["modes"].items()))
+        report["engines"]["pgvector hnsw (direct SQL)"] = {
+            "label": "m=16, ef_construction=64", "build_s": loaded["pgvector_build_s"], "sweep": pg_rows}
+    finally:
+        service.stop()
+
+    ratios: dict[str, Any] = {}
+    for mode in report["modes"]:
+        ours, theirs = best_at(cpu_rows, mode, args.recall_target), best_at(pg_rows, mode, args.recall_target)
+        ratios[mode] = None if not (ours and theirs) else {
+            "switchyard": {"param": ours["param"], "recall": ours["recall"], "qps": ours["modes"][mode]["qps"]},
+            "pgvector": {"param": theirs["param"], "recall": theirs["recall"], "qps": theirs["modes"][mode]["qps"]},
+            "ratio": round(ours["modes"][mode]["qps"] / theirs["modes"][mode]["qps"], 2)}
+    ratios["build"] = {"switchyard_s": loaded["resident_build_s"], "pgvector_s": loaded["pgvector_build_s"],
+                       "ratio": round(loaded["pgvector_build_s"] / max(loaded["resident_build_s"], 1e-9), 2)}
+    report["ratios_at_recall_target"] = ratios
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_json(args.out / f"bench_vectors-{stamp}.json", report)
+    plot(args.out / f"bench_vectors-{stamp}.png", report)
+    print(orjson.dumps(ratios, option=orjson.OPT_INDENT_2).decode())
+    print(f"wrote {args.out / f'bench_vectors-{stamp}.json'} and .png")
+
+
+async def _table_of(dsn: str, collection: str) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        return f"vectors_{await conn.fetchval('SELECT id FROM vector_collections WHERE name = $1', collection)}"
+    finally:
+        await conn.close()
+
+
+async def _pg_version(dsn: str) -> str:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        return (f"{await conn.fetchval('SHOW server_version')} / "
+                f"{await conn.fetchval('SELECT extversion FROM pg_extension WHERE extname = $$vector$$')}")
+    finally:
+        await conn.close()
+
+
+if __name__ == "__main__":
+    main()
