@@ -23,7 +23,7 @@ BUILD_DEFAULTS: dict[str, dict[str, Any]] = {
     "brute_force": {},
     "ivf_flat": {"n_lists": None},  # None: about sqrt(n) at build time
     "ivf_pq": {"n_lists": None, "pq_dim": None, "pq_bits": 8},
-    "hnsw": {"m": 32, "ef_construction": 80},
+    "hnsw": {"m": 32, "ef_construction": 40},  # FAISS's efConstruction default; builds twice as fast as 80
     "cagra": {"graph_degree": 64, "intermediate_graph_degree": 128},
 }
 SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -24,6 +24,12 @@ VERSION = faiss.__version__
 TRAIN_SAMPLE_PER_LIST = 256  # k-means sees at most this many points per list: enough, and bounded
 
 
+def _use_threads(rows: int) -> None:
+    """OpenMP threads for the next FAISS call from this thread (the setting is per calling thread): all cores
+    for real work, one for a handful of rows, where waking a second thread costs more than it saves."""
+    faiss.omp_set_num_threads(1 if rows < 4 else os.cpu_count() or 1)
+
+
 def _metric(metric: str) -> int:
     return faiss.METRIC_INNER_PRODUCT if uses_inner_product(metric) else faiss.METRIC_L2
 
@@ -48,6 +54,7 @@ class FaissIndex:
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray) -> "FaissIndex":
+        _use_threads(len(vectors))
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
         if t == "brute_force":
@@ -86,6 +93,7 @@ class FaissIndex:
         return int(self.index.ntotal)
 
     def add(self, vectors: np.ndarray) -> None:
+        _use_threads(len(vectors))
         self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
 
     def _search_parameters(self, k: int, params: dict[str, Any], selector: Any) -> tuple[Any, int]:
@@ -109,6 +117,7 @@ class FaissIndex:
             selector = faiss.IDSelectorBitmap(self._bitmap)
         search_params, kk = self._search_parameters(k, params, selector)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
+        _use_threads(len(queries))
         if search_params is None:
             scores, rows = self.index.search(queries, kk)
         else:

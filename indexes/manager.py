@@ -45,6 +45,7 @@ class Resident:
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     rebuild_task: asyncio.Task | None = None
     saved: tuple | None = None  # (watermark, rows, index type) of the last snapshot written
+    bulk_loading: int = 0  # bulk loads in progress: they build once at the end, so no background rebuilds
 
 
 @dataclass
@@ -193,12 +194,19 @@ class CollectionManager:
         """A large load in committed chunks (each chunk acknowledged once committed), then index builds."""
         total = len(points.ids)
         done = 0
-        for start in range(0, total, chunk):
-            end = min(total, start + chunk)
-            payloads = points.payloads[start:end] if points.payloads is not None else None
-            await self.upsert(name, Points(points.ids[start:end], points.vectors[start:end], payloads))
-            done = end
-            progress(done, total, f"stored {done} of {total} points")
+        r = self.resident.get(name)
+        if r is not None:
+            r.bulk_loading += 1
+        try:
+            for start in range(0, total, chunk):
+                end = min(total, start + chunk)
+                payloads = points.payloads[start:end] if points.payloads is not None else None
+                await self.upsert(name, Points(points.ids[start:end], points.vectors[start:end], payloads))
+                done = end
+                progress(done, total, f"stored {done} of {total} points")
+        finally:
+            if r is not None:
+                r.bulk_loading -= 1
         built = await self.build(name, lambda _done, _total, message: progress(done, total, message))
         return {"upserted": done, **built}
 
@@ -228,6 +236,8 @@ class CollectionManager:
         await self._in_executor(r, r.index.rebuild, say)
 
     def _maybe_rebuild(self, r: Resident) -> None:
+        if r.bulk_loading:
+            return
         if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
             async def background() -> None:
                 await self._in_executor(r, r.index.rebuild, None)
@@ -258,6 +268,11 @@ class CollectionManager:
             raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
         r = self.resident.get(name)
         order = self.engine_order(r, engine)
+        return await self._search(c, r, order, queries, k, engine, params, payload_filter, single)
+
+    async def _search(self, c: Collection, r: Resident | None, order: list[str], queries: np.ndarray, k: int,
+                      engine: str, params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
+                      single: bool) -> SearchAnswer:
         fallback = None
         if engine == "auto" and order == ["pgvector"] and r is not None:
             fallback = (f"the resident index failed to load ({r.error})" if r.error
@@ -277,7 +292,7 @@ class CollectionManager:
                 self.observe(served, "search", time.perf_counter() - started, False)
                 if position + 1 == len(order):
                     raise EngineFailed(f"engine {choice} failed: {type(exc).__name__}: {exc}") from exc
-                log.warning("engine %s failed on %s, falling back: %s", choice, name, exc)
+                log.warning("engine %s failed on %s, falling back: %s", choice, c.name, exc)
                 fallback = f"{choice} failed ({type(exc).__name__}: {exc}); served by {order[position + 1]}"
                 continue
             took = time.perf_counter() - started

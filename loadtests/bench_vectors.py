@@ -197,10 +197,9 @@ def parse_params(text: str) -> dict[str, Any]:
 
 
 def progress_bar(label: str, done: int, total: int | None) -> None:
-    if total:
-        width = 30
-        filled = int(width * done / total)
-        print(f"\r  {label}: [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end="", flush=True)
+    width = 30
+    filled = int(width * done / total) if total else 0
+    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total or '?'} {label:<60}", end="", flush=True)
 
 
 def bulk_load(port: int, collection: str, base: np.ndarray) -> dict[str, Any]:
@@ -224,9 +223,9 @@ def bulk_load(port: int, collection: str, base: np.ndarray) -> dict[str, Any]:
     while True:
         conn.request("GET", accepted["location"])
         job = orjson.loads(conn.getresponse().read())
-        progress_bar("bulk load", job["done"], job["total"])
         if job["message"] != message:
             message = job["message"] or ""
+            progress_bar(message, job["done"], job["total"])
         if job["state"] in ("succeeded", "failed"):
             break
         time.sleep(0.5)
@@ -279,10 +278,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--cpu-index", default="hnsw", choices=["hnsw", "ivf_flat", "ivf_pq", "brute_force", "cagra"])
-    ap.add_argument("--cpu-build", default="m=24,ef_construction=40", help="build parameters, name=value,...")
+    ap.add_argument("--cpu-build", default="m=32,ef_construction=40", help="build parameters, name=value,...")
     ap.add_argument("--cpu-param", default="ef", help="the search parameter swept for the CPU engine")
-    ap.add_argument("--cpu-sweep", default="32,48,64,96,128")
-    ap.add_argument("--pg-sweep", default="40,64,100,160")
+    ap.add_argument("--cpu-sweep", default="32,40,48,64,96")
+    ap.add_argument("--pg-sweep", default="40,50,60,70,80,100")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per QPS measurement")

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from . import __version__
 from .errors import install_error_handlers
+from .fastlane import SearchFastLane
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
 from .routes import engines, jobs, ops, vectors
@@ -44,7 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (ops, engines, vectors, jobs):
         app.include_router(module.router)
 
-    # Outermost first: metrics see every response, including the 413s the size limit sends.
+    # Added innermost first: metrics see every response, including the 413s the size limit sends.
+    app.add_middleware(SearchFastLane, runtime=runtime)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics)

@@ -10,7 +10,8 @@ from .auth import require_api_key
 from .runtime import Runtime
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
+    # async: FastAPI would run a plain `def` dependency in a worker thread, a costly hop per request.
     return request.app.state.switchyard
 
 

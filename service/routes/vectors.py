@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import orjson
+
 from fastapi import Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -134,6 +136,19 @@ class RecallRequest(BaseModel):
     seed: int = 0
 
 
+def json_body(model: type[BaseModel], more: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAPI request body for routes that parse their body themselves (see parse_json)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}, **(more or {})}}}
+
+
+def parse_json(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:  # the same 422 problem FastAPI gives for bodies it parses itself
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
 class JobAccepted(BaseModel):
     job: str
     state: str
@@ -169,11 +184,8 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
     "/collections/{name}/points",
     summary="Upsert points (JSON), or bulk-load an Arrow IPC stream as a job",
     responses={202: {"model": JobAccepted, "description": "Arrow IPC body: loading as a job."}},
-    openapi_extra={"requestBody": {"content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/UpsertPoints"}},
-        ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
-            "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")},
-    }, "required": True}},
+    openapi_extra=json_body(UpsertPoints, {ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
+        "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")}}),
 )
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep) -> Any:
     vectors = manager(runtime)
@@ -184,10 +196,7 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
-    try:
-        body = UpsertPoints.model_validate_json(await request.body())
-    except ValidationError as exc:  # the same 422 problem FastAPI gives for declared bodies
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    body = parse_json(UpsertPoints, await request.body())
     c = await vectors.collection(name)
     matrix = (as_matrix(body.vectors, c.dim, "vectors") if body.vectors is not None
               else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
@@ -202,8 +211,10 @@ async def delete_points(name: CollectionName, body: DeletePoints, runtime: Runti
     return WriteOut(deleted=deleted)
 
 
-@router.post("/collections/{name}/search", summary="k nearest neighbours of one vector or a batch")
-async def search(name: CollectionName, body: SearchRequest, runtime: RuntimeDep) -> SearchOut:
+async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
+    """Parse a search body, search, and return the JSON answer. Shared by the route below and the fast lane
+    (service/fastlane.py), which calls it without FastAPI's per-request machinery."""
+    body = parse_json(SearchRequest, raw)
     vectors = manager(runtime)
     c = await vectors.collection(name)
     if body.vector is not None:
@@ -217,8 +228,18 @@ async def search(name: CollectionName, body: SearchRequest, runtime: RuntimeDep)
     ids, distances = answer.result.ids, answer.result.distances
     if body.vector is not None:
         ids, distances = ids[0], distances[0]
-    return SearchOut(ids=ids, distances=distances, engine=answer.engine, took_ms=answer.took_ms,
-                     fallback=answer.fallback)
+    return orjson.dumps({"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
+                         "fallback": answer.fallback})
+
+
+@router.post(
+    "/collections/{name}/search", summary="k nearest neighbours of one vector or a batch", response_model=SearchOut,
+    openapi_extra=json_body(SearchRequest),
+)
+async def search(name: CollectionName, request: Request) -> Response:
+    # The body is parsed by pydantic-core straight from bytes and the answer written with orjson.
+    return Response(await run_search(request.app.state.switchyard, name, await request.body()),
+                    media_type="application/json")
 
 
 @router.post("/collections/{name}/recall", summary="recall@k of an engine against exact search")

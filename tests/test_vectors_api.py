@@ -1,0 +1,203 @@
+"""Vector collections over HTTP: lifecycle, encodings, bad input answered 4xx with nothing changed, routing,
+micro-batching, bulk loads as jobs."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from helpers import assert_problem, wait_ready
+from vector_data import b64, clustered, oracle
+
+DIM = 8
+DATA = clustered(500, DIM, seed=5)
+
+
+@pytest.fixture
+def col(client):
+    """A collection with 500 points (ids 0..499, payload {"even": bool})."""
+    wait_ready(client)
+    name = f"c{time.monotonic_ns()}"
+    assert client.post("/v1/collections", json={"name": name, "dim": DIM}).status_code == 201
+    r = client.put(f"/v1/collections/{name}/points", json={
+        "ids": list(range(500)), "vectors": DATA.tolist(), "payloads": [{"even": i % 2 == 0} for i in range(500)]})
+    assert r.status_code == 200, r.text
+    return name
+
+
+def nearest(client, name, vector, k=5, **extra):
+    r = client.post(f"/v1/collections/{name}/search", json={"vector": np.asarray(vector).tolist(), "k": k, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def state(client, name):
+    """What a bad request must not change: the count and a search answer."""
+    return client.get(f"/v1/collections/{name}").json()["count"], nearest(client, name, DATA[0])["ids"]
+
+
+def test_create_list_get_delete(client):
+    wait_ready(client)
+    r = client.post("/v1/collections", json={"name": "life", "dim": 4, "metric": "cosine",
+                                             "index": {"type": "hnsw", "params": {"m": 8}}})
+    assert r.status_code == 201
+    assert r.json()["index"] == {"type": "hnsw", "params": {"m": 8, "ef_construction": 40}}
+    assert "life" in [c["name"] for c in client.get("/v1/collections").json()]
+    got = client.get("/v1/collections/life").json()
+    assert got["count"] == 0 and got["engines"] == ["faiss", "pgvector"] and got["index_state"]["resident"]
+    assert_problem(client.post("/v1/collections", json={"name": "life", "dim": 4}), 409, "conflict", "name")
+    assert client.delete("/v1/collections/life").status_code == 204
+    assert_problem(client.get("/v1/collections/life"), 404, "not-found")
+    assert_problem(client.delete("/v1/collections/life"), 404, "not-found")
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"name": "bad name!", "dim": 4}, "name"),
+    ({"name": "x", "dim": 0}, "dim"),
+    ({"name": "x", "dim": 4, "metric": "manhattan"}, "metric"),
+    ({"name": "x", "dim": 4, "index": {"type": "lsh"}}, "index.type"),
+    ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"ef_search": 5}}}, "index.params.ef_search"),
+    ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"m": 1}}}, "index.params.m"),
+    ({"name": "x", "dim": 4, "pgvector_index": {"type": "hnsw", "m": 1000}}, "pgvector_index.m"),
+])
+def test_bad_collection_definitions_name_the_field(client, body, field):
+    assert_problem(client.post("/v1/collections", json=body), 422, "validation-error", field)
+    assert "x" not in [c["name"] for c in client.get("/v1/collections").json()]
+
+
+def test_vectors_as_json_base64_and_arrow_agree(client, col):
+    extra = clustered(30, DIM, seed=9)
+    r = client.put(f"/v1/collections/{col}/points", json={"ids": list(range(1000, 1010)), "vectors_b64": b64(extra[:10])})
+    assert r.status_code == 200 and r.json()["upserted"] == 10
+    table = pa.table({"id": pa.array(range(2000, 2020), pa.int64()),
+                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(extra[10:].reshape(-1)), DIM),
+                      "payload": pa.array(['{"src": "arrow"}'] * 20)})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    r = client.put(f"/v1/collections/{col}/points", content=sink.getvalue(),
+                   headers={"content-type": "application/vnd.apache.arrow.stream"})
+    assert r.status_code == 202 and r.headers["location"].startswith("/v1/jobs/")
+    for _ in range(200):
+        job = client.get(r.headers["location"]).json()
+        if job["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.05)
+    assert job["state"] == "succeeded" and job["done"] == job["total"] == 20, job
+    assert client.get(f"/v1/collections/{col}").json()["count"] == 530
+    for i, v in [(1003, extra[3]), (2005, extra[15])]:
+        hit = nearest(client, col, v, k=1)
+        assert hit["ids"] == [i] and hit["distances"][0] == pytest.approx(0, abs=1e-5)
+    assert nearest(client, col, extra[15], k=1, filter={"src": "arrow"})["ids"] == [2005]
+
+
+def test_distances_follow_one_convention(client):
+    wait_ready(client)
+    for metric in ("l2", "cosine", "inner_product"):
+        name = f"conv-{metric}".replace("_", "-")
+        client.post("/v1/collections", json={"name": name, "dim": DIM, "metric": metric})
+        client.put(f"/v1/collections/{name}/points", json={"ids": list(range(500)), "vectors": DATA.tolist()})
+        q = DATA[7] * 1.5 + 0.1
+        ids, want = oracle(DATA, q[None, :], 5, metric)
+        for engine in ("cpu", "pgvector"):
+            got = nearest(client, name, q, engine=engine)
+            assert got["ids"] == ids[0].tolist(), (metric, engine)
+            np.testing.assert_allclose(got["distances"], want[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"ids": [1], "vectors": [[0.0] * (DIM + 1)]}, "vectors"),
+    ({"ids": [1], "vectors": [[float("nan")] + [0.0] * (DIM - 1)]}, "vectors[0]"),
+    ({"ids": [1], "vectors": [[float("inf")] + [0.0] * (DIM - 1)]}, "vectors[0]"),
+    ({"ids": [1], "vectors_b64": "not base64!"}, "vectors_b64"),
+    ({"ids": [1], "vectors_b64": b64(np.zeros(DIM + 1, dtype=np.float32))}, "vectors_b64"),
+    ({"ids": [1, 1], "vectors": [[0.0] * DIM] * 2}, "ids"),
+    ({"ids": [-1], "vectors": [[0.0] * DIM]}, "ids"),
+    ({"ids": [1, 2], "vectors": [[0.0] * DIM]}, "ids"),
+    ({"ids": [1], "vectors": [[0.0] * DIM], "payloads": [{"a": 1}, {"b": 2}]}, "payloads"),
+    ({"ids": [1]}, None),
+    ({"ids": [], "vectors": []}, "ids"),
+])
+def test_bad_upserts_are_422_and_change_nothing(client, col, body, field):
+    before = state(client, col)
+    raw = __import__("json").dumps(body)  # NaN and Infinity as JSON tokens, which stdlib JSON accepts
+    r = client.put(f"/v1/collections/{col}/points", content=raw, headers={"content-type": "application/json"})
+    assert_problem(r, 422, "validation-error", field)
+    assert state(client, col) == before
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"vector": [0.0] * (DIM - 1)}, "vector"),
+    ({"vector": [float("nan")] * DIM}, "vector[0]"),
+    ({"vector": [0.0] * DIM, "k": 0}, "k"),
+    ({"vector": [0.0] * DIM, "k": 1001}, "k"),
+    ({"vector": [0.0] * DIM, "engine": "quantum"}, "engine"),
+    ({"vector": [0.0] * DIM, "params": {"nprobe": 3}}, "params.nprobe"),
+    ({"vectors_b64": "@@@"}, "vectors_b64"),
+    ({}, None),
+    ({"vector": [0.0] * DIM, "vectors": [[0.0] * DIM]}, None),
+])
+def test_bad_searches_are_422(client, col, body, field):
+    raw = __import__("json").dumps(body)
+    r = client.post(f"/v1/collections/{col}/search", content=raw, headers={"content-type": "application/json"})
+    assert_problem(r, 422, "validation-error", field)
+
+
+def test_unknown_collection_is_404_everywhere(client):
+    wait_ready(client)
+    v = [0.0] * DIM
+    assert_problem(client.post("/v1/collections/nope/search", json={"vector": v}), 404, "not-found")
+    assert_problem(client.put("/v1/collections/nope/points", json={"ids": [1], "vectors": [v]}), 404, "not-found")
+    assert_problem(client.post("/v1/collections/nope/points/delete", json={"ids": [1]}), 404, "not-found")
+    assert_problem(client.post("/v1/collections/nope/recall", json={}), 404, "not-found")
+
+
+def test_explicit_gpu_engine_without_a_gpu_is_409_never_substituted(client, col):
+    body = assert_problem(client.post(f"/v1/collections/{col}/search", json={"vector": DATA[0].tolist(), "engine": "gpu"}),
+                          409, "engine-unavailable", "engine")
+    assert "cpu" in body["detail"]
+
+
+def test_auto_uses_the_resident_engine_and_pgvector_on_request(client, col):
+    assert nearest(client, col, DATA[1])["engine"] == "faiss"
+    got = nearest(client, col, DATA[1], engine="pgvector", params={"ef_search": 50})
+    assert got["engine"] == "pgvector" and got["ids"][0] == 1 and got["fallback"] is None
+
+
+def test_concurrent_single_searches_are_micro_batched(client, col):
+    batcher = client.app.state.switchyard.vectors.batchers["cpu"]
+    before_batches, before_queries = batcher.batches, batcher.queries
+    results: dict[int, list[int]] = {}
+    barrier = threading.Barrier(24)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        for j in range(5):
+            results[i * 5 + j] = nearest(client, col, DATA[(i * 5 + j) % 500], k=3)["ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n, ids in results.items():
+        assert ids[0] == n % 500  # every answer is its own query's
+    batched = batcher.queries - before_queries
+    calls = batcher.batches - before_batches
+    assert batched > 0 and calls < batched, (calls, batched)
+
+
+def test_engine_metrics_are_recorded(client, col):
+    nearest(client, col, DATA[2])
+    text = client.get("/metrics").text
+    assert 'switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="ok"}' in text
+
+
+def test_unknown_job_is_404(client):
+    assert_problem(client.get("/v1/jobs/00000000-0000-0000-0000-000000000000"), 404, "not-found")
+    assert_problem(client.get("/v1/jobs/not-a-uuid"), 404, "not-found")
