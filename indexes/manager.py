@@ -46,6 +46,7 @@ class Resident:
     rebuild_task: asyncio.Task | None = None
     saved: tuple | None = None  # (watermark, rows, index type) of the last snapshot written
     bulk_loading: int = 0  # bulk loads in progress: they build once at the end, so no background rebuilds
+    loaded_from: str | None = None  # "snapshot" (+ replay) or "postgres" (rebuilt), said by GET collection
 
 
 @dataclass
@@ -150,6 +151,7 @@ class CollectionManager:
                 "indexed_rows": r.index.indexed_rows, "delta_rows": r.index.delta_rows,
                 "dead_rows": r.index.n_dead, "watermark": r.index.watermark,
                 "rebuilding": r.rebuild_task is not None and not r.rebuild_task.done(),
+                "loaded_from": r.loaded_from,
             }
         state["pgvector_index"] = await pgvector_search.has_index(self.pool, c)
         return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state}
@@ -406,9 +408,9 @@ class CollectionManager:
                 state = None
             if state is None or r.index.needs_rebuild():
                 await self._in_executor(r, r.index.rebuild, None)
-        log.info("collection %s: %d vectors resident on %s in %.2f s (%s)", c.name, r.index.count,
-                 r.index.backend.name, time.perf_counter() - started,
-                 "snapshot + replay" if state is not None else "rebuilt from Postgres")
+        r.loaded_from = "snapshot" if state is not None else "postgres"
+        log.info("collection %s: %d vectors resident on %s in %.2f s (from %s)", c.name, r.index.count,
+                 r.index.backend.name, time.perf_counter() - started, r.loaded_from)
         if state is None:
             await self._save_snapshot(r)
 

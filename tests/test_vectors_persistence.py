@@ -1,0 +1,170 @@
+"""Persistence: snapshots with a watermark, replay of later changes from Postgres, rebuild when a snapshot is
+unusable, and no acknowledged point lost when the service is killed in the middle of bulk upserts."""
+
+from __future__ import annotations
+
+import io
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+from fastapi.testclient import TestClient
+
+from helpers import wait_ready
+from service.app import create_app
+from test_cli import free_port, serve
+from test_cli import wait_ready as wait_ready_http
+from vector_data import b64, clustered
+
+DIM = 16
+DATA = clustered(2000, DIM, seed=11)
+
+
+def running(make_settings, data_dir: Path) -> TestClient:
+    client = TestClient(create_app(make_settings(data_dir=data_dir)))
+    client.__enter__()
+    wait_ready(client)
+    return client
+
+
+def wait_job(client, location: str) -> dict:
+    for _ in range(1200):
+        job = client.get(location).json()
+        if job["state"] in ("succeeded", "failed"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job did not finish: {job}")
+
+
+def top1(client, name: str, vectors: np.ndarray, engine: str = "cpu") -> list[int]:
+    r = client.post(f"/v1/collections/{name}/search", json={"vectors_b64": b64(vectors), "k": 1, "engine": engine})
+    assert r.status_code == 200, r.text
+    return [ids[0] if ids else None for ids in r.json()["ids"]]
+
+
+def test_restart_loads_the_snapshot_and_replays_later_changes(make_settings, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    client = running(make_settings, a)
+    assert client.post("/v1/collections", json={"name": "snap", "dim": DIM, "index": {"type": "hnsw"}}).status_code == 201
+    assert client.put("/v1/collections/snap/points", json={"ids": list(range(1000)), "vectors_b64": b64(DATA[:1000])}).status_code == 200
+    assert wait_job(client, client.post("/v1/collections/snap/build").json()["location"])["state"] == "succeeded"
+    client.__exit__(None, None, None)
+    assert list(a.glob("vectors/*.snapshot"))
+
+    # Another instance (its own data directory) writes to the same database meanwhile.
+    other = running(make_settings, b)
+    moved = DATA[1500:1510]
+    assert other.put("/v1/collections/snap/points", json={"ids": list(range(1000, 1050)), "vectors_b64": b64(DATA[1000:1050])}).status_code == 200
+    assert other.put("/v1/collections/snap/points", json={"ids": list(range(10)), "vectors_b64": b64(moved)}).status_code == 200
+    assert other.post("/v1/collections/snap/points/delete", json={"ids": list(range(100, 120))}).json()["deleted"] == 20
+    other.__exit__(None, None, None)
+
+    client = running(make_settings, a)
+    try:
+        info = client.get("/v1/collections/snap").json()
+        assert info["index_state"]["loaded_from"] == "snapshot"
+        assert info["count"] == 1000 + 50 - 20 == info["index_state"]["indexed_rows"] + info["index_state"]["delta_rows"] - info["index_state"]["dead_rows"]
+        assert top1(client, "snap", DATA[1000:1050]) == list(range(1000, 1050))  # added after the snapshot
+        assert top1(client, "snap", moved) == list(range(10))  # replaced after the snapshot
+        assert not set(top1(client, "snap", DATA[100:120])) & set(range(100, 120))  # deleted after it
+        assert top1(client, "snap", DATA[500:520]) == list(range(500, 520))  # untouched
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_unreadable_snapshot_means_a_rebuild_from_postgres(make_settings, tmp_path):
+    d = tmp_path / "c"
+    client = running(make_settings, d)
+    client.post("/v1/collections", json={"name": "broken", "dim": DIM})
+    client.put("/v1/collections/broken/points", json={"ids": list(range(300)), "vectors_b64": b64(DATA[:300])})
+    client.__exit__(None, None, None)
+    snapshots = list(d.glob("vectors/*.snapshot"))
+    assert snapshots
+    for snapshot in snapshots:
+        snapshot.write_bytes(b"this is not a snapshot")
+    client = running(make_settings, d)
+    try:
+        info = client.get("/v1/collections/broken").json()
+        assert info["index_state"]["loaded_from"] == "postgres" and info["count"] == 300
+        assert top1(client, "broken", DATA[:300]) == list(range(300))
+    finally:
+        client.__exit__(None, None, None)
+
+
+def arrow_stream(ids: np.ndarray, vectors: np.ndarray) -> bytes:
+    table = pa.table({"id": pa.array(ids, pa.int64()),
+                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def test_killing_the_service_during_bulk_upserts_loses_no_acknowledged_point(tmp_path):
+    data_dir, port = tmp_path / "data", free_port()
+    url = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(7)
+    bulk = rng.standard_normal((200_000, DIM)).astype(np.float32)
+    small = rng.standard_normal((40_000, DIM)).astype(np.float32)
+
+    proc = serve(data_dir, port)
+    wait_ready_http(port, proc)
+    http = httpx.Client(base_url=url, timeout=60)
+    # Exact search (brute force) so that "found" below can only mean "stored".
+    assert http.post("/v1/collections", json={"name": "k", "dim": DIM, "index": {"type": "brute_force"},
+                                               "pgvector_index": {"type": "none"}}).status_code == 201
+    # A bulk load as a job (committed in chunks), and JSON upserts acknowledged one batch at a time.
+    job = http.put("/v1/collections/k/points", content=arrow_stream(np.arange(1_000_000, 1_200_000), bulk),
+                   headers={"content-type": "application/vnd.apache.arrow.stream"}).json()
+    acknowledged: list[int] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with httpx.Client(base_url=url, timeout=60) as w:
+            for start in range(0, len(small), 500):
+                if stop.is_set():
+                    return
+                ids = list(range(start, start + 500))
+                try:
+                    r = w.put("/v1/collections/k/points", json={"ids": ids, "vectors_b64": b64(small[start:start + 500])})
+                except httpx.TransportError:
+                    return  # killed mid-request: this batch was never acknowledged
+                if r.status_code == 200:
+                    acknowledged.extend(ids)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(acknowledged) < 5000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    stop.set()
+    thread.join()
+    assert len(acknowledged) >= 5000
+
+    proc = serve(data_dir, port)
+    try:
+        wait_ready_http(port, proc)
+        info = http.get("/v1/collections/k").json()
+        assert info["count"] >= len(acknowledged)
+        found = []
+        acked = np.array(acknowledged)
+        for start in range(0, len(acked), 1000):
+            part = acked[start:start + 1000]
+            r = http.post("/v1/collections/k/search", json={"vectors_b64": b64(small[part]), "k": 1, "engine": "cpu"})
+            body = r.json()
+            found.extend(ids[0] for ids in body["ids"])
+            assert max(d[0] for d in body["distances"]) < 1e-5
+        assert found == acked.tolist()
+        state = http.get(f"/v1/jobs/{job['job']}").json()
+        assert state["state"] in ("failed", "succeeded")
+        if state["state"] == "failed":
+            assert "interrupted" in state["message"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
