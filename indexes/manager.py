@@ -188,7 +188,7 @@ class CollectionManager:
             return len(gone)
         async with r.write_lock:
             gone, seq = await self.store.delete(c, ids)
-            r.index.delete(gone, seq)
+            await self._in_executor(r, r.index.delete, gone, seq)
         self._maybe_rebuild(r)
         return len(gone)
 

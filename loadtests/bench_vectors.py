@@ -111,12 +111,21 @@ def http_modes(port: int, collection: str, queries: np.ndarray, k: int, engine: 
             return call
         return make
 
+    return measure_modes(client_for(singles, 1), client_for(batches, batch), clients, batch, duration, runs, load)
+
+
+ClientFactory = Callable[[int], Callable[[int], int]]
+
+
+def measure_modes(single: ClientFactory, batched: ClientFactory, clients: int, batch: int, duration: float,
+                  runs: int, load: MachineLoad) -> dict[str, Any]:
+    """QPS for one client sending single queries, `clients` concurrent clients, and one client sending batches."""
     out: dict[str, Any] = {}
-    for mode, n, bodies, per in (("single_1_client", 1, singles, 1), (f"single_{clients}_clients", clients, singles, 1),
-                                 (f"batch_{batch}", 1, batches, batch)):
+    for mode, n, factory in (("single_1_client", 1, single), (f"single_{clients}_clients", clients, single),
+                             (f"batch_{batch}", 1, batched)):
         m: dict[str, Any] = {}
         with load.measure(m):
-            m.update(repeat(runs, lambda: run_clients(n, duration, client_for(bodies, per))))
+            m.update(repeat(runs, lambda: run_clients(n, duration, factory)))
         out[mode] = m
     return out
 
@@ -173,18 +182,11 @@ def pg_modes(dsn: str, table: str, queries: np.ndarray, k: int, ef: int, clients
             return lambda i: len(c.search(queries[i % len(queries)])) and 1
         return make
 
-    out: dict[str, Any] = {}
     try:
-        for mode, n, batched, per in (("single_1_client", 1, False, 1), (f"single_{clients}_clients", clients, False, 1),
-                                      (f"batch_{batch}", 1, True, batch)):
-            m: dict[str, Any] = {}
-            with load.measure(m):
-                m.update(repeat(runs, lambda: run_clients(n, duration, client_for(batched, per))))
-            out[mode] = m
+        return measure_modes(client_for(False, 1), client_for(True, batch), clients, batch, duration, runs, load)
     finally:
         for c in opened:
             c.close()
-    return out
 
 
 # -- the run ------------------------------------------------------------------------------------------
