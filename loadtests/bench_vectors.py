@@ -21,7 +21,6 @@ import base64
 import http.client
 import io
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -97,19 +96,24 @@ def http_modes(port: int, collection: str, queries: np.ndarray, k: int, engine: 
                              "k": k, "engine": engine, "params": params})
                for s in range(0, len(queries), batch)]
 
-    def client_for(bodies: list[bytes], per_call: int) -> Callable[[int], Callable[[int], int]]:
-        def make(_: int) -> Callable[[int], int]:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    class Client:
+        def __init__(self, bodies: list[bytes], per_call: int) -> None:
+            self.bodies, self.per_call = bodies, per_call
+            self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
 
-            def call(i: int) -> int:
-                conn.request("POST", path, bodies[i % len(bodies)], {"Content-Type": "application/json"})
-                r = conn.getresponse()
-                r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}")
-                return per_call
-            return call
-        return make
+        def __call__(self, i: int) -> int:
+            self.conn.request("POST", path, self.bodies[i % len(self.bodies)], {"Content-Type": "application/json"})
+            r = self.conn.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}")
+            return self.per_call
+
+        def close(self) -> None:
+            self.conn.close()
+
+    def client_for(bodies: list[bytes], per_call: int) -> ClientFactory:
+        return lambda _: Client(bodies, per_call)
 
     return measure_modes(client_for(singles, 1), client_for(batches, batch), clients, batch, duration, runs, load)
 
@@ -160,7 +164,7 @@ class PgClient:
         from pgvector import Vector
 
         rows = self.loop.run_until_complete(self.batch.fetch([Vector(q) for q in qs]))
-        return len(rows)
+        return len({r[0] for r in rows})  # queries answered
 
     def close(self) -> None:
         self.loop.run_until_complete(self.conn.close())
@@ -169,24 +173,20 @@ class PgClient:
 
 def pg_modes(dsn: str, table: str, queries: np.ndarray, k: int, ef: int, clients: int, batch: int,
              duration: float, runs: int, load: MachineLoad) -> dict[str, Any]:
-    opened: list[PgClient] = []
-    lock = threading.Lock()
+    class Client:
+        def __init__(self, batched: bool) -> None:
+            self.pg, self.batched = PgClient(dsn, table, k, ef), batched
 
-    def client_for(batched: bool, per: int) -> Callable[[int], Callable[[int], int]]:
-        def make(_: int) -> Callable[[int], int]:
-            c = PgClient(dsn, table, k, ef)
-            with lock:
-                opened.append(c)
-            if batched:
-                return lambda i: c.search_batch(queries[(i * batch) % len(queries):][:batch]) and per
-            return lambda i: len(c.search(queries[i % len(queries)])) and 1
-        return make
+        def __call__(self, i: int) -> int:
+            if self.batched:
+                return self.pg.search_batch(np.take(queries, range(i * batch, (i + 1) * batch), axis=0, mode="wrap"))
+            self.pg.search(queries[i % len(queries)])
+            return 1
 
-    try:
-        return measure_modes(client_for(False, 1), client_for(True, batch), clients, batch, duration, runs, load)
-    finally:
-        for c in opened:
-            c.close()
+        def close(self) -> None:
+            self.pg.close()
+
+    return measure_modes(lambda _: Client(False), lambda _: Client(True), clients, batch, duration, runs, load)
 
 
 # -- the run ------------------------------------------------------------------------------------------

@@ -139,7 +139,8 @@ def wait_for_quiet(max_wait_s: float = 30, threshold_cores: float = 0.2) -> floa
 
 def run_clients(n_clients: int, duration_s: float, make_client: Callable[[int], Callable[[int], int]]) -> dict[str, Any]:
     """Closed-loop load: n threads, each calling its client(i) back to back for duration_s.
-    client(i) returns how many queries that call answered. Returns QPS and latency percentiles."""
+    client(i) returns how many queries that call answered; a client with a close() is closed afterwards.
+    Returns QPS and latency percentiles."""
     stop = threading.Event()
     counts = [0] * n_clients
     latencies: list[list[float]] = [[] for _ in range(n_clients)]
@@ -171,6 +172,10 @@ def run_clients(n_clients: int, duration_s: float, make_client: Callable[[int], 
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
+    for call in clients:
+        close = getattr(call, "close", None)
+        if close is not None:
+            close()
     if errors:
         raise RuntimeError(f"client failed: {errors[0]!r}") from errors[0]
     lat = sorted(x for per in latencies for x in per)

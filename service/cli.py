@@ -69,6 +69,59 @@ def _migrate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _load_vectors(args: argparse.Namespace) -> int:
+    """Bulk-load a .npy file into a collection of a running service, with a progress bar."""
+    import io
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    import numpy as np
+    import pyarrow as pa
+
+    vectors = np.load(args.vectors).astype(np.float32)
+    ids = np.load(args.ids).astype(np.int64) if args.ids else np.arange(args.first_id, args.first_id + len(vectors))
+    if vectors.ndim != 2 or len(ids) != len(vectors):
+        sys.exit(f"need an (n, dim) array of vectors and n ids; got {vectors.shape} and {len(ids)} ids")
+    table = pa.table({"id": pa.array(ids), "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)),
+                                                                                      vectors.shape[1])})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.url.rstrip("/")
+
+    def call(method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> dict:
+        request = urllib.request.Request(base + path, data=body, method=method,
+                                         headers={**headers, **({"Content-Type": content_type} if content_type else {})})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            problem = json.loads(exc.read() or b"{}")
+            sys.exit(f"{method} {path}: {exc.code} {problem.get('detail', exc.reason)}")
+        except urllib.error.URLError as exc:
+            sys.exit(f"cannot reach {base}: {exc.reason}")
+
+    job = call("PUT", f"/v1/collections/{args.collection}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
+    while True:
+        state = call("GET", job["location"])
+        total, done = state["total"] or len(ids), state["done"]
+        filled = int(30 * done / total) if total else 0
+        print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {state['message'] or state['state']:<50}",
+              end="", file=sys.stderr, flush=True)
+        if state["state"] in ("succeeded", "failed"):
+            print(file=sys.stderr)
+            break
+        time.sleep(0.5)
+    if state["state"] == "failed":
+        print(f"load failed: {state['message']}", file=sys.stderr)
+        return 1
+    print(json.dumps(state["result"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="apply pending database migrations and exit")
     migrate.set_defaults(run=_migrate)
+
+    load = sub.add_parser("load-vectors", help="bulk-load a .npy of vectors into a collection of a running service")
+    load.add_argument("collection")
+    load.add_argument("vectors", help=".npy file, float32 (n, dim)")
+    load.add_argument("--ids", help=".npy file of n int64 ids (default: first-id, first-id+1, ...)")
+    load.add_argument("--first-id", dest="first_id", type=int, default=0)
+    load.add_argument("--url", default=os.environ.get("SWITCHYARD_URL", "http://127.0.0.1:8000"))
+    load.add_argument("--api-key", dest="api_key", default=os.environ.get("SWITCHYARD_API_KEY"))
+    load.set_defaults(run=_load_vectors)
 
     for p in (serve, migrate):
         p.add_argument("--data-dir", dest="data_dir", help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")

@@ -90,3 +90,26 @@ def test_bad_configuration_is_a_clear_error(tmp_path):
                          timeout=60)
     assert out.returncode != 0
     assert "SWITCHYARD_PORT" in out.stderr and "less than or equal to 65535" in out.stderr
+
+
+def test_load_vectors_command_shows_progress_and_loads(tmp_path):
+    import numpy as np
+
+    data_dir, port = tmp_path / "data", free_port()
+    proc = serve(data_dir, port)
+    try:
+        wait_ready(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.post(url + "/v1/collections", json={"name": "cli", "dim": 4}).status_code == 201
+        vectors = np.random.default_rng(0).standard_normal((3000, 4)).astype(np.float32)
+        np.save(tmp_path / "v.npy", vectors)
+        out = subprocess.run([sys.executable, "-m", "service.cli", "load-vectors", "cli", str(tmp_path / "v.npy"),
+                              "--url", url, "--first-id", "100"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "3000/3000" in out.stderr and "upserted" in out.stdout
+        assert httpx.get(url + "/v1/collections/cli").json()["count"] == 3000
+        bad = subprocess.run([sys.executable, "-m", "service.cli", "load-vectors", "nope", str(tmp_path / "v.npy"),
+                              "--url", url], capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and "404" in bad.stderr and "nope" in bad.stderr
+    finally:
+        interrupt(proc)
