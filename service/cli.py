@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -69,6 +70,46 @@ def _migrate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _progress(done: int, total: int | None, message: str) -> None:
+    """A one-line progress bar on stderr, redrawn in place."""
+    filled = int(30 * done / total) if total else 0
+    count = f"{done}/{total}" if total else ""
+    print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {count} {message:<50}", end="", file=sys.stderr, flush=True)
+
+
+def _ssb(args: argparse.Namespace) -> int:
+    """Generate or import an SSB dataset into the data directory; the service loads it at its next start."""
+    import json
+
+    from olap.schema import dataset_dir
+
+    settings = _settings(args)
+    root = settings.data_dir / "ssb"
+    try:
+        if args.ssb_command == "generate":
+            from olap.generate import generate
+
+            target = dataset_dir(settings.data_dir, args.sf)
+            if args.seed:
+                target = target.with_name(f"{target.name}-seed{args.seed}")
+            meta = generate(args.sf, target, args.seed, _progress)
+        else:
+            from olap.importer import SsbImportError, import_tbl
+
+            target = root / args.name
+            try:
+                meta = import_tbl(Path(args.source), target, None, _progress)
+            except SsbImportError as exc:
+                print(file=sys.stderr)
+                sys.exit(f"import failed, nothing was written: {exc}")
+    finally:
+        print(file=sys.stderr)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "active.json").write_text(json.dumps({"dataset": str(target)}))
+    print(json.dumps({"dataset": str(target), "rows": meta["rows"]}))
+    return 0
+
+
 def _load_vectors(args: argparse.Namespace) -> int:
     """Bulk-load a .npy file into a collection of a running service, with a progress bar."""
     import io
@@ -107,10 +148,7 @@ def _load_vectors(args: argparse.Namespace) -> int:
     job = call("PUT", f"/v1/collections/{args.collection}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
     while True:
         state = call("GET", job["location"])
-        total, done = state["total"] or len(ids), state["done"]
-        filled = int(30 * done / total) if total else 0
-        print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {state['message'] or state['state']:<50}",
-              end="", file=sys.stderr, flush=True)
+        _progress(state["done"], state["total"] or len(ids), state["message"] or state["state"])
         if state["state"] in ("succeeded", "failed"):
             print(file=sys.stderr)
             break
@@ -144,7 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--api-key", dest="api_key", default=os.environ.get("SWITCHYARD_API_KEY"))
     load.set_defaults(run=_load_vectors)
 
-    for p in (serve, migrate):
+    ssb = sub.add_parser("ssb", help="Star Schema Benchmark data: generate or import into the data directory")
+    ssb_sub = ssb.add_subparsers(dest="ssb_command", required=True)
+    gen = ssb_sub.add_parser("generate", help="generate an SSB dataset (Parquet) following ssb-dbgen's rules")
+    gen.add_argument("--sf", type=float, required=True, help="scale factor (1 = 6 million lineorder rows)")
+    gen.add_argument("--seed", type=int, default=0)
+    imp = ssb_sub.add_parser("import", help="import the five .tbl files written by ssb-dbgen")
+    imp.add_argument("source", help="directory with lineorder.tbl, part.tbl, supplier.tbl, customer.tbl, date.tbl")
+    imp.add_argument("--name", default="imported", help="dataset name under <data_dir>/ssb")
+    for p in (gen, imp):
+        p.set_defaults(run=_ssb)
+
+    for p in (serve, migrate, gen, imp):
         p.add_argument("--data-dir", dest="data_dir", help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")
         p.add_argument("--database-url", dest="database_url",
                        help="PostgreSQL URL (SWITCHYARD_DATABASE_URL); unset: embedded PostgreSQL in the data dir")
@@ -154,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=(args.log_level or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
+    logging.basicConfig(level=(getattr(args, "log_level", None) or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.run(args)
 

@@ -63,11 +63,11 @@ CATALOG: tuple[EngineSpec, ...] = (
     EngineSpec("postgis", "spatial", "postgres", "PostGIS ST_Contains / ST_DWithin on geography",
                postgres_extension="postgis", planned_in="issue #5"),
     EngineSpec("cudf", "olap", "gpu", "cuDF with the SSB tables resident in device memory",
-               modules=("cudf",), distribution="cudf-cu12", planned_in="issue #4"),
+               modules=("cudf", "polars"), distribution="cudf-cu12", implementation="olap.engines:CudfEngineHandle"),
     EngineSpec("duckdb", "olap", "cpu", "DuckDB with the SSB tables in memory",
-               modules=("duckdb",), distribution="duckdb", planned_in="issue #4"),
-    EngineSpec("postgres", "olap", "postgres", "PostgreSQL heap tables",
-               planned_in="issue #4"),
+               modules=("duckdb",), distribution="duckdb", implementation="olap.engines:DuckDBEngineHandle"),
+    EngineSpec("postgres", "olap", "postgres", "PostgreSQL heap tables (schema ssb)",
+               implementation="olap.engines:PostgresEngineHandle"),
 )
 
 

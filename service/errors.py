@@ -122,6 +122,9 @@ _HTTP_SLUGS = {
 def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     """Status, slug, title and headers for the domain packages' errors (they know nothing of HTTP)."""
     from indexes import errors as vec
+    from olap.manager import EngineNotReady
+    from olap.results import QueryFailed
+    from olap.sqlguard import SqlRejected
 
     if isinstance(exc, vec.InvalidInput):
         return 422, "validation-error", "Invalid request", {}
@@ -129,19 +132,36 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
         return 404, "not-found", "Not found", {}
     if isinstance(exc, vec.CollectionExists):
         return 409, "conflict", "Conflict", {}
-    if isinstance(exc, vec.EngineUnavailable):
+    if isinstance(exc, (vec.EngineUnavailable, EngineNotReady)):
         return 409, "engine-unavailable", "Engine unavailable", {}
+    if isinstance(exc, SqlRejected):
+        return 422, "sql-rejected", "SQL not allowed", {}
+    if isinstance(exc, QueryFailed):
+        return 422, "query-failed", "Query failed", {}
+    if isinstance(exc, TimeoutError):
+        return 422, "query-timeout", "Query took too long", {}
+    if isinstance(exc, ValueError):  # parameter and import errors of the domain packages
+        return 422, "validation-error", "Invalid request", {}
     return 503, "engine-failed", "Engine failed", {"Retry-After": "1"}
 
 
 def install_error_handlers(app: FastAPI) -> None:
     from indexes.errors import VectorError
+    from olap.importer import SsbImportError
+    from olap.manager import EngineNotReady
+    from olap.queries import QueryParamError
+    from olap.results import QueryFailed
+    from olap.sqlguard import SqlRejected
 
-    @app.exception_handler(VectorError)
-    async def _domain(request: Request, exc: VectorError) -> Response:
+    async def _domain(request: Request, exc: Exception) -> Response:
         status, slug, title, headers = _domain_problem(exc)
-        return problem_response(status, slug, title, exc.detail, instance=request.url.path, field=exc.field,
-                                headers=headers or None)
+        detail = getattr(exc, "detail", None) or str(exc)
+        return problem_response(status, slug, title, detail, instance=request.url.path,
+                                field=getattr(exc, "field", None), headers=headers or None)
+
+    for domain_error in (VectorError, EngineNotReady, SqlRejected, QueryFailed, QueryParamError, SsbImportError,
+                         TimeoutError):
+        app.add_exception_handler(domain_error, _domain)
 
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     db_connect_timeout_s: float = Field(default=30.0, gt=0)
     db_command_timeout_s: float = Field(default=300.0, gt=0)
     readiness_timeout_s: float = Field(default=2.0, gt=0, description="How long /readyz waits for the database.")
+    ssb_import_dir: Path | None = Field(default=None, description=(
+        "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))
     gpu: Literal["auto", "off"] = Field(default="auto", description="'off' hides any CUDA device from the engines.")
 
     @field_validator("database_url")
@@ -52,10 +54,14 @@ class Settings(BaseSettings):
         # compose passes SWITCHYARD_API_KEY="" when the variable is unset: that means "no key", not "the empty key".
         return None if isinstance(key, str) and key.strip() == "" else key
 
-    @field_validator("data_dir")
+    @field_validator("data_dir", "ssb_import_dir")
     @classmethod
-    def _absolute(cls, path: Path) -> Path:
-        return path.expanduser().resolve()
+    def _absolute(cls, path: Path | None) -> Path | None:
+        return path.expanduser().resolve() if path is not None else None
+
+    @property
+    def ssb_imports(self) -> Path:
+        return self.ssb_import_dir or self.data_dir / "import"
 
     @property
     def embedded_pgdata(self) -> Path:

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import asyncpg
 import httpx
@@ -30,6 +32,21 @@ def serve(data_dir: Path, port: int) -> subprocess.Popen:
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+
+
+@contextmanager
+def serving(data_dir: Path, port: int) -> Iterator[subprocess.Popen]:
+    """`switchyard serve` for the duration of a block; stopped (and its PostgreSQL with it) even if a test fails."""
+    proc = serve(data_dir, port)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
@@ -66,20 +83,20 @@ def test_serve_embedded_ready_then_ctrl_c_then_reuse(tmp_path):
     data_dir, port = tmp_path / "data", free_port()
     pgdata = data_dir / "postgres"
 
-    first = serve(data_dir, port)
-    took = wait_ready(port, first)
-    assert took < 60
-    engines = httpx.get(f"http://127.0.0.1:{port}/v1/engines").json()["engines"]
-    assert not any(e["available"] for e in engines if e["kind"] == "gpu")
-    run(_sql(pgdata, "CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)"))
-    out = interrupt(first)
+    with serving(data_dir, port) as first:
+        took = wait_ready(port, first)
+        assert took < 60
+        engines = httpx.get(f"http://127.0.0.1:{port}/v1/engines").json()["engines"]
+        assert not any(e["available"] for e in engines if e["kind"] == "gpu")
+        run(_sql(pgdata, "CREATE TABLE kept (x int); INSERT INTO kept VALUES (42)"))
+        out = interrupt(first)
     assert re.search(r"applied \d+ migration", out), out
     assert not (pgdata / "postmaster.pid").exists(), "the embedded server was not stopped"
 
-    second = serve(data_dir, port)
-    wait_ready(port, second)
-    assert [r["x"] for r in run(_sql(pgdata, "SELECT x FROM kept"))] == [42]
-    out = interrupt(second)
+    with serving(data_dir, port) as second:
+        wait_ready(port, second)
+        assert [r["x"] for r in run(_sql(pgdata, "SELECT x FROM kept"))] == [42]
+        out = interrupt(second)
     assert "applied" not in out  # nothing to migrate the second time
     assert not (pgdata / "postmaster.pid").exists()
 
@@ -96,8 +113,7 @@ def test_load_vectors_command_shows_progress_and_loads(tmp_path):
     import numpy as np
 
     data_dir, port = tmp_path / "data", free_port()
-    proc = serve(data_dir, port)
-    try:
+    with serving(data_dir, port) as proc:
         wait_ready(port, proc)
         url = f"http://127.0.0.1:{port}"
         assert httpx.post(url + "/v1/collections", json={"name": "cli", "dim": 4}).status_code == 201
@@ -111,5 +127,3 @@ def test_load_vectors_command_shows_progress_and_loads(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "service.cli", "load-vectors", "nope", str(tmp_path / "v.npy"),
                               "--url", url], capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and "404" in bad.stderr and "nope" in bad.stderr
-    finally:
-        interrupt(proc)

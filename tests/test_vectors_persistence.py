@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from helpers import wait_ready
 from service.app import create_app
-from test_cli import free_port, serve
+from test_cli import free_port, serving
 from test_cli import wait_ready as wait_ready_http
 from vector_data import b64, clustered
 
@@ -111,44 +111,43 @@ def test_killing_the_service_during_bulk_upserts_loses_no_acknowledged_point(tmp
     bulk = rng.standard_normal((200_000, DIM)).astype(np.float32)
     small = rng.standard_normal((40_000, DIM)).astype(np.float32)
 
-    proc = serve(data_dir, port)
-    wait_ready_http(port, proc)
-    http = httpx.Client(base_url=url, timeout=60)
-    # Exact search (brute force) so that "found" below can only mean "stored".
-    assert http.post("/v1/collections", json={"name": "k", "dim": DIM, "index": {"type": "brute_force"},
-                                               "pgvector_index": {"type": "none"}}).status_code == 201
-    # A bulk load as a job (committed in chunks), and JSON upserts acknowledged one batch at a time.
-    job = http.put("/v1/collections/k/points", content=arrow_stream(np.arange(1_000_000, 1_200_000), bulk),
-                   headers={"content-type": "application/vnd.apache.arrow.stream"}).json()
-    acknowledged: list[int] = []
-    stop = threading.Event()
+    with serving(data_dir, port) as proc:
+        wait_ready_http(port, proc)
+        http = httpx.Client(base_url=url, timeout=60)
+        # Exact search (brute force) so that "found" below can only mean "stored".
+        assert http.post("/v1/collections", json={"name": "k", "dim": DIM, "index": {"type": "brute_force"},
+                                                   "pgvector_index": {"type": "none"}}).status_code == 201
+        # A bulk load as a job (committed in chunks), and JSON upserts acknowledged one batch at a time.
+        job = http.put("/v1/collections/k/points", content=arrow_stream(np.arange(1_000_000, 1_200_000), bulk),
+                       headers={"content-type": "application/vnd.apache.arrow.stream"}).json()
+        acknowledged: list[int] = []
+        stop = threading.Event()
 
-    def writer() -> None:
-        with httpx.Client(base_url=url, timeout=60) as w:
-            for start in range(0, len(small), 500):
-                if stop.is_set():
-                    return
-                ids = list(range(start, start + 500))
-                try:
-                    r = w.put("/v1/collections/k/points", json={"ids": ids, "vectors_b64": b64(small[start:start + 500])})
-                except httpx.TransportError:
-                    return  # killed mid-request: this batch was never acknowledged
-                if r.status_code == 200:
-                    acknowledged.extend(ids)
+        def writer() -> None:
+            with httpx.Client(base_url=url, timeout=60) as w:
+                for start in range(0, len(small), 500):
+                    if stop.is_set():
+                        return
+                    ids = list(range(start, start + 500))
+                    try:
+                        r = w.put("/v1/collections/k/points", json={"ids": ids, "vectors_b64": b64(small[start:start + 500])})
+                    except httpx.TransportError:
+                        return  # killed mid-request: this batch was never acknowledged
+                    if r.status_code == 200:
+                        acknowledged.extend(ids)
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while len(acknowledged) < 5000 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-    stop.set()
-    thread.join()
+        thread = threading.Thread(target=writer)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while len(acknowledged) < 5000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        stop.set()
+        thread.join()
     assert len(acknowledged) >= 5000
 
-    proc = serve(data_dir, port)
-    try:
+    with serving(data_dir, port) as proc:
         wait_ready_http(port, proc)
         info = http.get("/v1/collections/k").json()
         assert info["count"] >= len(acknowledged)
@@ -165,6 +164,3 @@ def test_killing_the_service_during_bulk_upserts_loses_no_acknowledged_point(tmp
         assert state["state"] in ("failed", "succeeded")
         if state["state"] == "failed":
             assert "interrupted" in state["message"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)

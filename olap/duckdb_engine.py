@@ -1,0 +1,90 @@
+"""CPU engine: DuckDB with the SSB tables resident in an in-memory database.
+
+Tables are loaded once from the Parquet files; after that the connection runs with external access off and its
+configuration locked, so no query (ad-hoc or not) can read or write a file, attach a database or load an
+extension. A new dataset means a new in-memory database, swapped in when loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from .queries import render_sql
+from .results import QueryFailed, Result, from_arrow_batches
+from .schema import TABLES
+
+
+class DuckDBEngine:
+    name = "duckdb"
+    kind = "cpu"
+
+    def __init__(self, threads: int | None = None, memory_limit: str | None = None) -> None:
+        self.threads, self.memory_limit = threads, memory_limit
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self.dataset: str | None = None
+        self.rows: dict[str, int] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self._con is not None
+
+    @property
+    def version(self) -> str:
+        return duckdb.__version__
+
+    def load(self, dataset_dir: Path) -> dict[str, Any]:
+        """Read the Parquet files into a fresh in-memory database, then lock it down."""
+        started = time.perf_counter()
+        con = duckdb.connect(":memory:")
+        if self.threads:
+            con.execute(f"SET threads = {int(self.threads)}")
+        if self.memory_limit:
+            con.execute("SET memory_limit = ?", [self.memory_limit])
+        rows = {}
+        for table in TABLES:
+            path = dataset_dir / f"{table}.parquet"
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(path)])
+            rows[table] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+        old, self._con = self._con, con
+        self.dataset, self.rows = str(dataset_dir), rows
+        if old is not None:
+            old.close()
+        return {"rows": rows, "load_s": round(time.perf_counter() - started, 3)}
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        if self._con is None:
+            raise RuntimeError("no SSB dataset is loaded in DuckDB")
+        return self._con.cursor()  # one cursor per query: cursors may run concurrently
+
+    def run_query(self, query_id: str, params: dict[str, Any] | None) -> Result:
+        return self.run_sql(render_sql(query_id, params or {}), max_rows=None, timeout_s=None)
+
+    def run_sql(self, sql: str, max_rows: int | None, timeout_s: float | None) -> Result:
+        cursor = self._cursor()
+        timer = threading.Timer(timeout_s, cursor.interrupt) if timeout_s else None
+        if timer:
+            timer.start()
+        try:
+            reader = cursor.sql(sql).to_arrow_reader(65_536)  # streamed: a huge result is read only to the limit
+            return from_arrow_batches(reader, max_rows)
+        except duckdb.InterruptException:
+            raise TimeoutError(f"the query ran longer than {timeout_s} s") from None
+        except (duckdb.BinderException, duckdb.CatalogException, duckdb.ParserException,
+                duckdb.ConversionException, duckdb.OutOfRangeException, duckdb.InvalidInputException) as exc:
+            raise QueryFailed(f"DuckDB: {str(exc).splitlines()[0]}") from None
+        finally:
+            if timer:
+                timer.cancel()
+            cursor.close()
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None

@@ -1,0 +1,210 @@
+"""The OLAP domain's facade: SSB datasets on disk, the engines holding them, routing between engines.
+
+A dataset is generated (or imported from ssb-dbgen .tbl files) to Parquet under <data_dir>/ssb/, then loaded
+into every attached engine: DuckDB (cpu) and cuDF (gpu) keep it in memory, PostgreSQL as heap tables. The
+active dataset is remembered in <data_dir>/ssb/active.json and loaded again at start-up.
+Queries go to the engine asked for, or for `auto` to gpu -> cpu -> postgres, falling back on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import sqlguard
+from .queries import QUERIES
+from .results import QueryFailed, Result
+from .schema import dataset_dir
+
+log = logging.getLogger("switchyard.olap")
+
+Progress = Callable[[int, int | None, str], None]
+ORDER = ("gpu", "cpu", "postgres")
+ENGINE_NAMES = {"gpu": "cudf", "cpu": "duckdb", "postgres": "postgres"}
+
+
+class EngineNotReady(RuntimeError):
+    """The engine asked for is absent here or has no dataset loaded."""
+
+
+@dataclass
+class Answer:
+    result: Result
+    engine: str
+    took_ms: float
+    fallback: str | None = None
+
+
+class OlapManager:
+    def __init__(self, data_dir: Path, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+        self.root = data_dir / "ssb"
+        self.engines: dict[str, Any] = {}  # kind -> engine
+        self.executors: dict[str, ThreadPoolExecutor] = {}
+        self.observe = observe or (lambda engine, op, seconds, ok: None)
+        self.active: Path | None = None
+        self.loading: asyncio.Task | None = None
+        self.load_errors: dict[str, str] = {}
+        self._load_lock = asyncio.Lock()
+
+    # -- engines ---------------------------------------------------------------------------------------
+    def attach(self, engine: Any) -> None:
+        self.engines[engine.kind] = engine
+        if engine.kind != "postgres":  # PostgreSQL is reached asynchronously; the others block a thread
+            workers = 1 if engine.kind == "gpu" else 4
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"olap-{engine.kind}")
+
+    @property
+    def ready(self) -> bool:
+        return self.loading is not None and self.loading.done()
+
+    async def start(self) -> None:
+        self.loading = asyncio.create_task(self._load_active())
+
+    async def stop(self) -> None:
+        if self.loading is not None and not self.loading.done():
+            self.loading.cancel()
+            await asyncio.gather(self.loading, return_exceptions=True)
+        for engine in self.engines.values():
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+        for executor in self.executors.values():
+            executor.shutdown(wait=True)
+
+    async def _load_active(self) -> None:
+        marker = self.root / "active.json"
+        if not marker.exists():
+            return
+        path = Path(json.loads(marker.read_text())["dataset"])
+        if (path / "meta.json").exists():
+            await self.activate(path)
+        else:
+            log.warning("the active SSB dataset %s is gone; generate or import one", path)
+
+    # -- datasets --------------------------------------------------------------------------------------
+    def datasets(self) -> list[dict[str, Any]]:
+        out = []
+        for meta_path in sorted(self.root.glob("*/meta.json")):
+            if meta_path.parent.name.startswith("."):  # a generation or import still in progress
+                continue
+            meta = json.loads(meta_path.read_text())
+            out.append({**meta, "path": str(meta_path.parent), "active": meta_path.parent == self.active})
+        return out
+
+    async def generate(self, scale_factor: float, seed: int, progress: Progress) -> dict[str, Any]:
+        from .generate import generate
+
+        target = dataset_dir(self.root.parent, scale_factor)
+        if seed:
+            target = target.with_name(f"{target.name}-seed{seed}")
+        meta = await asyncio.to_thread(generate, scale_factor, target, seed, progress)
+        loaded = await self.activate(target, progress)
+        return {"dataset": str(target), "rows": meta["rows"], "engines": loaded}
+
+    async def import_tbl(self, source: Path, name: str, expected_rows: dict[str, int] | None,
+                         progress: Progress) -> dict[str, Any]:
+        from .importer import import_tbl
+
+        target = self.root / name
+        meta = await asyncio.to_thread(import_tbl, source, target, expected_rows, progress)
+        loaded = await self.activate(target, progress)
+        return {"dataset": str(target), "rows": meta["rows"], "engines": loaded}
+
+    async def activate(self, path: Path, progress: Progress | None = None) -> dict[str, Any]:
+        """Load a dataset into every engine; an engine that fails keeps no dataset and says why."""
+        say = progress or (lambda done, total, message: None)
+        out: dict[str, Any] = {}
+        async with self._load_lock:
+            for kind in ORDER:
+                engine = self.engines.get(kind)
+                if engine is None:
+                    continue
+                say(0, None, f"loading the dataset into {engine.name}")
+                try:
+                    if kind == "postgres":
+                        out[engine.name] = await engine.load(path, say)
+                    else:
+                        out[engine.name] = await asyncio.get_running_loop().run_in_executor(
+                            self.executors[kind], engine.load, path)
+                    self.load_errors.pop(kind, None)
+                except Exception as exc:  # noqa: BLE001 - one engine's failure leaves the others serving
+                    log.exception("loading %s into %s failed", path, engine.name)
+                    self.load_errors[kind] = f"{type(exc).__name__}: {exc}"
+                    out[engine.name] = {"error": self.load_errors[kind]}
+            self.active = path
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / "active.json.tmp"
+            tmp.write_text(json.dumps({"dataset": str(path)}))
+            os.replace(tmp, self.root / "active.json")
+        return out
+
+    # -- queries ---------------------------------------------------------------------------------------
+    def _order(self, engine: str) -> list[str]:
+        if engine == "auto":
+            order = [k for k in ORDER if k in self.engines and self.engines[k].ready]
+            if not order:
+                raise EngineNotReady("no engine has an SSB dataset loaded: generate or import one first")
+            return order
+        kind = {"cudf": "gpu", "duckdb": "cpu"}.get(engine, engine)
+        if kind not in self.engines:
+            raise EngineNotReady(f"engine {engine!r} is not available here")
+        if not self.engines[kind].ready:
+            why = self.load_errors.get(kind, "no SSB dataset is loaded (generate or import one)")
+            raise EngineNotReady(f"engine {engine!r} is not ready: {why}")
+        return [kind]
+
+    async def _run(self, kind: str, method: str, *args: Any) -> Result:
+        engine = self.engines[kind]
+        if kind == "postgres":
+            return await getattr(engine, method)(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executors[kind], getattr(engine, method), *args)
+
+    async def _route(self, engine: str, method: str, operation: str, *args: Any, timeout_s: float | None = None,
+                     user_errors: tuple[type[Exception], ...] = ()) -> Answer:
+        order = self._order(engine)
+        fallback = None
+        for position, kind in enumerate(order):
+            name = ENGINE_NAMES[kind]
+            started = time.perf_counter()
+            try:
+                if timeout_s:
+                    # A second more than the engines' own limits, which stop the query itself.
+                    async with asyncio.timeout(timeout_s + 1):
+                        result = await self._run(kind, method, *args)
+                else:
+                    result = await self._run(kind, method, *args)
+            except (TimeoutError, *user_errors):
+                self.observe(name, operation, time.perf_counter() - started, False)
+                raise
+            except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
+                self.observe(name, operation, time.perf_counter() - started, False)
+                if position + 1 == len(order):
+                    raise
+                log.warning("olap engine %s failed, falling back: %s", name, exc)
+                fallback = f"{name} failed ({type(exc).__name__}: {exc}); served by {ENGINE_NAMES[order[position + 1]]}"
+                continue
+            took = time.perf_counter() - started
+            self.observe(name, operation, took, True)
+            return Answer(result, name, round(took * 1000, 3), fallback)
+        raise EngineNotReady("no engine could answer")
+
+    async def run_query(self, query_id: str, params: dict[str, Any] | None, engine: str = "auto") -> Answer:
+        from .queries import QueryParamError, render_sql
+
+        if query_id not in QUERIES:
+            raise KeyError(query_id)
+        render_sql(query_id, params or {})  # validate parameters once, before any engine runs
+        return await self._route(engine, "run_query", "ssb_query", query_id, params or {},
+                                 user_errors=(QueryParamError,))
+
+    async def run_sql(self, sql: str, engine: str, max_rows: int, timeout_s: float) -> Answer:
+        checked = sqlguard.check(sql)
+        return await self._route(engine, "run_sql", "sql", checked, max_rows, timeout_s, timeout_s=timeout_s,
+                                 user_errors=(QueryFailed, sqlguard.SqlRejected))

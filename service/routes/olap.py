@@ -1,0 +1,128 @@
+"""Star Schema Benchmark over HTTP: datasets (generate, import), the 13 queries, ad-hoc read-only SQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Path as PathParam
+from fastapi import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from olap.manager import OlapManager
+
+from ..deps import RuntimeDep, v1_router
+from ..errors import BadRequest, NotFound, ServiceUnavailable
+from .vectors import JobAccepted
+
+router = v1_router(tags=["olap"])
+
+Engine = Literal["auto", "gpu", "cpu", "postgres", "cudf", "duckdb"]
+
+
+def olap(runtime: Any) -> OlapManager:
+    if runtime.olap is None:
+        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
+    return runtime.olap
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale_factor: float = Field(gt=0, le=100, description="SSB scale factor: 1 is 6 million lineorder rows.")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+
+
+class ImportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="Directory of the five ssb-dbgen .tbl files, inside SWITCHYARD_SSB_IMPORT_DIR.")
+    name: str = Field(default="imported", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                      description="Dataset name (directory under <data_dir>/ssb).")
+    expected_rows: dict[str, int] | None = Field(default=None, description="Row counts to check, per table.")
+
+
+class QueryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    engine: Engine = "auto"
+    params: dict[str, Any] | None = Field(default=None, description="Template parameters; the published values by default.")
+
+
+class SqlRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sql: str = Field(min_length=1, max_length=20_000, description="One read-only SELECT over the SSB tables.")
+    engine: Engine = "auto"
+    max_rows: int = Field(default=1000, ge=1, le=100_000)
+    timeout_s: float = Field(default=30.0, gt=0, le=300)
+
+
+class ResultOut(BaseModel):
+    columns: list[str]
+    rows: list[list[Any]]
+    row_count: int
+    truncated: bool = Field(description="More rows existed than max_rows.")
+    engine: str
+    took_ms: float
+    fallback: str | None = None
+
+
+def _result(answer: Any) -> ResultOut:
+    r = answer.result
+    return ResultOut(columns=r.columns, rows=r.rows, row_count=len(r.rows), truncated=r.truncated,
+                     engine=answer.engine, took_ms=answer.took_ms, fallback=answer.fallback)
+
+
+def _job(job: Any, response: Response) -> JobAccepted:
+    location = f"/v1/jobs/{job.id}"
+    response.headers["Location"] = location
+    return JobAccepted(job=job.id, state=job.state, location=location)
+
+
+@router.get("/olap/ssb/datasets", summary="SSB datasets on disk, and which one the engines hold")
+async def datasets(runtime: RuntimeDep) -> list[dict[str, Any]]:
+    return olap(runtime).datasets()
+
+
+@router.post("/olap/ssb/generate", status_code=202, summary="Generate an SSB dataset and load it (a job)")
+async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
+    manager = olap(runtime)
+    job = await runtime.jobs.start("ssb_generate", f"sf{body.scale_factor:g}",
+                                   lambda progress: manager.generate(body.scale_factor, body.seed, progress))
+    return _job(job, response)
+
+
+@router.post("/olap/ssb/import", status_code=202, summary="Import ssb-dbgen .tbl files and load them (a job)")
+async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
+    from olap.schema import TBL_FILES
+
+    manager = olap(runtime)
+    root = runtime.settings.ssb_imports.resolve()
+    source = Path(body.path).expanduser().resolve()
+    if source != root and root not in source.parents:
+        raise BadRequest(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
+    missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
+    if missing:
+        raise BadRequest(f"{source} lacks {', '.join(missing)}", field="path")
+    job = await runtime.jobs.start("ssb_import", body.name, lambda progress: manager.import_tbl(
+        source, body.name, body.expected_rows, progress))
+    return _job(job, response)
+
+
+@router.get("/olap/ssb/queries", summary="The 13 SSB queries with their SQL and parameters")
+async def list_queries() -> list[dict[str, Any]]:
+    from olap.queries import describe
+
+    return describe()
+
+
+@router.post("/olap/ssb/queries/{query_id}", summary="Run one SSB query on an engine")
+async def run_query(body: QueryRequest, runtime: RuntimeDep,
+                    query_id: str = PathParam(pattern=r"^[1-4]\.[1-4]$", description="1.1 ... 4.3")) -> ResultOut:
+    from olap.queries import QUERIES
+
+    if query_id not in QUERIES:
+        raise NotFound(f"no SSB query {query_id}; they are {', '.join(QUERIES)}", field="query_id")
+    return _result(await olap(runtime).run_query(query_id, body.params, body.engine))
+
+
+@router.post("/olap/sql", summary="Ad-hoc read-only SQL over the SSB tables")
+async def run_sql(body: SqlRequest, runtime: RuntimeDep) -> ResultOut:
+    return _result(await olap(runtime).run_sql(body.sql, body.engine, body.max_rows, body.timeout_s))

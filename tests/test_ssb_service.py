@@ -1,0 +1,267 @@
+"""SSB through the service: every query on every available engine equals DuckDB's answer on the same data (and
+the GPU plans run on pandas agree), ad-hoc SQL is one read-only SELECT that cannot touch the host, imports are
+checked, bad input is a 4xx naming the reason."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import fresh_database, run
+from helpers import assert_problem, wait_ready
+from olap.plans import run_plan
+from olap.queries import QUERIES, render_sql
+from olap.schema import TABLES, TBL_FILES
+from service.app import create_app
+from service.devices import probe_cuda
+from service.settings import Settings
+
+SF = 0.01
+NON_DEFAULT = {  # one other parameter set per flight, so templates are exercised beyond the published values
+    "1.1": {"year": 1995}, "2.1": {"category": "MFGR#33", "region": "ASIA"}, "3.1": {"customer_region": "EUROPE"},
+    "4.1": {"customer_region": "ASIA", "supplier_region": "ASIA"},
+}
+
+
+def _gpu_reason() -> str | None:
+    probe = probe_cuda()
+    if not probe.present:
+        return probe.reason
+    try:
+        import cudf  # noqa: F401
+    except ImportError:
+        return "cuDF is not installed (pip install 'switchyard[gpu]')"
+    return None
+
+
+ENGINES = [pytest.param("cudf", marks=pytest.mark.skipif(bool(_gpu_reason()), reason=f"gpu engine: {_gpu_reason()}")),
+           "duckdb", "postgres"]
+
+
+def wait_job(client: TestClient, location: str, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(location).json()
+        if job["state"] in ("succeeded", "failed"):
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job still running: {job}")
+
+
+@pytest.fixture(scope="module")
+def app(server_dsn, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("ssb")
+    with fresh_database(server_dsn, "ssb_service") as dsn:
+        client = TestClient(create_app(Settings(database_url=dsn, data_dir=data_dir)), raise_server_exceptions=False)
+        with client:
+            wait_ready(client)
+            r = client.post("/v1/olap/ssb/generate", json={"scale_factor": SF})
+            assert r.status_code == 202, r.text
+            job = wait_job(client, r.headers["location"])
+            assert job["state"] == "succeeded", job
+            client.dataset = Path(job["result"]["dataset"])
+            client.dsn = dsn
+            yield client
+
+
+@pytest.fixture(scope="module")
+def oracle(app):
+    """DuckDB on the same Parquet files, run here in the test process, and the same tables as pandas frames."""
+    con = duckdb.connect(":memory:")
+    for table in TABLES:
+        con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(app.dataset / f"{table}.parquet")])
+    frames = {t: pd.read_parquet(app.dataset / f"{t}.parquet") for t in TABLES}
+    return con, frames
+
+
+def rows_of(values) -> list[tuple]:
+    return [tuple(int(v) if isinstance(v, float) and v.is_integer() else v for v in row) for row in values]
+
+
+@pytest.mark.parametrize("query_id", list(QUERIES))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_query_on_every_engine_equals_duckdb(app, oracle, engine, query_id):
+    con, frames = oracle
+    for params in ({}, NON_DEFAULT.get(query_id)):
+        if params is None:
+            continue
+        r = app.post(f"/v1/olap/ssb/queries/{query_id}", json={"engine": engine, "params": params})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = rows_of(con.execute(render_sql(query_id, params)).fetchall())
+        assert body["engine"] == engine and body["fallback"] is None
+        assert rows_of(body["rows"]) == want, (engine, query_id, params)
+        if query_id.startswith(("1.", "2.", "4.1", "4.2")):
+            assert want, f"Q{query_id} {params} should return rows at SF {SF}"
+
+
+@pytest.mark.parametrize("query_id", list(QUERIES))
+def test_gpu_plans_on_pandas_equal_duckdb(oracle, query_id):
+    con, frames = oracle
+    for params in ({}, NON_DEFAULT.get(query_id) or {}):
+        got = rows_of(run_plan(query_id, frames, params).itertuples(index=False, name=None))
+        assert got == rows_of(con.execute(render_sql(query_id, params)).fetchall()), (query_id, params)
+
+
+def test_measures_are_int64_everywhere(app):
+    schema = pq.read_schema(app.dataset / "lineorder.parquet")
+    for column in ("lo_extendedprice", "lo_revenue", "lo_supplycost", "lo_ordtotalprice"):
+        assert str(schema.field(column).type) == "int64"
+
+
+def test_listing_gives_sql_and_parameters(app):
+    listing = app.get("/v1/olap/ssb/queries").json()
+    assert [q["id"] for q in listing] == list(QUERIES)
+    q13 = next(q for q in listing if q["id"] == "1.3")
+    assert "d_weeknuminyear" in q13["sql"] and "JOIN" in q13["sql"].upper()
+
+
+def test_bad_query_requests(app):
+    assert_problem(app.post("/v1/olap/ssb/queries/5.1", json={}), 422, "validation-error")
+    assert_problem(app.post("/v1/olap/ssb/queries/1.4", json={}), 404, "not-found")
+    body = assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"params": {"year": "1993; drop"}}),
+                          422, "validation-error")
+    assert body["field"] == "year"
+    assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"params": {"colour": 1}}), 422, "validation-error")
+    assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"engine": "oracle"}), 422, "validation-error", "engine")
+    if _gpu_reason():
+        body = assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"engine": "gpu"}), 409, "engine-unavailable")
+        assert "gpu" in body["detail"]
+
+
+def test_adhoc_sql_runs_on_cpu_and_postgres_with_limits(app, oracle):
+    con, _ = oracle
+    sql = ("SELECT d_year, SUM(lo_revenue) AS revenue FROM lineorder JOIN ddate ON lo_orderdate = d_datekey "
+           "GROUP BY d_year ORDER BY d_year")
+    want = rows_of(con.execute(sql).fetchall())
+    for engine in ("cpu", "postgres"):
+        body = app.post("/v1/olap/sql", json={"sql": sql, "engine": engine}).json()
+        assert rows_of(body["rows"]) == want and body["columns"] == ["d_year", "revenue"] and not body["truncated"]
+        few = app.post("/v1/olap/sql", json={"sql": "SELECT lo_orderkey FROM lineorder", "engine": engine,
+                                             "max_rows": 7}).json()
+        assert few["row_count"] == 7 and few["truncated"] is True
+
+
+def test_adhoc_sql_time_limit(app):
+    slow = "SELECT count(*) FROM lineorder a JOIN lineorder b ON a.lo_quantity <> b.lo_quantity"
+    for engine in ("cpu", "postgres"):
+        r = app.post("/v1/olap/sql", json={"sql": slow, "engine": engine, "timeout_s": 0.3})
+        assert_problem(r, 422, "query-timeout")
+
+
+ATTACKS = [
+    "SELECT * FROM read_text('{f}')",
+    "SELECT * FROM read_csv('{f}')",
+    "SELECT * FROM '{f}'",
+    "SELECT pg_read_file('{f}')",
+    "SELECT lo_revenue FROM lineorder WHERE lo_orderkey = length(pg_read_file('{f}'))",
+    "WITH x AS (SELECT * FROM read_text('{f}')) SELECT * FROM x",
+    "SELECT * FROM lineorder; SELECT pg_read_file('{f}')",
+    "COPY lineorder FROM '{f}'",
+    "ATTACH '{f}' AS stolen",
+    "INSTALL httpfs",
+    "CREATE TABLE t AS SELECT 1",
+    "DELETE FROM lineorder",
+    "SELECT * FROM pg_catalog.pg_authid",
+    "SELECT current_setting('data_directory')",
+    "SELECT set_config('role', 'postgres', false)",
+    "SELECT '{f}'::regclass",
+    "SELECT * FROM glob('/*')",
+    "PRAGMA database_list",
+]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "postgres"])
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_adhoc_sql_cannot_read_a_host_file(app, tmp_path, engine, attack):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("CANARY-7f3a")
+    r = app.post("/v1/olap/sql", json={"sql": attack.format(f=secret), "engine": engine})
+    assert 400 <= r.status_code < 500, r.text
+    assert "CANARY" not in r.text
+
+
+def test_second_wall_engines_refuse_file_access_even_without_the_guard(app, tmp_path):
+    """Run attacks straight at the engines, past the guard: DuckDB has external access off, PostgreSQL runs
+    ad-hoc SQL as an unprivileged role."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("CANARY-7f3a")
+    olap = app.app.state.switchyard.olap
+    with pytest.raises(Exception) as duck:
+        olap.engines["cpu"].run_sql(f"SELECT * FROM read_text('{secret}')", 10, 5)
+    assert "CANARY" not in str(duck.value)
+
+    async def pg() -> None:
+        from olap.postgres_engine import PostgresEngine
+        from service.database import open_pool
+
+        pool = await open_pool(app.dsn, min_size=1, max_size=2, command_timeout=30)
+        try:
+            engine = PostgresEngine(pool)
+            engine.dataset = "loaded"
+            with pytest.raises(Exception) as caught:
+                await engine.run_sql(f"SELECT pg_read_file('{secret}')", 10, 5)
+            assert "permission denied" in str(caught.value)
+        finally:
+            await pool.close()
+
+    run(pg())
+
+
+def write_tbl(dataset: Path, target: Path, quoted_dates: bool = False) -> None:
+    """ssb-dbgen's .tbl format: '|'-separated with a trailing '|', no header."""
+    target.mkdir(parents=True, exist_ok=True)
+    for table, name in TBL_FILES.items():
+        frame = pd.read_parquet(dataset / f"{table}.parquet")
+        if quoted_dates:
+            for col in ("lo_orderdate", "lo_commitdate", "d_datekey"):
+                if col in frame:
+                    s = frame[col].astype(str)
+                    frame[col] = '"' + s.str[:4] + "-" + s.str[4:6] + "-" + s.str[6:] + '"'
+        lines = frame.astype(str).agg("|".join, axis=1) + "|"
+        (target / name).write_text("\n".join(lines) + "\n")
+
+
+def test_import_of_tbl_files_through_the_service(app, oracle):
+    imports = app.app.state.switchyard.settings.ssb_imports
+    write_tbl(app.dataset, imports / "dbgen", quoted_dates=True)
+    r = app.post("/v1/olap/ssb/import", json={"path": str(imports / "dbgen"), "name": "fromtbl"})
+    assert r.status_code == 202, r.text
+    job = wait_job(app, r.headers["location"])
+    assert job["state"] == "succeeded", job
+    con, _ = oracle
+    want = rows_of(con.execute(render_sql("2.1", {})).fetchall())
+    got = app.post("/v1/olap/ssb/queries/2.1", json={"engine": "cpu"}).json()
+    assert rows_of(got["rows"]) == want  # the imported copy answers as the generated data did
+    active = [d for d in app.get("/v1/olap/ssb/datasets").json() if d["active"]]
+    assert len(active) == 1 and active[0]["path"].endswith("fromtbl")
+
+
+def test_import_refuses_paths_outside_the_import_dir_and_incomplete_dirs(app, tmp_path):
+    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(tmp_path)}), 400, "bad-request", "path")
+    assert "SWITCHYARD_SSB_IMPORT_DIR" in body["detail"]
+    imports = app.app.state.switchyard.settings.ssb_imports
+    (imports / "partial").mkdir(parents=True, exist_ok=True)
+    (imports / "partial" / "part.tbl").write_text("1|x|\n")
+    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(imports / "partial")}), 400, "bad-request", "path")
+    assert "lineorder.tbl" in body["detail"]
+
+
+def test_malformed_import_fails_the_job_and_loads_nothing(app):
+    imports = app.app.state.switchyard.settings.ssb_imports
+    write_tbl(app.dataset, imports / "bad")
+    lines = (imports / "bad" / "lineorder.tbl").read_text().splitlines()
+    lines[3] = "not|a|lineorder|row|"
+    (imports / "bad" / "lineorder.tbl").write_text("\n".join(lines) + "\n")
+    before = [d for d in app.get("/v1/olap/ssb/datasets").json() if d["active"]]
+    r = app.post("/v1/olap/ssb/import", json={"path": str(imports / "bad"), "name": "broken"})
+    job = wait_job(app, r.headers["location"])
+    assert job["state"] == "failed" and "lineorder.tbl" in job["message"]
+    assert not (app.app.state.switchyard.settings.data_dir / "ssb" / "broken").exists()
+    assert [d for d in app.get("/v1/olap/ssb/datasets").json() if d["active"]] == before
