@@ -111,7 +111,8 @@ class MachineLoad:
             seen.add(p.pid)
             try:
                 c = p.cpu_times()
-                total += c.user + c.system
+                # Children it has reaped count too: PostgreSQL's parallel workers live only for one query.
+                total += c.user + c.system + c.children_user + c.children_system
             except psutil.Error:
                 pass
         return total

@@ -236,9 +236,10 @@ def test_import_of_tbl_files_through_the_service(app, oracle):
     job = wait_job(app, r.headers["location"])
     assert job["state"] == "succeeded", job
     con, _ = oracle
-    want = rows_of(con.execute(render_sql("2.1", {})).fetchall())
-    got = app.post("/v1/olap/ssb/queries/2.1", json={"engine": "cpu"}).json()
-    assert rows_of(got["rows"]) == want  # the imported copy answers as the generated data did
+    for engine in ("cpu", "postgres"):  # the imported copy answers every query as the generated data did
+        for query_id in QUERIES:
+            got = app.post(f"/v1/olap/ssb/queries/{query_id}", json={"engine": engine}).json()
+            assert rows_of(got["rows"]) == rows_of(con.execute(render_sql(query_id, {})).fetchall()), (engine, query_id)
     active = [d for d in app.get("/v1/olap/ssb/datasets").json() if d["active"]]
     assert len(active) == 1 and active[0]["path"].endswith("fromtbl")
 
