@@ -12,7 +12,7 @@ from .errors import install_error_handlers
 from .fastlane import SearchFastLane
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
-from .routes import engines, jobs, olap, ops, vectors
+from .routes import engines, jobs, olap, ops, spatial, vectors
 from .runtime import Runtime
 from .settings import Settings
 
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.switchyard = runtime
     install_error_handlers(app)
 
-    for module in (ops, engines, vectors, olap, jobs):
+    for module in (ops, engines, vectors, spatial, olap, jobs):
         app.include_router(module.router)
 
     # Added innermost first: metrics see every response, including the 413s the size limit sends.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
+from .errors import ServiceUnavailable
 from .runtime import Runtime
 
 
@@ -16,6 +17,14 @@ async def get_runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def domain(runtime: Runtime, name: str) -> Any:
+    """The runtime's manager for a domain ("vectors", "olap", "spatial"); 503 while it starts or stops."""
+    manager = getattr(runtime, name)
+    if manager is None:
+        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
+    return manager
 
 
 def v1_router(**kwargs) -> APIRouter:

@@ -125,7 +125,15 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     from olap.manager import EngineNotReady
     from olap.results import QueryFailed
     from olap.sqlguard import SqlRejected
+    from spatial.manager import SpatialEngineNotReady
+    from spatial.store import LayerExists, LayerNotFound
 
+    if isinstance(exc, LayerNotFound):
+        return 404, "not-found", "Not found", {}
+    if isinstance(exc, LayerExists):
+        return 409, "conflict", "Conflict", {}
+    if isinstance(exc, SpatialEngineNotReady):
+        return 409, "engine-unavailable", "Engine unavailable", {}
     if isinstance(exc, vec.InvalidInput):
         return 422, "validation-error", "Invalid request", {}
     if isinstance(exc, vec.CollectionNotFound):
@@ -159,8 +167,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(status, slug, title, detail, instance=request.url.path,
                                 field=getattr(exc, "field", None), headers=headers or None)
 
+    from spatial.geoarrow import GeometryError
+    from spatial.manager import SpatialEngineNotReady
+    from spatial.store import LayerExists, LayerNotFound
+
     for domain_error in (VectorError, EngineNotReady, SqlRejected, QueryFailed, QueryParamError, SsbImportError,
-                         TimeoutError):
+                         TimeoutError, GeometryError, SpatialEngineNotReady, LayerExists, LayerNotFound):
         app.add_exception_handler(domain_error, _domain)
 
     @app.exception_handler(ProblemError)

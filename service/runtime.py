@@ -16,6 +16,7 @@ import asyncpg
 from .database import EmbeddedPostgres, connect, open_pool, server_facts
 from indexes.manager import CollectionManager
 from olap.manager import OlapManager
+from spatial.manager import SpatialManager
 
 from .devices import probe_cuda
 from .engines import EngineRegistry
@@ -41,6 +42,7 @@ class Runtime:
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None
         self.olap: OlapManager | None = None
+        self.spatial: SpatialManager | None = None
         self.postgres_version: str | None = None
         self.latest_migration = max((m.version for m in load_migrations()), default=0)
         self._engines_task: asyncio.Task[None] | None = None
@@ -73,6 +75,9 @@ class Runtime:
                 self.pool, s.data_dir, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
             )
+            self.spatial = SpatialManager(
+                self.pool, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
+            )
             self.olap = OlapManager(
                 s.data_dir, observe=lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok),
             )
@@ -85,11 +90,13 @@ class Runtime:
 
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
-                                  vectors=self.vectors, olap=self.olap)
+                                  vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         if self.vectors is not None:
             await self.vectors.start()
         if self.olap is not None:
             await self.olap.start()
+        if self.spatial is not None:
+            await self.spatial.start()
         for status in self.registry.list():
             labels = (status.spec.domain, status.spec.name, status.spec.kind)
             self.metrics.engine_available.labels(*labels).set(1 if status.available else 0)
@@ -114,6 +121,9 @@ class Runtime:
         if self.olap is not None:
             await self.olap.stop()
             self.olap = None
+        if self.spatial is not None:
+            await self.spatial.stop()
+            self.spatial = None
         await self.registry.stop()
         if self.pool is not None:
             await self.pool.close()

@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from ..deps import RuntimeDep, v1_router
-from ..errors import NotFound, ServiceUnavailable
+from ..deps import RuntimeDep, domain, v1_router
+from ..errors import NotFound
 
 router = v1_router(tags=["jobs"])
 
@@ -27,9 +27,7 @@ class JobOut(BaseModel):
 
 @router.get("/jobs/{job_id}", summary="A job's state and progress")
 async def get_job(job_id: str, runtime: RuntimeDep) -> JobOut:
-    if runtime.jobs is None:
-        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
-    job = await runtime.jobs.get(job_id)
+    job = await domain(runtime, "jobs").get(job_id)
     if job is None:
         raise NotFound(f"no job {job_id!r}", field="job_id")
     return JobOut(**job)

@@ -9,21 +9,15 @@ from fastapi import Path as PathParam
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from olap.manager import OlapManager
 
-from ..deps import RuntimeDep, v1_router
-from ..errors import BadRequest, NotFound, ServiceUnavailable
+from ..deps import RuntimeDep, domain, v1_router
+from ..errors import BadRequest, NotFound
 from .vectors import JobAccepted
 
 router = v1_router(tags=["olap"])
 
 Engine = Literal["auto", "gpu", "cpu", "postgres", "cudf", "duckdb"]
 
-
-def olap(runtime: Any) -> OlapManager:
-    if runtime.olap is None:
-        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
-    return runtime.olap
 
 
 class GenerateRequest(BaseModel):
@@ -78,12 +72,12 @@ def _job(job: Any, response: Response) -> JobAccepted:
 
 @router.get("/olap/ssb/datasets", summary="SSB datasets on disk, and which one the engines hold")
 async def datasets(runtime: RuntimeDep) -> list[dict[str, Any]]:
-    return olap(runtime).datasets()
+    return domain(runtime, "olap").datasets()
 
 
 @router.post("/olap/ssb/generate", status_code=202, summary="Generate an SSB dataset and load it (a job)")
 async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
-    manager = olap(runtime)
+    manager = domain(runtime, "olap")
     job = await runtime.jobs.start("ssb_generate", f"sf{body.scale_factor:g}",
                                    lambda progress: manager.generate(body.scale_factor, body.seed, progress))
     return _job(job, response)
@@ -93,7 +87,7 @@ async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Respons
 async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
     from olap.schema import TBL_FILES
 
-    manager = olap(runtime)
+    manager = domain(runtime, "olap")
     root = runtime.settings.ssb_imports.resolve()
     source = Path(body.path).expanduser().resolve()
     if source != root and root not in source.parents:
@@ -120,9 +114,9 @@ async def run_query(body: QueryRequest, runtime: RuntimeDep,
 
     if query_id not in QUERIES:
         raise NotFound(f"no SSB query {query_id}; they are {', '.join(QUERIES)}", field="query_id")
-    return _result(await olap(runtime).run_query(query_id, body.params, body.engine))
+    return _result(await domain(runtime, "olap").run_query(query_id, body.params, body.engine))
 
 
 @router.post("/olap/sql", summary="Ad-hoc read-only SQL over the SSB tables")
 async def run_sql(body: SqlRequest, runtime: RuntimeDep) -> ResultOut:
-    return _result(await olap(runtime).run_sql(body.sql, body.engine, body.max_rows, body.timeout_s))
+    return _result(await domain(runtime, "olap").run_sql(body.sql, body.engine, body.max_rows, body.timeout_s))

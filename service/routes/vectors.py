@@ -10,11 +10,10 @@ from fastapi import Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from indexes.manager import MAX_K, CollectionManager
+from indexes.manager import MAX_K
 from indexes.vectors import as_matrix, check_ids, from_arrow_ipc, from_base64, make_points
 
-from ..deps import RuntimeDep, v1_router
-from ..errors import ServiceUnavailable
+from ..deps import RuntimeDep, domain, v1_router
 
 router = v1_router(tags=["vectors"])
 
@@ -22,11 +21,6 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 CollectionName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="Collection name.")]
 Scalar = str | int | float | bool | None
 
-
-def manager(runtime: RuntimeDep) -> CollectionManager:
-    if runtime.vectors is None:
-        raise ServiceUnavailable("the service is starting or stopping", headers={"Retry-After": "1"})
-    return runtime.vectors
 
 
 class IndexSpec(BaseModel):
@@ -158,25 +152,25 @@ class JobAccepted(BaseModel):
 @router.post("/collections", status_code=201, summary="Create a collection")
 async def create_collection(body: CreateCollection, runtime: RuntimeDep) -> CollectionOut:
     pg = body.pgvector_index.model_dump(exclude_none=True)
-    c = await manager(runtime).create(body.name, body.dim, body.metric, body.index.type, body.index.params, pg)
+    c = await domain(runtime, "vectors").create(body.name, body.dim, body.metric, body.index.type, body.index.params, pg)
     return _collection_out(c, count=0)
 
 
 @router.get("/collections", summary="List collections")
 async def list_collections(runtime: RuntimeDep) -> list[CollectionOut]:
-    return [_collection_out(c) for c in await manager(runtime).store.list()]
+    return [_collection_out(c) for c in await domain(runtime, "vectors").store.list()]
 
 
 @router.get("/collections/{name}", summary="A collection with its count, index state and engines")
 async def get_collection(name: CollectionName, runtime: RuntimeDep) -> CollectionOut:
-    info = await manager(runtime).describe(name)
+    info = await domain(runtime, "vectors").describe(name)
     return _collection_out(info["collection"], count=info["count"], engines=info["engines"],
                            index_state=info["index_state"])
 
 
 @router.delete("/collections/{name}", status_code=204, summary="Delete a collection and its points")
 async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Response:
-    await manager(runtime).drop(name)
+    await domain(runtime, "vectors").drop(name)
     return Response(status_code=204)
 
 
@@ -188,7 +182,7 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
         "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")}}),
 )
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep) -> Any:
-    vectors = manager(runtime)
+    vectors = domain(runtime, "vectors")
     if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
         c = await vectors.collection(name)
         points = from_arrow_ipc(await request.body(), c.dim)
@@ -207,7 +201,7 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
 async def delete_points(name: CollectionName, body: DeletePoints, runtime: RuntimeDep) -> WriteOut:
-    deleted = await manager(runtime).delete(name, check_ids(body.ids))
+    deleted = await domain(runtime, "vectors").delete(name, check_ids(body.ids))
     return WriteOut(deleted=deleted)
 
 
@@ -215,7 +209,7 @@ async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
     """Parse a search body, search, and return the JSON answer. Shared by the route below and the fast lane
     (service/fastlane.py), which calls it without FastAPI's per-request machinery."""
     body = parse_json(SearchRequest, raw)
-    vectors = manager(runtime)
+    vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
     if body.vector is not None:
         queries = as_matrix([body.vector], c.dim, "vector")
@@ -244,7 +238,7 @@ async def search(name: CollectionName, request: Request) -> Response:
 
 @router.post("/collections/{name}/recall", summary="recall@k of an engine against exact search")
 async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep) -> dict[str, Any]:
-    vectors = manager(runtime)
+    vectors = domain(runtime, "vectors")
     queries = None
     if body.queries is not None:
         c = await vectors.collection(name)
@@ -255,7 +249,7 @@ async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep)
 @router.post("/collections/{name}/build", status_code=202, summary="Rebuild (compact) the resident index and "
              "create the pgvector index, as a job")
 async def build(name: CollectionName, runtime: RuntimeDep, response: Response) -> JobAccepted:
-    vectors = manager(runtime)
+    vectors = domain(runtime, "vectors")
     await vectors.collection(name)  # 404 now rather than in the job
     job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress))
     response.headers["Location"] = f"/v1/jobs/{job.id}"

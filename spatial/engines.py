@@ -1,0 +1,40 @@
+"""The spatial engines as the service's registry sees them: each attaches itself to the SpatialManager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .manager import SpatialManager
+
+
+class _Handle:
+    def __init__(self, spatial: SpatialManager, **context: Any) -> None:
+        self.spatial = spatial
+        self.context = context
+
+    def make(self) -> Any:
+        raise TypeError("subclasses make their engine")
+
+    async def start(self) -> None:
+        self.spatial.attach(self.make())
+
+    async def stop(self) -> None:
+        """The manager shuts the engines' executors down."""
+
+    @property
+    def ready(self) -> bool:
+        return self.spatial.ready  # layers are resident once loaded from PostgreSQL
+
+
+class CpuSpatialHandle(_Handle):
+    def make(self) -> Any:
+        from .cpu_engine import CpuSpatialEngine
+
+        return CpuSpatialEngine()
+
+
+class CudaSpatialHandle(_Handle):
+    def make(self) -> Any:
+        from .cuda_engine import CudaSpatialEngine
+
+        return CudaSpatialEngine()

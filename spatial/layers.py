@@ -1,0 +1,129 @@
+"""Geometry layers from what clients send: lon/lat arrays, GeoJSON, WKT, WKB or GeoParquet, checked and turned
+into the shared GeoArrow-style buffers. Every error names the feature (by position) and the reason."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .geoarrow import GeometryError, Points, Polygons, points_from_lonlat, polygons_from_shapely
+
+
+@dataclass
+class Layer:
+    name: str
+    kind: str  # "points" | "polygons"
+    ids: np.ndarray  # int64, one per feature
+    geometry: Points | Polygons
+    properties: list[dict[str, Any] | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _ids(ids: Any, n: int) -> np.ndarray:
+    if ids is None:
+        return np.arange(n, dtype=np.int64)
+    try:
+        array = np.asarray(ids, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):
+        raise GeometryError("ids must be integers", field="ids") from None
+    if array.shape != (n,):
+        raise GeometryError(f"{len(array)} ids for {n} features", field="ids")
+    if len(np.unique(array)) != n:
+        raise GeometryError("ids must be unique", field="ids")
+    return array
+
+
+def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | None]]:
+    import shapely
+
+    if not isinstance(data, dict) or data.get("type") != "FeatureCollection" or not isinstance(data.get("features"), list):
+        raise GeometryError("must be a GeoJSON FeatureCollection", field="geojson")
+    geoms, ids, props = [], [], []
+    for i, feature in enumerate(data["features"]):
+        if not isinstance(feature, dict) or not isinstance(feature.get("geometry"), dict):
+            raise GeometryError("is not a GeoJSON Feature with a geometry", field="geojson.features", index=i)
+        try:
+            geoms.append(shapely.geometry.shape(feature["geometry"]))
+        except (ValueError, TypeError, KeyError, AttributeError, shapely.errors.GEOSException) as exc:
+            raise GeometryError(f"has an unreadable geometry ({exc})", field="geojson.features", index=i) from None
+        ids.append(feature.get("id"))
+        props.append(feature.get("properties"))
+    return np.array(geoms, dtype=object), ids, props
+
+
+def _shapes_from_text(values: Any, field: str) -> np.ndarray:
+    import shapely
+
+    if not isinstance(values, list) or not values:
+        raise GeometryError("must be a non-empty list", field=field)
+    out = []
+    for i, value in enumerate(values):
+        try:
+            if field == "wkt":
+                out.append(shapely.from_wkt(value))
+            else:
+                out.append(shapely.from_wkb(base64.b64decode(value, validate=True)))
+        except (binascii.Error, ValueError, TypeError, shapely.errors.GEOSException) as exc:
+            raise GeometryError(f"is not valid {field.upper().replace('_B64', '')} ({str(exc)[:120]})", field=field,
+                                index=i) from None
+    return np.array(out, dtype=object)
+
+
+def shapes_from_geoparquet(data: bytes) -> tuple[np.ndarray, list[Any] | None]:
+    """A GeoParquet file's `geometry` column (WKB) and its `id` column if it has one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import shapely
+
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise GeometryError(f"is not a readable Parquet file ({exc})", field="body") from None
+    if "geometry" not in table.column_names:
+        raise GeometryError(f"has no 'geometry' column; it has {table.column_names}", field="body")
+    try:
+        geoms = shapely.from_wkb(table.column("geometry").to_numpy(zero_copy_only=False))
+    except (ValueError, shapely.errors.GEOSException) as exc:
+        raise GeometryError(f"geometry column is not WKB ({exc})", field="geometry") from None
+    ids = table.column("id").to_pylist() if "id" in table.column_names else None
+    return np.asarray(geoms, dtype=object), ids
+
+
+def points_from_shapes(geoms: np.ndarray, field: str) -> Points:
+    import shapely
+
+    for i, g in enumerate(geoms):
+        if g is None or g.geom_type != "Point" or g.is_empty:
+            raise GeometryError(f"is not a Point ({getattr(g, 'geom_type', None)})", field=field, index=i)
+    coords = shapely.get_coordinates(geoms)
+    return points_from_lonlat(coords[:, 0], coords[:, 1])
+
+
+def parse_layer(name: str, kind: str, body: dict[str, Any]) -> Layer:
+    """A layer from a JSON body: points from lon/lat, geojson, wkt or wkb_b64; polygons from geojson, wkt, wkb_b64."""
+    given = [k for k in ("lon", "geojson", "wkt", "wkb_b64") if body.get(k) is not None]
+    if len(given) != 1:
+        raise GeometryError("give exactly one of lon/lat, geojson, wkt and wkb_b64", field="body")
+    source = given[0]
+    if kind == "points" and source == "lon":
+        geometry = points_from_lonlat(body["lon"], body.get("lat", []))
+        return Layer(name, kind, _ids(body.get("ids"), len(geometry)), geometry)
+    if source == "lon":
+        raise GeometryError("polygon layers come as geojson, wkt or wkb_b64", field="lon")
+    props = None
+    if source == "geojson":
+        geoms, feature_ids, props = _shapes_from_geojson(body["geojson"])
+        ids = body.get("ids") or (feature_ids if all(isinstance(i, int) for i in feature_ids) else None)
+    else:
+        geoms = _shapes_from_text(body[source], source)
+        ids = body.get("ids")
+    field = "geojson.features" if source == "geojson" else source
+    geometry = points_from_shapes(geoms, field) if kind == "points" else polygons_from_shapely(geoms, field)
+    return Layer(name, kind, _ids(ids, len(geoms)), geometry, props if kind == "polygons" else None)

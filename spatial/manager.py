@@ -1,0 +1,191 @@
+"""The spatial domain's facade: layers (PostgreSQL, resident as GeoArrow-style buffers), joins, routing.
+
+Joins run on the engine asked for, or for `auto` gpu -> cpu -> postgis, falling back on failure. Pair outputs
+are paged with a cursor (the next point position): each page computes one range of points, counted first and
+then written, so no request ever allocates the whole output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import orjson
+
+from .geoarrow import GeometryError
+from .layers import Layer
+from .store import LayerNotFound, SpatialStore
+
+log = logging.getLogger("switchyard.spatial")
+
+ORDER = ("gpu", "cpu", "postgis")
+MAX_PAGE = 100_000
+
+
+class SpatialEngineNotReady(RuntimeError):
+    """The engine asked for is not available here."""
+
+
+@dataclass
+class JoinAnswer:
+    body: dict[str, Any]
+    engine: str
+    took_ms: float
+    fallback: str | None = None
+
+
+def encode_cursor(position: int) -> str:
+    return base64.urlsafe_b64encode(orjson.dumps({"p": position})).decode()
+
+
+def decode_cursor(cursor: str | None) -> int:
+    if cursor is None:
+        return 0
+    try:
+        position = int(orjson.loads(base64.urlsafe_b64decode(cursor.encode()))["p"])
+    except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+        raise GeometryError("is not a cursor this service gave out", field="cursor") from None
+    if position < 0:
+        raise GeometryError("is not a cursor this service gave out", field="cursor")
+    return position
+
+
+def cut_at_point_boundary(first: np.ndarray, page_size: int, stop: int) -> tuple[int, int]:
+    """How many sorted pairs fit a page without splitting one point's pairs, and where the next page starts."""
+    if len(first) <= page_size:
+        return len(first), stop
+    last_point = int(first[page_size])  # this point's pairs would straddle the page end: it starts the next page
+    keep = int(np.searchsorted(first, last_point, side="left"))
+    if keep == 0:  # one point alone has more pairs than a page: return all of them
+        keep = int(np.searchsorted(first, last_point, side="right"))
+        return keep, last_point + 1
+    return keep, last_point
+
+
+class SpatialManager:
+    def __init__(self, pool: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+        self.store = SpatialStore(pool)
+        self.layers: dict[str, Layer] = {}
+        self.engines: dict[str, Any] = {}
+        self.executors: dict[str, ThreadPoolExecutor] = {}
+        self.observe = observe or (lambda engine, op, seconds, ok: None)
+        self.loading: asyncio.Task | None = None
+
+    def attach(self, engine: Any) -> None:
+        self.engines[engine.kind] = engine
+        if engine.kind != "postgis":
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spatial-{engine.kind}")
+
+    @property
+    def ready(self) -> bool:
+        return self.loading is not None and self.loading.done()
+
+    async def start(self) -> None:
+        self.loading = asyncio.create_task(self._load_all())
+
+    async def stop(self) -> None:
+        if self.loading is not None and not self.loading.done():
+            self.loading.cancel()
+            await asyncio.gather(self.loading, return_exceptions=True)
+        for executor in self.executors.values():
+            executor.shutdown(wait=True)
+
+    async def _load_all(self) -> None:
+        for name in await self.store.names():
+            self.layers[name] = await self.store.load(name)
+
+    # -- layers ----------------------------------------------------------------------------------------
+    async def create(self, layer: Layer) -> Layer:
+        await self.store.save(layer)
+        self.layers[layer.name] = layer
+        return layer
+
+    async def drop(self, name: str) -> None:
+        await self.store.drop(name)
+        self.layers.pop(name, None)
+
+    def layer(self, name: str, kind: str, field: str) -> Layer:
+        layer = self.layers.get(name)
+        if layer is None:
+            raise LayerNotFound(f"no layer named {name!r}")
+        if layer.kind != kind:
+            raise GeometryError(f"layer {name!r} holds {layer.kind}, not {kind}", field=field)
+        return layer
+
+    # -- routing ---------------------------------------------------------------------------------------
+    def _order(self, engine: str) -> list[str]:
+        if engine == "auto":
+            order = [k for k in ORDER if k in self.engines]
+            if not order:
+                raise SpatialEngineNotReady("no spatial engine is available here")
+            return order
+        kind = {"cuda-spatial": "gpu", "cpu-spatial": "cpu"}.get(engine, engine)
+        if kind not in self.engines:
+            raise SpatialEngineNotReady(f"engine {engine!r} is not available here")
+        return [kind]
+
+    async def _run(self, engine: str, operation: str, method: str, *args: Any) -> tuple[Any, str, float, str | None]:
+        order = self._order(engine)
+        fallback = None
+        for position, kind in enumerate(order):
+            impl = self.engines[kind]
+            started = time.perf_counter()
+            try:
+                fn = getattr(impl, method)
+                if kind == "postgis":
+                    result = await fn(*args)
+                else:
+                    result = await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
+            except GeometryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
+                self.observe(impl.name, operation, time.perf_counter() - started, False)
+                if position + 1 == len(order):
+                    raise
+                log.warning("spatial engine %s failed, falling back: %s", impl.name, exc)
+                fallback = f"{impl.name} failed ({type(exc).__name__}: {exc}); served by {self.engines[order[position + 1]].name}"
+                continue
+            took = time.perf_counter() - started
+            self.observe(impl.name, operation, took, True)
+            return result, impl.name, round(took * 1000, 3), fallback
+        raise SpatialEngineNotReady("no spatial engine could answer")
+
+    # -- joins -----------------------------------------------------------------------------------------
+    async def point_in_polygon(self, points: str, polygons: str, mode: str, engine: str, cursor: str | None,
+                               page_size: int) -> JoinAnswer:
+        pts = self.layer(points, "points", "points")
+        polys = self.layer(polygons, "polygons", "polygons")
+        if mode == "counts":
+            counts, name, took, fallback = await self._run(engine, "pip_counts", "pip_counts", pts.geometry, polys.geometry)
+            return JoinAnswer({"polygon_ids": polys.ids.tolist(), "counts": np.asarray(counts).tolist(),
+                               "points": len(pts), "matched": int(np.asarray(counts).sum())}, name, took, fallback)
+        start = decode_cursor(cursor)
+        stop = min(len(pts), start + page_size)
+        (first, second), name, took, fallback = await self._run(
+            engine, "pip_pairs", "pip_pairs", pts.geometry, polys.geometry, start, stop)
+        keep, next_start = cut_at_point_boundary(np.asarray(first), page_size, stop)
+        pairs = np.column_stack([pts.ids[np.asarray(first)[:keep]], polys.ids[np.asarray(second)[:keep]]])
+        return JoinAnswer({"pairs": pairs.tolist(), "next_cursor": encode_cursor(next_start) if next_start < len(pts) else None},
+                          name, took, fallback)
+
+    async def within_distance(self, left: str, right: str, radius_m: float, engine: str, cursor: str | None,
+                              page_size: int) -> JoinAnswer:
+        a = self.layer(left, "points", "left")
+        b = self.layer(right, "points", "right")
+        self_join = left == right
+        start = decode_cursor(cursor)
+        stop = min(len(a), start + page_size)
+        (i, j, d), name, took, fallback = await self._run(
+            engine, "within_distance", "within_distance", a.geometry, b.geometry, radius_m, start, stop, self_join)
+        i, j, d = np.asarray(i), np.asarray(j), np.asarray(d)
+        keep, next_start = cut_at_point_boundary(i, page_size, stop)
+        body = {"pairs": np.column_stack([a.ids[i[:keep]], b.ids[j[:keep]]]).tolist(),
+                "distances_m": d[:keep].tolist(),
+                "next_cursor": encode_cursor(next_start) if next_start < len(a) else None}
+        return JoinAnswer(body, name, took, fallback)

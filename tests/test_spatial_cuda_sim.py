@@ -1,0 +1,169 @@
+"""The GPU engine's numba-cuda kernels, run in numba-cuda's CUDA simulator, give exactly the CPU engine's answers.
+
+NUMBA_ENABLE_CUDASIM must be set before numba is first imported, which in a whole-suite run has long happened,
+so in an ordinary run this module holds one test that runs this very file again in a child pytest with the
+variable set; there (SIM true) the real tests below are defined. The simulator runs every CUDA thread in Python:
+the inputs are kept to a few hundred points and a handful of polygons.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+if not SIM:
+
+    def test_importing_the_gpu_engine_needs_no_cuda():
+        code = ("import sys, spatial.cuda_engine as m; assert 'numba.cuda' not in sys.modules, 'numba.cuda imported';"
+                " assert 'cupy' not in sys.modules; e = m.CudaSpatialEngine(); print(e.name, e.kind)")
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["cuda-spatial", "gpu"]
+
+    PTX_CHECK = r"""
+import re, sys
+try:
+    from numba import cuda, types as T
+    import numba.cuda.dispatcher as dispatcher
+    from spatial import cuda_engine
+except Exception as exc:
+    print(f"numba.cuda cannot be imported: {exc}"); sys.exit(3)
+
+class Device:  # no GPU here: device functions are compiled for compute capability 7.5
+    compute_capability = (7, 5)
+
+if not hasattr(dispatcher, "get_current_device"):
+    print("this numba-cuda compiles device functions differently"); sys.exit(3)
+dispatcher.get_current_device = lambda: Device()
+k = cuda_engine._build()
+i8, f8, b1 = T.int64, T.float64, T.boolean
+I, F = i8[::1], f8[::1]
+sigs = {
+    "part_bbox_kernel": (F, F, I, I, F, F, F, F),
+    "morton_kernel": (F, F, f8, f8, f8, f8, f8, i8, I),
+    "refine_kernel": (i8, I, I, I, I, F, F, F, F, I, I, I),
+    "scatter_kernel": (i8, I, I, I, I, I, I, I, I),
+    "unit_key_kernel": (F, F, f8, i8, I, F, F, F),
+    "dwithin_count_kernel": (F, F, i8, F, F, F, F, F, I, I, f8, i8, f8, b1, I, F, I),
+    "dwithin_write_kernel": (F, F, i8, F, F, F, F, F, I, I, f8, i8, f8, b1, I, I, I, I, F),
+}
+for name, sig in sigs.items():
+    try:
+        ptx, _ = cuda.compile_ptx(getattr(k, name).py_func, sig, cc=(7, 5))
+    except Exception as exc:
+        if "NVVM" in str(exc) or "nvvm" in str(exc):
+            print(f"NVVM is not available: {exc}"); sys.exit(3)
+        raise
+    if name == "refine_kernel":  # the exact orientation: rounded products, never fused into an fma
+        assert re.search(r"\bmul\.rn\.f64", ptx) and not re.search(r"\bfma\.rn\.f64", ptx), name
+print("ok")
+"""
+
+    def test_gpu_kernels_compile_to_ptx():
+        """Type-checks every kernel with the real CUDA compiler (NVVM comes with numba-cuda[cu12]; no GPU needed):
+        the simulator runs kernels as Python and would not catch a typing error."""
+        if importlib.util.find_spec("numba") is None:
+            pytest.skip("numba is not installed")
+        r = subprocess.run([sys.executable, "-c", PTX_CHECK], cwd=ROOT, capture_output=True, text=True, check=False,
+                           timeout=280)
+        if r.returncode == 3:
+            pytest.skip(r.stdout.strip()[-500:])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert r.stdout.strip().endswith("ok")
+
+    def test_gpu_kernels_in_the_cuda_simulator():
+        for module in ("numba", "shapely"):
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"{module} is not installed")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-rs",
+                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                           timeout=280)
+        tail = r.stdout[-6000:] + r.stderr[-3000:]
+        if r.returncode != 0:
+            pytest.fail(f"simulator run failed:\n{tail}")
+        if " passed" not in r.stdout:
+            pytest.skip(f"nothing ran in the simulator:\n{tail}")
+
+else:
+    shapely = pytest.importorskip("shapely")
+    try:
+        from numba import cuda  # noqa: F401  (the simulator; needs numba-cuda[cu12])
+    except Exception as exc:  # noqa: BLE001  (any failure to load the simulator means: skip)
+        pytest.skip(f"numba.cuda cannot be imported: {exc}", allow_module_level=True)
+
+    from shapely.geometry import MultiPolygon, Polygon, box
+
+    from spatial.cpu_engine import CpuSpatialEngine
+    from spatial.cuda_engine import CudaSpatialEngine, simulator_enabled
+    from spatial.geoarrow import points_from_lonlat, polygons_from_shapely
+
+    def fixture():
+        rng = np.random.default_rng(21)
+        geoms = [
+            Polygon([(0, 0), (4, 0), (4, 4), (0, 4)], [[(1, 1), (3, 1), (3, 3), (1, 3)]]),  # square, square hole
+            box(4, 0, 6, 2),  # shares the edge x = 4 with the square
+            MultiPolygon([Polygon([(0, 5), (2, 7), (0, 7)]), Polygon([(2, 7), (4, 5), (4, 7)])]),  # diagonals
+            Polygon([(6, 4), (8, 6), (6, 8), (4.5, 6)], [[(5.9, 5.8), (6.3, 6), (6, 6.4)]]),
+        ]
+        i, j = np.meshgrid(np.arange(0, 17), np.arange(0, 17))
+        lattice = np.column_stack([i.ravel() * 0.5, j.ravel() * 0.5])  # vertices, edges, holes, shared borders
+        rand = rng.uniform(-0.5, 8.5, (400, 2))
+        pts = np.vstack([lattice, rand, [[2.0, 2.0], [1.0, 2.0], [6.0, 6.0], [9.0, 9.0], [-1.0, 3.0]]])
+        return points_from_lonlat(pts[:, 0], pts[:, 1]), polygons_from_shapely(np.array(geoms, dtype=object)), geoms
+
+    def test_runs_in_the_simulator():
+        assert simulator_enabled()
+
+    @pytest.mark.parametrize("max_depth, max_size", [(6, 8), (15, 32)])
+    def test_pip_equals_the_cpu_engine_and_shapely(max_depth, max_size):
+        pts, polys, geoms = fixture()
+        gpu = CudaSpatialEngine(max_depth=max_depth, max_size=max_size)
+        cpu = CpuSpatialEngine()
+        counts = gpu.pip_counts(pts, polys)
+        stats = gpu.last_stats
+        assert stats["candidates"] < stats["points_in_extent"] * polys.n_parts  # the quadtree filter prunes
+        np.testing.assert_array_equal(counts, cpu.pip_counts(pts, polys))
+        want = [int(shapely.covers(g, shapely.points(pts.x, pts.y)).sum()) for g in geoms]
+        np.testing.assert_array_equal(counts, want)
+        p, g = gpu.pip_pairs(pts, polys, 0, len(pts))
+        cp, cg = cpu.pip_pairs(pts, polys, 0, len(pts))
+        np.testing.assert_array_equal(p, cp)
+        np.testing.assert_array_equal(g, cg)
+        assert len(np.unique(p)) < len(p)  # points on the shared edge x = 4 belong to two geometries
+        chunks = [gpu.pip_pairs(pts, polys, a, b) for a, b in ((0, 100), (100, 101), (101, len(pts)))]
+        np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks]), cp)
+        np.testing.assert_array_equal(np.concatenate([c[1] for c in chunks]), cg)
+
+    def test_distance_join_equals_the_cpu_engine():
+        rng = np.random.default_rng(22)
+        centres = np.array([[179.999, 5.0], [-179.999, 5.0], [10.0, 89.999], [-60.0, -20.0], [3.0, 40.0]])
+        xy = np.repeat(centres, 30, axis=0) + rng.normal(0, 0.004, (150, 2))
+        xy[:, 0] = (xy[:, 0] + 180) % 360 - 180
+        xy[:, 1] = np.clip(xy[:, 1], -90, 90)
+        xy[60:90, 0] = rng.uniform(-180, 180, 30)  # around the north pole: every longitude
+        a = points_from_lonlat(xy[:, 0], xy[:, 1])
+        b = points_from_lonlat((xy[::2, 0] + 180.001) % 360 - 180, xy[::2, 1])
+        gpu, cpu = CudaSpatialEngine(), CpuSpatialEngine()
+        for other, self_join in ((a, True), (b, False)):
+            got = gpu.within_distance(a, other, 800.0, 0, len(a), self_join=self_join)
+            want = cpu.within_distance(a, other, 800.0, 0, len(a), self_join=self_join)
+            assert len(want[0]) > 200
+            for k in range(3):
+                np.testing.assert_array_equal(got[k], want[k])
+        part = gpu.within_distance(a, a, 800.0, 40, 95, self_join=True)
+        whole = cpu.within_distance(a, a, 800.0, 0, len(a), self_join=True)
+        sel = (whole[0] >= 40) & (whole[0] < 95)
+        for k in range(3):
+            np.testing.assert_array_equal(part[k], whole[k][sel])

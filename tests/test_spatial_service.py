@@ -1,0 +1,188 @@
+"""Geometry layers and joins through the service: answers equal shapely's (covers) and a brute-force haversine,
+pages of pairs add up to the whole answer, layers survive a restart, bad input is a 4xx naming the feature."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import shapely
+from fastapi.testclient import TestClient
+
+from conftest import fresh_database
+from helpers import assert_problem, wait_ready
+from service.app import create_app
+
+SQUARE_WITH_HOLE = {"type": "Polygon", "coordinates": [
+    [[0, 0], [10, 0], [10, 10], [0, 10], [0, 0]], [[4, 4], [6, 4], [6, 6], [4, 6], [4, 4]]]}
+TWO_ISLANDS = {"type": "MultiPolygon", "coordinates": [
+    [[[20, 0], [25, 0], [25, 5], [20, 5], [20, 0]]], [[[30, 0], [35, 0], [32, 5], [30, 0]]]]}
+ACROSS_ANTIMERIDIAN = {"type": "MultiPolygon", "coordinates": [  # split at +-180, as RFC 7946 asks
+    [[[170, -10], [180, -10], [180, 10], [170, 10], [170, -10]]], [[[-180, -10], [-170, -10], [-170, 10], [-180, 10], [-180, -10]]]]}
+NEIGHBOUR = {"type": "Polygon", "coordinates": [[[10, 0], [15, 0], [15, 10], [10, 10], [10, 0]]]}  # shares x = 10
+
+
+def feature_collection(*geometries):
+    return {"type": "FeatureCollection", "features": [
+        {"type": "Feature", "id": 100 + i, "geometry": g, "properties": {"n": i}} for i, g in enumerate(geometries)]}
+
+
+def sample_points(seed: int = 0, n: int = 3000) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lon = rng.uniform(-5, 40, n)
+    lat = rng.uniform(-15, 15, n)
+    # Points exactly on vertices and edges (shared, diagonal, hole), in holes, and near the antimeridian.
+    special = np.array([[0, 0], [10, 5], [10, 10], [5, 4], [4, 5], [5, 5], [32.5, 2.5], [31, 1.6666666666666667],
+                        [180, 0], [-180, 0], [179.999, 9.999], [-175, -10], [20, 2.5], [15, 10]])
+    lon = np.concatenate([lon, special[:, 0], rng.uniform(165, 180, 200), rng.uniform(-180, -165, 200)])
+    lat = np.concatenate([lat, special[:, 1], rng.uniform(-12, 12, 400)])
+    return lon, lat
+
+
+@pytest.fixture
+def app(make_settings, server_dsn, request):
+    """A service on a database of this test's own (layer names are reused from test to test)."""
+    with fresh_database(server_dsn, request.node.name) as dsn:
+        with TestClient(create_app(make_settings(database_url=dsn))) as client:
+            wait_ready(client)
+            yield client
+
+
+@pytest.fixture
+def layers(app):
+    lon, lat = sample_points()
+    assert app.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": lon.tolist(),
+                                                "lat": lat.tolist()}).status_code == 201
+    polys = feature_collection(SQUARE_WITH_HOLE, TWO_ISLANDS, ACROSS_ANTIMERIDIAN, NEIGHBOUR)
+    r = app.post("/v1/spatial/layers", json={"name": "polys", "kind": "polygons", "geojson": polys})
+    assert r.status_code == 201, r.text
+    return lon, lat, polys
+
+
+def oracle_pairs(lon, lat, polys) -> set[tuple[int, int]]:
+    points = shapely.points(lon, lat)
+    out = set()
+    for f in polys["features"]:
+        geom = shapely.geometry.shape(f["geometry"])
+        for i in np.flatnonzero(shapely.covers(geom, points)):
+            out.add((int(i), f["id"]))
+    return out
+
+
+def test_counts_equal_shapely_covers(app, layers):
+    lon, lat, polys = layers
+    body = app.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys"}).json()
+    truth = oracle_pairs(lon, lat, polys)
+    want = [sum(1 for _, p in truth if p == f["id"]) for f in polys["features"]]
+    assert body["polygon_ids"] == [f["id"] for f in polys["features"]]
+    assert body["counts"] == want and body["engine"] == "cpu-spatial"
+
+
+def test_pairs_paged_with_a_cursor_add_up_to_shapely(app, layers):
+    lon, lat, polys = layers
+    got, cursor, pages = [], None, 0
+    while True:
+        body = app.post("/v1/spatial/joins/point-in-polygon", json={
+            "points": "pts", "polygons": "polys", "mode": "pairs", "cursor": cursor, "page_size": 500}).json()
+        got.extend(tuple(p) for p in body["pairs"])
+        pages += 1
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert pages > 3
+    assert len(got) == len(set(got)) and set(got) == oracle_pairs(lon, lat, polys)
+
+
+def haversine_m(lon1, lat1, lon2, lat2, r=6371008.8):
+    p1, p2 = math.radians(lat1), math.radians(lat2)
+    dp, dl = p2 - p1, math.radians(lon2 - lon1)
+    a = math.sin(dp / 2) ** 2 + math.cos(p1) * math.cos(p2) * math.sin(dl / 2) ** 2
+    return 2 * r * math.asin(math.sqrt(a))
+
+
+def test_within_distance_equals_brute_force(app):
+    rng = np.random.default_rng(4)
+    centers = np.array([[2.35, 48.85], [179.99, -16.5], [-179.99, -16.5], [0, 89.99], [-73.98, 40.75]])
+    pts = centers[rng.integers(0, len(centers), 800)] + rng.normal(0, 0.01, (800, 2))
+    pts[:, 0] = (pts[:, 0] + 180) % 360 - 180
+    pts[:, 1] = np.clip(pts[:, 1], -90, 90)
+    assert app.post("/v1/spatial/layers", json={"name": "near", "kind": "points", "lon": pts[:, 0].tolist(),
+                                                "lat": pts[:, 1].tolist()}).status_code == 201
+    got, cursor = {}, None
+    while True:
+        body = app.post("/v1/spatial/joins/within-distance", json={"left": "near", "right": "near", "radius_m": 1000,
+                                                                   "cursor": cursor, "page_size": 100}).json()
+        for (i, j), d in zip(body["pairs"], body["distances_m"]):
+            got[(i, j)] = d
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    want = {}
+    for i in range(len(pts)):
+        for j in range(i + 1, len(pts)):
+            d = haversine_m(pts[i, 0], pts[i, 1], pts[j, 0], pts[j, 1])
+            if d <= 1000:
+                want[(i, j)] = d
+    assert set(got) == set(want) and len(want) > 1000
+    assert any(abs(pts[i, 0]) > 179.9 and pts[i, 0] * pts[j, 0] < 0 for i, j in want)  # pairs across +-180
+    for key, d in want.items():
+        assert got[key] == pytest.approx(d, rel=1e-9, abs=1e-6)
+
+
+def test_geoparquet_upload(app):
+    rng = np.random.default_rng(2)
+    lon, lat = rng.uniform(0, 10, 50), rng.uniform(0, 10, 50)
+    table = pa.table({"id": np.arange(1000, 1050), "geometry": shapely.to_wkb(shapely.points(lon, lat))})
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    r = app.put("/v1/spatial/layers/gp?kind=points", content=sink.getvalue(),
+                headers={"content-type": "application/vnd.apache.parquet"})
+    assert r.status_code == 201 and r.json()["count"] == 50
+    polys = feature_collection(SQUARE_WITH_HOLE)
+    app.post("/v1/spatial/layers", json={"name": "sq", "kind": "polygons", "geojson": polys})
+    body = app.post("/v1/spatial/joins/point-in-polygon", json={"points": "gp", "polygons": "sq", "mode": "pairs"}).json()
+    assert {p[0] for p in body["pairs"]} == {1000 + i for i, _ in oracle_pairs(lon, lat, polys)}
+
+
+def test_layers_survive_a_restart(make_settings, tmp_path):
+    settings = make_settings()
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client)
+        client.post("/v1/spatial/layers", json={"name": "kept", "kind": "polygons", "wkt": [shapely.to_wkt(shapely.geometry.shape(TWO_ISLANDS))]})
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client)
+        assert {"name": "kept", "kind": "polygons", "count": 1} in client.get("/v1/spatial/layers").json()
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"name": "b", "kind": "points", "lon": [0, 181], "lat": [0, 0]}, "lon[1]"),
+    ({"name": "b", "kind": "points", "lon": [0], "lat": [-91]}, "lat[0]"),
+    ({"name": "b", "kind": "points", "lon": [0, 1], "lat": [0]}, "lon"),
+    ({"name": "b", "kind": "polygons", "wkt": ["POLYGON ((0 0, 10 10, 10 0, 0 10, 0 0))"]}, "wkt[0]"),  # bow-tie
+    ({"name": "b", "kind": "polygons", "wkt": ["POLYGON ((0 0, 1 0"]}, "wkt[0]"),
+    ({"name": "b", "kind": "polygons", "wkt": ["POINT (1 1)"]}, "wkt[0]"),
+    ({"name": "b", "kind": "polygons", "wkb_b64": ["@@@"]}, "wkb_b64[0]"),
+    ({"name": "b", "kind": "polygons", "geojson": {"type": "FeatureCollection", "features": [
+        {"type": "Feature", "geometry": SQUARE_WITH_HOLE}, {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [200, 0], [0, 1], [0, 0]]]}}]}},
+     "geojson.features[1]"),
+    ({"name": "b", "kind": "polygons", "lon": [1]}, "lon"),
+])
+def test_bad_layers_are_422_naming_the_feature(app, body, field):
+    assert_problem(app.post("/v1/spatial/layers", json=body), 422, "validation-error", field)
+    assert "b" not in [l["name"] for l in app.get("/v1/spatial/layers").json()]
+
+
+def test_unknown_duplicate_and_wrong_kind(app, layers):
+    assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "nope", "polygons": "polys"}),
+                   404, "not-found")
+    assert_problem(app.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": [0], "lat": [0]}),
+                   409, "conflict")
+    assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "polys", "polygons": "polys"}),
+                   422, "validation-error", "points")
+    assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys",
+                                                                         "mode": "pairs", "cursor": "garbage"}),
+                   422, "validation-error", "cursor")
