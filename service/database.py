@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -76,10 +77,12 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await register_vector(conn)
 
 
-async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: float) -> asyncpg.Pool:
-    """A pool whose connections speak pgvector's binary format (the vector extension must exist)."""
+async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: float,
+                    init: Any = _init_connection) -> asyncpg.Pool:
+    """A pool whose connections speak pgvector's binary format (the vector extension must exist; init=None for
+    a pool that does not need it)."""
     return await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, command_timeout=command_timeout, init=_init_connection,
+        dsn, min_size=min_size, max_size=max_size, command_timeout=command_timeout, init=init,
         server_settings={"application_name": "switchyard"},
     )
 

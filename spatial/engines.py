@@ -33,6 +33,15 @@ class CpuSpatialHandle(_Handle):
         return CpuSpatialEngine()
 
 
+class PostgisHandle(_Handle):
+    async def start(self) -> None:
+        from .postgis_engine import PostgisEngine
+
+        engine = PostgisEngine(self.context["pool"])
+        await engine.start()
+        self.spatial.attach(engine)
+
+
 class CudaSpatialHandle(_Handle):
     def make(self) -> Any:
         from .cuda_engine import CudaSpatialEngine

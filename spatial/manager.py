@@ -130,7 +130,9 @@ class SpatialManager:
             raise SpatialEngineNotReady(f"engine {engine!r} is not available here")
         return [kind]
 
-    async def _run(self, engine: str, operation: str, method: str, *args: Any) -> tuple[Any, str, float, str | None]:
+    async def _run(self, engine: str, operation: str, method: str, args: tuple, by_name: tuple) -> tuple[Any, str, float, str | None]:
+        """Run `method` on the engines in routing order: resident engines get the buffers (`args`), PostGIS the
+        layer names (`by_name`), since its copies of the layers live in the database."""
         order = self._order(engine)
         fallback = None
         for position, kind in enumerate(order):
@@ -139,7 +141,7 @@ class SpatialManager:
             try:
                 fn = getattr(impl, method)
                 if kind == "postgis":
-                    result = await fn(*args)
+                    result = await fn(*by_name)
                 else:
                     result = await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
             except GeometryError:
@@ -162,13 +164,14 @@ class SpatialManager:
         pts = self.layer(points, "points", "points")
         polys = self.layer(polygons, "polygons", "polygons")
         if mode == "counts":
-            counts, name, took, fallback = await self._run(engine, "pip_counts", "pip_counts", pts.geometry, polys.geometry)
+            counts, name, took, fallback = await self._run(engine, "pip_counts", "pip_counts",
+                                                           (pts.geometry, polys.geometry), (points, polygons))
             return JoinAnswer({"polygon_ids": polys.ids.tolist(), "counts": np.asarray(counts).tolist(),
                                "points": len(pts), "matched": int(np.asarray(counts).sum())}, name, took, fallback)
         start = decode_cursor(cursor)
         stop = min(len(pts), start + page_size)
         (first, second), name, took, fallback = await self._run(
-            engine, "pip_pairs", "pip_pairs", pts.geometry, polys.geometry, start, stop)
+            engine, "pip_pairs", "pip_pairs", (pts.geometry, polys.geometry, start, stop), (points, polygons, start, stop))
         keep, next_start = cut_at_point_boundary(np.asarray(first), page_size, stop)
         pairs = np.column_stack([pts.ids[np.asarray(first)[:keep]], polys.ids[np.asarray(second)[:keep]]])
         return JoinAnswer({"pairs": pairs.tolist(), "next_cursor": encode_cursor(next_start) if next_start < len(pts) else None},
@@ -182,7 +185,8 @@ class SpatialManager:
         start = decode_cursor(cursor)
         stop = min(len(a), start + page_size)
         (i, j, d), name, took, fallback = await self._run(
-            engine, "within_distance", "within_distance", a.geometry, b.geometry, radius_m, start, stop, self_join)
+            engine, "within_distance", "within_distance", (a.geometry, b.geometry, radius_m, start, stop, self_join),
+            (left, right, radius_m, start, stop, self_join))
         i, j, d = np.asarray(i), np.asarray(j), np.asarray(d)
         keep, next_start = cut_at_point_boundary(i, page_size, stop)
         body = {"pairs": np.column_stack([a.ids[i[:keep]], b.ids[j[:keep]]]).tolist(),
