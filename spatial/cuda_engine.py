@@ -48,7 +48,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import kernels
+from . import cuspatial_adapter, kernels
 from .geoarrow import Points, Polygons
 
 OUTSIDE = kernels.OUTSIDE
@@ -223,13 +223,16 @@ class CudaSpatialEngine:
     ready = True
 
     def __init__(self, max_depth: int = 15, max_size: int = 128, max_candidates: int = 1 << 26,
-                 threads_per_block: int | None = None) -> None:
+                 threads_per_block: int | None = None, use_cuspatial: bool | None = None) -> None:
         if not 1 <= max_depth <= 15:
             raise ValueError("max_depth must be within [1, 15] (30-bit Morton keys)")
         self.max_depth, self.max_size, self.max_candidates = max_depth, max_size, max_candidates
         self.threads_per_block = threads_per_block
         self._polygons: tuple[Polygons, SimpleNamespace] | None = None
         self.last_stats: dict[str, int] = {}  # of the last pip_pairs: quadtree and candidate sizes
+        # cuSpatial's candidates where it is importable (never under the simulator: it needs a device).
+        self.use_cuspatial = (cuspatial_adapter.available() and not simulator_enabled()) if use_cuspatial is None \
+            else use_cuspatial
 
     # -- helpers
     def _launch(self, kernel, n: int, *args) -> None:
@@ -354,22 +357,29 @@ class CudaSpatialEngine:
         side = max(xmax - xmin, ymax - ymin)
         scale = side / float(1 << depth) if side > 0 else 1.0
         n = stop - start
-        keys = xp.empty(n, np.int64)
-        self._launch(k.morton_kernel, n, px, py, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
-        order = xp.argsort(keys)
-        sorted_keys = keys[order]
-        sentinel = xp.asarray([1 << (2 * depth)], dtype=np.int64)
-        n_in = int(xp.searchsorted(sorted_keys, sentinel)[0])  # drop the points outside the extent
-        if n_in == 0:
-            return empty
-        point_indices = order[:n_in].astype(np.int64)
-        levels = self._quadtree(xp, sorted_keys[:n_in], depth)
-        pair_part, pair_first, pair_count = self._candidate_pairs(xp, levels, d, xmin, ymin, scale, depth)
+        if self.use_cuspatial:
+            # cuSpatial's quadtree and bbox join give the candidates; the refine below stays ours.
+            point_indices, pair_part, pair_first, pair_count = cuspatial_adapter.candidates(
+                xp, px, py, polygons, d.extent, scale, depth, self.max_size)
+            n_in, quadrants = n, None
+        else:
+            keys = xp.empty(n, np.int64)
+            self._launch(k.morton_kernel, n, px, py, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
+            order = xp.argsort(keys)
+            sorted_keys = keys[order]
+            sentinel = xp.asarray([1 << (2 * depth)], dtype=np.int64)
+            n_in = int(xp.searchsorted(sorted_keys, sentinel)[0])  # drop the points outside the extent
+            if n_in == 0:
+                return empty
+            point_indices = order[:n_in].astype(np.int64)
+            levels = self._quadtree(xp, sorted_keys[:n_in], depth)
+            pair_part, pair_first, pair_count = self._candidate_pairs(xp, levels, d, xmin, ymin, scale, depth)
+            quadrants = int(levels[depth].key.shape[0])
         if pair_part.shape[0] == 0:
             return empty
         pair_offsets = xp.concatenate([xp.zeros(1, np.int64), xp.cumsum(pair_count)])
         total = int(pair_offsets[-1])
-        self.last_stats = {"points_in_extent": n_in, "finest_quadrants": int(levels[depth].key.shape[0]),
+        self.last_stats = {"points_in_extent": n_in, "finest_quadrants": quadrants,
                            "pairs": int(pair_part.shape[0]), "candidates": total}
         hits_point, hits_part = [], []
         for c0 in range(0, total, self.max_candidates):  # refine in chunks: flags -> scan -> scatter
