@@ -320,7 +320,7 @@ class CuvsIndex:
 
     def add(self, vectors: np.ndarray) -> None:
         if not self.supports_add:
-            raise NotImplementedError(f"cuVS {self.kind} cannot add rows; they stay in the exact delta")
+            raise RuntimeError(f"cuVS {self.kind} cannot add rows: resident.py keeps them in the exact delta")
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         if len(vectors) == 0:
             return

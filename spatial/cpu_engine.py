@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import kernels
-from .geoarrow import Points, Polygons
+from .geoarrow import Points, Polygons, check_distance_join, point_range
 
 K = kernels.compile_core(njit(cache=True))
 _point_in_edges = K.point_in_edges
@@ -55,14 +55,6 @@ MAX_CELLS_PER_AXIS = 1 << 20  # the distance grid's key (ix * n + iy) * n + iz s
 # numba's parallel loops must not be entered from two threads at once (its workqueue threading layer aborts the
 # process): one engine call at a time in the process.
 _PARALLEL_LOCK = threading.Lock()
-
-
-def _range(n: int, start: int | None, stop: int | None) -> tuple[int, int]:
-    start = 0 if start is None else int(start)
-    stop = n if stop is None else int(stop)
-    if not 0 <= start <= stop <= n:
-        raise ValueError(f"[start, stop) = [{start}, {stop}) is not a range within [0, {n}]")
-    return start, stop
 
 
 # --- PIP index -----------------------------------------------------------------------------------------------
@@ -507,7 +499,7 @@ class CpuSpatialEngine:
                   stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
         (point, geometry); point indices are positions in `points`."""
-        start, stop = _range(len(points), start, stop)
+        start, stop = point_range(len(points), start, stop)
         with self._lock:
             index = self.pip_index(polygons)
             if index.empty or stop == start:
@@ -520,15 +512,7 @@ class CpuSpatialEngine:
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(i, j, metres) for a[start:stop] and b with haversine distance <= radius_m, sorted by (i, j). With
         self_join (a and b the same points) only i < j."""
-        start, stop = _range(len(a), start, stop)
-        radius_m = float(radius_m)
-        if not radius_m >= 0 or not math.isfinite(radius_m):
-            raise ValueError(f"radius_m must be a finite number >= 0, not {radius_m!r}")
-        if self_join and len(a) != len(b):
-            raise ValueError("a self-join needs a and b to be the same points")
-        for pts, label in ((a, "a"), (b, "b")):
-            if not (np.isfinite(pts.x).all() and np.isfinite(pts.y).all()):
-                raise ValueError(f"{label} holds a coordinate that is not a finite number")
+        start, stop, radius_m = check_distance_join(a, b, radius_m, start, stop, self_join)
         if stop == start or len(b) == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
         with self._lock:

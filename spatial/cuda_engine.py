@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import cuspatial_adapter, kernels
-from .geoarrow import Points, Polygons
+from .geoarrow import Points, Polygons, check_distance_join, point_range
 
 OUTSIDE = kernels.OUTSIDE
 MAX_CELLS_PER_AXIS = 1 << 20
@@ -339,10 +339,7 @@ class CudaSpatialEngine:
                   stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
         (point, geometry); point indices are positions in `points`."""
-        start = 0 if start is None else int(start)
-        stop = len(points) if stop is None else int(stop)
-        if not 0 <= start <= stop <= len(points):
-            raise ValueError(f"[start, stop) = [{start}, {stop}) is not a range within [0, {len(points)}]")
+        start, stop = point_range(len(points), start, stop)
         empty = (np.empty(0, np.int64), np.empty(0, np.int64))
         if stop == start or len(polygons) == 0:
             return empty
@@ -415,18 +412,7 @@ class CudaSpatialEngine:
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(i, j, metres) for a[start:stop] and b with haversine distance <= radius_m, sorted by (i, j). With
         self_join (a and b the same points) only i < j."""
-        start = 0 if start is None else int(start)
-        stop = len(a) if stop is None else int(stop)
-        if not 0 <= start <= stop <= len(a):
-            raise ValueError(f"[start, stop) = [{start}, {stop}) is not a range within [0, {len(a)}]")
-        radius_m = float(radius_m)
-        if not radius_m >= 0 or not math.isfinite(radius_m):
-            raise ValueError(f"radius_m must be a finite number >= 0, not {radius_m!r}")
-        if self_join and len(a) != len(b):
-            raise ValueError("a self-join needs a and b to be the same points")
-        for pts, label in ((a, "a"), (b, "b")):
-            if not (np.isfinite(pts.x).all() and np.isfinite(pts.y).all()):
-                raise ValueError(f"{label} holds a coordinate that is not a finite number")
+        start, stop, radius_m = check_distance_join(a, b, radius_m, start, stop, self_join)
         if stop == start or len(b) == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
         k, xp = _build(), _xp()

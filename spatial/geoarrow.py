@@ -114,3 +114,27 @@ def polygons_to_shapely(polygons: Polygons) -> np.ndarray:
     coords = np.column_stack([polygons.x, polygons.y])
     return shapely.from_ragged_array(shapely.GeometryType.MULTIPOLYGON, coords,
                                      (polygons.ring_offsets, polygons.part_offsets, polygons.geometry_offsets))
+
+
+def point_range(n: int, start: int | None, stop: int | None) -> tuple[int, int]:
+    """A [start, stop) range of point positions (None: from the first / to the last)."""
+    start = 0 if start is None else int(start)
+    stop = n if stop is None else int(stop)
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"[start, stop) = [{start}, {stop}) is not a range within [0, {n}]")
+    return start, stop
+
+
+def check_distance_join(a: Points, b: Points, radius_m: float, start: int | None, stop: int | None,
+                        self_join: bool) -> tuple[int, int, float]:
+    """The arguments every engine's within_distance checks the same way: (start, stop, radius_m)."""
+    start, stop = point_range(len(a), start, stop)
+    radius_m = float(radius_m)
+    if not radius_m >= 0 or not np.isfinite(radius_m):
+        raise ValueError(f"radius_m must be a finite number >= 0, not {radius_m!r}")
+    if self_join and len(a) != len(b):
+        raise ValueError("a self-join needs a and b to be the same points")
+    for pts, label in ((a, "a"), (b, "b")):
+        if not (np.isfinite(pts.x).all() and np.isfinite(pts.y).all()):
+            raise ValueError(f"{label} holds a coordinate that is not a finite number")
+    return start, stop, radius_m
