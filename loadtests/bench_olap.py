@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from typing import Any, Callable
 
 import orjson
 
-from benchkit import MachineLoad, Service, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, save_json, versions, wait_for_quiet
 
 RESULTS = Path(__file__).resolve().parent / "results" / "olap"
 
@@ -45,21 +44,7 @@ def normalise(rows: list[Any]) -> list[tuple]:
     return [tuple(int(v) if isinstance(v, float) and v.is_integer() else v for v in row) for row in rows]
 
 
-class Http:
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        self.conn.request(method, path, orjson.dumps(body) if body is not None else None,
-                          {"Content-Type": "application/json"})
-        response = self.conn.getresponse()
-        data = orjson.loads(response.read())
-        if response.status >= 300 and response.status != 202:
-            raise RuntimeError(f"{method} {path}: HTTP {response.status}: {data}")
-        return data
-
-
-def wait_job(client: Http, location: str) -> dict:
+def wait_job(client: JsonClient, location: str) -> dict:
     message = None
     while True:
         job = client.call("GET", location)
@@ -119,7 +104,7 @@ def main() -> None:
     service = Service(work / "data")
     service.start()
     load = MachineLoad(service.pids)
-    client = Http(service.port)
+    client = JsonClient(service.port)
     report: dict[str, Any] = {"benchmark": "ssb", "scale_factor": args.sf, "runs": args.runs,
                               "versions": versions("switchyard", "duckdb", "pyarrow", "pandas", "asyncpg"),
                               "queries": list(QUERIES), "timings": {}, "machine": {}}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import io
 import statistics
 import tempfile
@@ -28,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from benchkit import MachineLoad, Service, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, save_json, versions, wait_for_quiet
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spatial"
 
@@ -60,27 +59,6 @@ def timed(fn: Callable[[], Any], runs: int) -> tuple[dict[str, float], Any]:
         times.append(time.perf_counter() - started)
     return {"median_s": round(statistics.median(times), 4), "min_s": round(min(times), 4),
             "max_s": round(max(times), 4)}, answer
-
-
-class Http:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-
-    def call(self, method: str, path: str, body: bytes | dict | None = None, content_type: str = "application/json") -> dict:
-        data = orjson.dumps(body) if isinstance(body, dict) else body
-        try:
-            self.conn.request(method, path, data, {"Content-Type": content_type})
-            response = self.conn.getresponse()
-        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
-            # The server closes keep-alive connections left idle (while a peer was being measured): reconnect.
-            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=3600)
-            self.conn.request(method, path, data, {"Content-Type": content_type})
-            response = self.conn.getresponse()
-        out = orjson.loads(response.read() or b"{}")
-        if response.status >= 300:
-            raise RuntimeError(f"{method} {path}: HTTP {response.status}: {out}")
-        return out
 
 
 def geoparquet(geoms: Any) -> bytes:
@@ -122,7 +100,7 @@ def main() -> None:
     service = Service(work / "data", env={"SWITCHYARD_MAX_BODY_BYTES": str(512 * 1024 * 1024)})
     service.start()
     load = MachineLoad(service.pids)
-    client = Http(service.port)
+    client = JsonClient(service.port)
     engine = CpuSpatialEngine()
     report: dict[str, Any] = {"benchmark": "spatial", "points": args.points, "runs": args.runs,
                               "versions": versions("switchyard", "shapely", "geopandas", "numba", "numpy"),
@@ -188,7 +166,7 @@ def main() -> None:
     print(f"wrote {args.out / f'bench_spatial-{stamp}.json'} and .png")
 
 
-def _distance(client: Http, engine: Any, args: argparse.Namespace, load: MachineLoad, report: dict) -> dict[str, Any]:
+def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: MachineLoad, report: dict) -> dict[str, Any]:
     """Clustered points (cities-like, some across the antimeridian), R metres, checked on a sample."""
     rng = np.random.default_rng(args.seed + 1)
     centers = np.column_stack([rng.uniform(-180, 180, 400), rng.uniform(-70, 70, 400)])

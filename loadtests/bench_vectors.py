@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from benchkit import MachineLoad, Service, repeat, run_clients, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, repeat, run_clients, save_json, versions, wait_for_quiet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,30 +60,14 @@ def recall_at(found: list[list[int]], truth: np.ndarray, k: int) -> float:
 
 
 # -- Switchyard over HTTP -----------------------------------------------------------------------------
-class Http:
-    """One keep-alive connection; the same style for every thread-client."""
-
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.conn.request("POST", path, orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                          {"Content-Type": "application/json"})
-        response = self.conn.getresponse()
-        data = response.read()
-        if response.status not in (200, 201):
-            raise RuntimeError(f"HTTP {response.status}: {data[:300]!r}")
-        return orjson.loads(data)
-
-
 def http_search_all(port: int, collection: str, queries: np.ndarray, k: int, engine: str,
                     params: dict[str, Any]) -> list[list[int]]:
-    client = Http(port)
+    client = JsonClient(port)
     found: list[list[int]] = []
     for start in range(0, len(queries), 100):
         body = {"vectors_b64": base64.b64encode(queries[start:start + 100].astype("<f4").tobytes()).decode(),
                 "k": k, "engine": engine, "params": params}
-        found.extend(client.post(f"/v1/collections/{collection}/search", body)["ids"])
+        found.extend(client.call("POST", f"/v1/collections/{collection}/search", body)["ids"])
     return found
 
 
@@ -319,9 +303,9 @@ def main() -> None:
         "engines": {},
     }
     try:
-        conn = Http(service.port)
+        conn = JsonClient(service.port)
         build = parse_params(args.cpu_build)
-        conn.post("/v1/collections", {"name": "bench", "dim": dim, "metric": "l2",
+        conn.call("POST", "/v1/collections", {"name": "bench", "dim": dim, "metric": "l2",
                                       "index": {"type": args.cpu_index, "params": build},
                                       "pgvector_index": {"type": "hnsw", "m": 16, "ef_construction": 64}})
         print("bulk load (stores, builds the resident index and pgvector's HNSW index)...")

@@ -7,6 +7,7 @@ measurement is warmed up, repeated, and stored with how busy the rest of the mac
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import platform
@@ -86,6 +87,31 @@ class Service:
             if p.info["name"] == "postgres" or "postgres" in " ".join(p.info["cmdline"] or [])[:200]:
                 out.add(p.pid)
         return out
+
+
+class JsonClient:
+    """One keep-alive HTTP connection to the service under test, JSON in and out; reconnects once when the
+    server has closed an idle connection (while a peer was being measured)."""
+
+    def __init__(self, port: int, timeout_s: float = 3600) -> None:
+        self.port, self.timeout_s = port, timeout_s
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        import orjson
+
+        data = body if isinstance(body, bytes) or body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        try:
+            self.conn.request(method, path, data, {"Content-Type": content_type})
+            response = self.conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout_s)
+            self.conn.request(method, path, data, {"Content-Type": content_type})
+            response = self.conn.getresponse()
+        payload = response.read()
+        if response.status >= 300:
+            raise RuntimeError(f"{method} {path}: HTTP {response.status}: {payload[:300]!r}")
+        return orjson.loads(payload) if payload else {}
 
 
 class MachineLoad:
