@@ -426,6 +426,20 @@ def lineorder_rows(scale_factor: float, seed: int = 0) -> int:
 
 # --- output ------------------------------------------------------------------------------------------------
 
+def row_reporter(progress: Progress | None,
+                 total: int | None) -> Callable[[int, str], None]:
+    """report(rows, message): adds rows written to a running count and passes it on to `progress`."""
+    done = 0
+
+    def report(rows: int, message: str) -> None:
+        nonlocal done
+        done += rows
+        if progress is not None:
+            progress(done, total, message)
+
+    return report
+
+
 @contextmanager
 def atomic_dir(out_dir: Path) -> Iterator[Path]:
     """Yield an empty directory beside out_dir; on success it replaces out_dir, on any failure it is deleted.
@@ -477,14 +491,7 @@ def generate(scale_factor: float, out_dir: Path, seed: int = 0, progress: Progre
     seed = int(seed)
     size = sizes(scale_factor)
     n_lines = lineorder_rows(scale_factor, seed)
-    total = size.part + size.supplier + size.customer + TOTDATE + n_lines
-    done = 0
-
-    def report(rows: int, message: str) -> None:
-        nonlocal done
-        done += rows
-        if progress is not None:
-            progress(done, total, message)
+    report = row_reporter(progress, size.part + size.supplier + size.customer + TOTDATE + n_lines)
 
     rows: dict[str, int] = {}
     with atomic_dir(out_dir) as tmp:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from olap.generate import atomic_dir, write_meta
+from olap.generate import atomic_dir, row_reporter, write_meta
 from olap.schema import TABLES, TBL_FILES
 
 Progress = Callable[[int, int | None, str], None]
@@ -59,14 +59,7 @@ def import_tbl(src_dir: Path, out_dir: Path, expected_rows: dict[str, int] | Non
     unknown = set(expected) - set(TABLES)
     if unknown:
         raise ValueError(f"expected_rows names unknown tables: {sorted(unknown)}")
-    total = sum(expected.values()) if set(expected) == set(TABLES) else None
-    done = 0
-
-    def report(rows: int, message: str) -> None:
-        nonlocal done
-        done += rows
-        if progress is not None:
-            progress(done, total, message)
+    report = row_reporter(progress, sum(expected.values()) if set(expected) == set(TABLES) else None)
 
     rows: dict[str, int] = {}
     with atomic_dir(out_dir) as tmp:
