@@ -28,3 +28,8 @@ class EngineUnavailable(VectorError):
 
 class EngineFailed(VectorError):
     """The engine raised while serving; `auto` falls back to the next engine."""
+
+
+class NotCaughtUp(VectorError):
+    """The resident replica could not reach the consistency level asked for within the time allowed, and the
+    request named the engine, so nothing else may answer: try again shortly."""

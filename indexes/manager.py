@@ -1,21 +1,28 @@
-"""The vector domain's facade: collections in Postgres, their resident indexes, routing between engines.
+"""The vector domain's facade: collections in Postgres, their resident replicas, routing between engines.
 
-Write path: validate -> Postgres transaction (serialised per collection) -> resident index updated -> ack.
-Read path: pick an engine (gpu -> cpu -> pgvector for `auto`) -> search resident data -> response says
-which engine served and why it fell back, if it did.
-Start-up: each collection's snapshot is loaded and the changes after it replayed from Postgres; without a
-usable snapshot the index is rebuilt from Postgres.
+Write path: validate -> Postgres transaction (serialised per collection; it takes the change seqs and records
+the commit) -> this process's replica applies the commit (indexes/replica.py) -> ack with the seq.
+Every process follows the change log (indexes/follower.py: LISTEN/NOTIFY plus a poll), so each resident replica
+is PostgreSQL's state at its watermark, whichever process took the write.
+Read path: the consistency level asked for is reached (or `auto` falls back to pgvector) -> pick an engine
+(gpu -> cpu -> pgvector for `auto`) -> search -> the response says which engine served, at which watermark,
+and why it fell back, if it did.
+Start-up: each collection's snapshot is validated (content digest, its commit still in PostgreSQL's log) and
+caught up from the log; without a usable snapshot the replica is read whole from Postgres.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import asyncpg
 import numpy as np
@@ -24,8 +31,10 @@ from . import pgvector_search, snapshots
 from .ann import INDEX_TYPES, check_params, resolve_type
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
-from .errors import EngineFailed, EngineUnavailable, InvalidInput
-from .resident import IndexBackend, ResidentCollection, SearchResult
+from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
+from .follower import APPLICATION_PREFIX, Follower
+from .replica import Applied, Replica, check_level
+from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .store import Collection, CollectionStore
 from .vectors import Points
 
@@ -34,19 +43,17 @@ log = logging.getLogger("switchyard.vectors")
 MAX_K = 1000
 ENGINE_KIND = {"gpu": "cuvs", "cpu": "faiss"}
 Progress = Callable[[int, int | None, str], None]
+T = TypeVar("T")
 
 
-@dataclass
-class Resident:
-    collection: Collection
-    index: ResidentCollection
-    loaded: bool = False
-    error: str | None = None
-    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    rebuild_task: asyncio.Task | None = None
-    saved: tuple | None = None  # (watermark, rows, index type) of the last snapshot written
-    bulk_loading: int = 0  # bulk loads in progress: they build once at the end, so no background rebuilds
-    loaded_from: str | None = None  # "snapshot" (+ replay) or "postgres" (rebuilt), said by GET collection
+@dataclass(frozen=True)
+class Consistency:
+    """How searches meet their consistency level (see indexes/replica.py)."""
+
+    default: str = "bounded"
+    bound_s: float = 1.0  # bounded staleness: resident state at most this old
+    timeout_s: float = 2.0  # how long a search may wait to reach its level before falling back / 503
+    poll_s: float = 0.2  # the followers' poll of every collection's head
 
 
 @dataclass
@@ -58,26 +65,40 @@ class SearchAnswer:
 
 
 class CollectionManager:
-    def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, max_batch: int = 64, batch_window_s: float = 0.0,
-                 observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, dsn: str | None = None, max_batch: int = 64,
+                 batch_window_s: float = 0.0, observe: Callable[[str, str, float, bool], None] | None = None,
+                 consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
+                 on_applied: Applied | None = None) -> None:
         self.store = CollectionStore(pool)
         self.pool = pool
         self.snapshot_dir = data_dir / "vectors"
         self.backends: dict[str, IndexBackend] = {}  # "gpu"/"cpu" -> backend that keeps indexes resident
-        self.executors: dict[str, ThreadPoolExecutor] = {}
-        self.resident: dict[str, Resident] = {}
+        self.executors: dict[str, ThreadPoolExecutor] = {}  # searches and change applies
+        self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
+        self.resident: dict[str, Replica] = {}
+        self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s = max_batch, batch_window_s
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
+        self.consistency = consistency or Consistency()
+        self.policy = policy or RebuildPolicy()
+        self.on_applied = on_applied or (lambda collection_id, seq, at: None)
         self.loading: asyncio.Task | None = None
-        self.catalog: dict[str, Collection] = {}  # collection definitions never change, so they are cached
+        self.catalog: dict[str, Collection] = {}  # name -> definition; definitions never change
+        self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.follower = Follower(dsn, self.store, self, process=self.process, poll_s=self.consistency.poll_s)
+        self._syncing: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
 
     # -- engines ---------------------------------------------------------------------------------------
     def attach(self, kind: str, backend: IndexBackend) -> None:
-        """Make a backend hold resident indexes. cuVS calls must come from one thread (NVIDIA/cuvs #2041)."""
+        """Make a backend hold resident indexes. cuVS calls must come from one thread (NVIDIA/cuvs #2041), so on
+        the GPU rebuilds share that thread; on the CPU they have their own, and searches keep two."""
         self.backends[kind] = backend
         self.executors[kind] = ThreadPoolExecutor(max_workers=1 if kind == "gpu" else 2,
                                                   thread_name_prefix=f"vectors-{kind}")
+        self.build_executors[kind] = self.executors[kind] if kind == "gpu" else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"vectors-{kind}-build")
         self.batchers[kind] = MicroBatcher(self._run_batch, self.executors[kind], max_batch=self.max_batch,
                                            window_s=self.batch_window_s)
 
@@ -91,19 +112,32 @@ class CollectionManager:
         return self.loading is not None and self.loading.done() and all(r.loaded or r.error for r in self.resident.values())
 
     async def start(self) -> None:
+        await self.follower.start()  # listening before loading: nothing committed meanwhile is missed
         self.loading = asyncio.create_task(self._load_all())
 
     async def stop(self) -> None:
-        if self.loading is not None and not self.loading.done():
-            self.loading.cancel()
-            await asyncio.gather(self.loading, return_exceptions=True)
+        await self.follower.stop()
+        for task in (self.loading, self._syncing, *self._background):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for r in list(self.resident.values()):
-            if r.rebuild_task is not None and not r.rebuild_task.done():
-                r.rebuild_task.cancel()
-                await asyncio.gather(r.rebuild_task, return_exceptions=True)
+            await r.stop()
         await self.save_snapshots()
-        for executor in self.executors.values():
+        for executor in {*self.executors.values(), *self.build_executors.values()}:
             executor.shutdown(wait=True)
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
+        """A background task that is kept (not garbage-collected), cancelled at stop, and logged if it fails."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed", name, exc_info=t.exception())
+
+        task.add_done_callback(done)
 
     # -- collections -----------------------------------------------------------------------------------
     async def collection(self, name: str) -> Collection:
@@ -112,6 +146,15 @@ class CollectionManager:
         if c is None:
             c = self.catalog[name] = await self.store.get(name)
         return c
+
+    async def _with_collection(self, name: str, fn: Callable[[Collection], Awaitable[T]]) -> T:
+        """Run fn on the collection; if another process dropped (and perhaps re-created) it since this one cached
+        its definition, forget the stale one and try once more with what PostgreSQL holds now."""
+        try:
+            return await fn(await self.collection(name))
+        except asyncpg.UndefinedTableError:
+            self._forget(name)
+            return await fn(await self.collection(name))
 
     async def create(self, name: str, dim: int, metric: str, index_type: str, index_params: dict[str, Any] | None,
                      pgvector_index: dict[str, Any] | None) -> Collection:
@@ -123,74 +166,183 @@ class CollectionManager:
         pg_index = pgvector_search.check_index(pgvector_index)
         c = await self.store.create(name, dim, metric, index_type, params, pg_index)
         self.catalog[name] = c
-        if self.resident_kind is not None:
-            self.resident[name] = Resident(c, self._new_index(c), loaded=True)
+        if self.resident_kind is not None and c.id not in self.by_id:
+            r = self._new_replica(c)
+            r.loaded, r.fresh_as_of = True, time.monotonic()  # nothing can have been written to it yet
+            self._register(r)
         return c
 
     async def drop(self, name: str) -> None:
         c = await self.collection(name)
+        self._forget(name)
+        try:
+            await self.store.drop(name)
+        finally:
+            for kind in ENGINE_KIND.values():
+                snapshots.remove(snapshots.path_for(self.snapshot_dir, c.id, kind))
+
+    def _register(self, r: Replica) -> None:
+        self.catalog[r.collection.name] = r.collection
+        self.resident[r.collection.name] = r
+        self.by_id[r.collection.id] = r
+
+    def _forget(self, name: str) -> None:
+        """Drop this process's cached definition and replica of a collection (dropped here or elsewhere)."""
         self.catalog.pop(name, None)
         r = self.resident.pop(name, None)
-        if r is not None and r.rebuild_task is not None:
-            r.rebuild_task.cancel()
-        await self.store.drop(name)
-        for kind in ENGINE_KIND.values():
-            snapshots.remove(snapshots.path_for(self.snapshot_dir, c.id, kind))
+        if r is not None:
+            self.by_id.pop(r.collection.id, None)
+            self._spawn(r.stop(), f"stopping the replica of {name}")
 
-    async def describe(self, name: str) -> dict[str, Any]:
+    def _new_replica(self, c: Collection) -> Replica:
+        kind = self.resident_kind
+        assert kind is not None
+
+        def new_index() -> ResidentCollection:
+            return ResidentCollection(c.name, c.dim, c.metric, c.index_type, c.index_params, self.backends[kind],
+                                      self.policy)
+
+        async def run(fn: Callable[..., Any], *args: Any) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
+
+        return Replica(c, new_index(), lambda since: self.store.read_changes(c, since), run, new_index,
+                       self.on_applied)
+
+    async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
+        """The collection, its count, its replica here, and every process's replica (watermark, lag, digest)
+        beside PostgreSQL's head (and its content digest when `verify`)."""
         c = await self.collection(name)
         r = self.resident.get(name)
         engines = ["pgvector"]
         state: dict[str, Any] = {"resident": False}
         if r is not None:
             engines.insert(0, r.index.backend.name)
-            idx = r.index.index
-            state = {
-                "resident": True, "loaded": r.loaded, "error": r.error, "engine": r.index.backend.name,
-                "index_type": idx.config.index_type if idx is not None else None,
-                "indexed_rows": r.index.indexed_rows, "delta_rows": r.index.delta_rows,
-                "dead_rows": r.index.n_dead, "watermark": r.index.watermark,
-                "rebuilding": r.rebuild_task is not None and not r.rebuild_task.done(),
-                "loaded_from": r.loaded_from,
-            }
+            state = r.state()
         state["pgvector_index"] = await pgvector_search.has_index(self.pool, c)
-        return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state}
+        replication = await self.replication(c, verify)
+        return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
+                "replication": replication}
 
-    def _new_index(self, c: Collection) -> ResidentCollection:
-        kind = self.resident_kind
-        assert kind is not None
-        return ResidentCollection(c.name, c.dim, c.metric, c.index_type, c.index_params, self.backends[kind])
+    # -- replication -----------------------------------------------------------------------------------
+    async def replication(self, c: Collection, verify: bool, wait_s: float = 1.0) -> dict[str, Any]:
+        """Ask every process following this database for its replica of `c` (through the change channel) and
+        wait up to `wait_s` for the answers."""
+        request = uuid.uuid4().hex
+        own = await self._report(c)
+        others: list[dict[str, Any]] = []
+        expected = 0
+        if self.follower.listening:
+            expected = await self.store.live_followers(APPLICATION_PREFIX) - 1
+            if expected > 0:
+                await self.store.ask_for_reports(c, request)
+                deadline = time.monotonic() + wait_s
+                while True:
+                    others = [x for x in await self.store.reports(c, request) if x["process"] != self.process]
+                    if len(others) >= expected or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.01)
+        postgres = await self.store.content(c) if verify else {"seq": await self.store.head(c)}
+        return {"postgres": postgres, "process": self.process, "replicas": [own, *others],
+                "processes_expected": expected + 1}
 
-    def _kind_of(self, r: Resident) -> str:
-        return r.index.backend.kind
+    async def _report(self, c: Collection) -> dict[str, Any]:
+        r = self.by_id.get(c.id)
+        out: dict[str, Any] = {"process": self.process, "pid": os.getpid(), "host": socket.gethostname(),
+                               "listening": self.follower.listening}
+        if r is None:
+            return {**out, "resident": False}
+        content = await r.run(r.index.content)
+        lag = await self.store.lag(c, content["watermark"])
+        state = r.state()
+        return {**out, **content, **lag, "resident": True, "loaded": r.loaded, "engine": state["engine"],
+                "fresh_ms": state["fresh_ms"], "rebuilding": state["rebuilding"]}
+
+    # FollowerHandler: called on the event loop by the follower.
+    def on_change(self, collection_id: int, seq: int) -> None:
+        r = self.by_id.get(collection_id)
+        if r is None:
+            self._sync_catalog()  # a collection this process has not heard of yet
+        elif r.loaded and seq > r.watermark:
+            r.wake(time.monotonic())
+
+    def on_catalog(self, collection_id: int) -> None:
+        self._sync_catalog()
+
+    def on_report(self, collection_id: int, request: str) -> None:
+        async def answer() -> None:
+            r = self.by_id.get(collection_id)
+            c = r.collection if r is not None else next(
+                (x for x in await self.store.list() if x.id == collection_id), None)
+            if c is not None:
+                await self.store.save_report(self.process, collection_id, request, await self._report(c))
+
+        self._spawn(answer(), "a replica report")
+
+    def on_heads(self, heads: dict[int, tuple[str, int]], read_at: float) -> None:
+        if self.resident_kind is not None and set(heads) != set(self.by_id):
+            self._sync_catalog()
+        for cid, (_, head) in heads.items():
+            r = self.by_id.get(cid)
+            if r is not None and r.loaded:
+                r.note_head(head, read_at)
+
+    def _sync_catalog(self) -> None:
+        if self.resident_kind is None or self.loading is None or not self.loading.done():
+            return  # the initial load reads the catalog itself
+        if self._syncing is None or self._syncing.done():
+            self._syncing = asyncio.ensure_future(self._sync_catalog_now())
+
+    async def _sync_catalog_now(self) -> None:
+        """Take in collections created by other processes and drop those they dropped."""
+        current = {c.id: c for c in await self.store.list()}
+        for r in list(self.by_id.values()):
+            if r.collection.id not in current:
+                log.info("collection %s was dropped by another process", r.collection.name)
+                self._forget(r.collection.name)
+        for cid, c in current.items():
+            if cid not in self.by_id:
+                stale = self.catalog.get(c.name)
+                if stale is not None and stale.id != cid:
+                    self._forget(c.name)
+                r = self._new_replica(c)
+                self._register(r)
+                self._spawn(self._load_one(r), f"loading collection {c.name}")
 
     # -- writes ----------------------------------------------------------------------------------------
     async def upsert(self, name: str, points: Points) -> int:
-        """Returns the change sequence of the write; acknowledged data is committed in Postgres."""
+        """Returns the change seq of the write; acknowledged data is committed in Postgres."""
         c = await self.collection(name)
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
-        r = self.resident.get(name)
-        if r is None:
-            return await self.store.upsert(c, points)
-        async with r.write_lock:
-            seq = await self.store.upsert(c, points)
-            await self._in_executor(r, r.index.upsert, points.ids, points.vectors, seq)
-        self._maybe_rebuild(r)
-        return seq
+        commit = await self._with_collection(name, lambda c: self.store.upsert(c, points))
+        await self._apply_own(name, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
+                                                    points.vectors))
+        return commit.seq
 
-    async def delete(self, name: str, ids: np.ndarray) -> int:
-        c = await self.collection(name)
+    async def delete(self, name: str, ids: np.ndarray) -> tuple[int, int]:
+        """Returns how many points existed, and the change seq after which they are gone."""
+        gone, commit = await self._with_collection(name, lambda c: self.store.delete(c, ids))
+        if commit.seq > commit.prev:
+            dim = (await self.collection(name)).dim
+            await self._apply_own(name, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
+                                                        np.empty((0, dim), np.float32)))
+        return len(gone), commit.seq
+
+    async def _apply_own(self, name: str, commit: Any, changes: Changes) -> None:
+        """This process's replica takes its own committed write before the ack. If that fails, the write is still
+        acknowledged (it is committed) and the next catch-up brings it in."""
         r = self.resident.get(name)
-        if r is None:
-            gone, _ = await self.store.delete(c, ids)
-            return len(gone)
-        async with r.write_lock:
-            gone, seq = await self.store.delete(c, ids)
-            await self._in_executor(r, r.index.delete, gone, seq)
+        if r is None or not r.loaded:
+            return  # loading replicas catch up from the log when they finish
+        try:
+            await r.apply_own(commit, changes)
+        except Exception as exc:  # noqa: BLE001 - the log still holds the change
+            log.warning("collection %s: applying committed seq %d failed (%s: %s); a catch-up will bring it in",
+                        name, commit.seq, type(exc).__name__, exc)
+            r.wake(time.monotonic())
+            return
         self._maybe_rebuild(r)
-        return len(gone)
 
     async def bulk_upsert(self, name: str, points: Points, progress: Progress, chunk: int = 20_000) -> dict[str, Any]:
         """A large load in committed chunks (each chunk acknowledged once committed), then index builds."""
@@ -218,12 +370,11 @@ class CollectionManager:
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
         out: dict[str, Any] = {}
-        if r is not None:
+        if r is not None and r.loaded:
             started = time.perf_counter()
             await self._rebuild(r, lambda message: say(0, None, message))
             out["resident_build_s"] = round(time.perf_counter() - started, 3)
             out["resident_index"] = r.index.index.config.index_type if r.index.index is not None else None
-            await self._save_snapshot(r)
         if not await pgvector_search.has_index(self.pool, c):
             say(0, None, "building the pgvector index")
             started = time.perf_counter()
@@ -231,23 +382,40 @@ class CollectionManager:
             out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
         return out
 
-    async def _rebuild(self, r: Resident, say: Callable[[str], None]) -> None:
-        current = asyncio.current_task()
-        if r.rebuild_task is not None and r.rebuild_task is not current and not r.rebuild_task.done():
-            await asyncio.gather(r.rebuild_task, return_exceptions=True)
-        await self._in_executor(r, r.index.rebuild, say)
+    async def _rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
+        """Rebuild now, through the collection's one rebuild slot: a rebuild already running that started before
+        this call is waited for, then another runs (it may be a background one that started meanwhile)."""
+        asked = time.monotonic()
+        while True:
+            task = r.rebuild_task
+            if task is None or task.done():
+                self._start_rebuild(r, say)
+                await asyncio.shield(r.rebuild_task)
+                return
+            if r.rebuild_started >= asked:
+                await asyncio.shield(task)
+                return
+            await asyncio.gather(task, return_exceptions=True)
 
-    def _maybe_rebuild(self, r: Resident) -> None:
-        if r.bulk_loading:
+    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
+        async def rebuild() -> None:
+            index = r.index
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.build_executors[self._kind_of(r)], index.rebuild, say)
+            await self._save_snapshot(r)
+
+        r.rebuild_started = time.monotonic()
+        r.rebuild_task = asyncio.ensure_future(rebuild())
+
+    def _maybe_rebuild(self, r: Replica) -> None:
+        if r.bulk_loading or not r.loaded:
             return
         if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
-            async def background() -> None:
-                await self._in_executor(r, r.index.rebuild, None)
-                await self._save_snapshot(r)
-            r.rebuild_task = asyncio.create_task(background(), name=f"rebuild-{r.collection.name}")
+            self._start_rebuild(r, None)
+            self._spawn(asyncio.shield(r.rebuild_task), f"background rebuild of {r.collection.name}")
 
     # -- reads -----------------------------------------------------------------------------------------
-    def engine_order(self, r: Resident | None, engine: str) -> list[str]:
+    def engine_order(self, r: Replica | None, engine: str) -> list[str]:
         resident_kind = self._kind_of(r) if r is not None and r.loaded else None
         if engine == "auto":
             return ([resident_kind] if resident_kind else []) + ["pgvector"]
@@ -262,7 +430,10 @@ class CollectionManager:
 
     async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
                      params: dict[str, Any] | None = None, payload_filter: dict[str, Any] | None = None,
-                     single: bool = False) -> SearchAnswer:
+                     single: bool = False, consistency: str | None = None, seq: int | None = None) -> SearchAnswer:
+        arrived = time.monotonic()
+        level = consistency or self.consistency.default
+        check_level(level, seq)
         c = await self.collection(name)
         if queries.shape[1] != c.dim:
             raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
@@ -270,13 +441,26 @@ class CollectionManager:
             raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
         r = self.resident.get(name)
         order = self.engine_order(r, engine)
-        return await self._search(c, r, order, queries, k, engine, params, payload_filter, single)
-
-    async def _search(self, c: Collection, r: Resident | None, order: list[str], queries: np.ndarray, k: int,
-                      engine: str, params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
-                      single: bool) -> SearchAnswer:
         fallback = None
-        if engine == "auto" and order == ["pgvector"] and r is not None:
+        if order[0] != "pgvector":
+            try:
+                await asyncio.wait_for(r.reach(level, seq, arrived, self.consistency.bound_s), self.consistency.timeout_s)
+            except CollectionNotFound:
+                self._forget(name)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the database is slow or gone: say so, or let pgvector answer
+                reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+                why = (f"the {ENGINE_KIND[order[0]]} replica could not reach consistency {level!r} within "
+                       f"{self.consistency.timeout_s * 1000:.0f} ms ({reason})")
+                if engine != "auto":
+                    raise NotCaughtUp(why, field="consistency") from exc
+                order, fallback = ["pgvector"], why + "; served by pgvector"
+        return await self._search(c, r, order, queries, k, engine, params, payload_filter, single, fallback)
+
+    async def _search(self, c: Collection, r: Replica | None, order: list[str], queries: np.ndarray, k: int,
+                      engine: str, params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
+                      single: bool, fallback: str | None) -> SearchAnswer:
+        if engine == "auto" and order == ["pgvector"] and r is not None and fallback is None:
             fallback = (f"the resident index failed to load ({r.error})" if r.error
                         else "the resident index is still loading")
         for position, choice in enumerate(order):
@@ -290,6 +474,9 @@ class CollectionManager:
                     result = await self._search_resident(r, queries, k, params, payload_filter, single)
             except (InvalidInput, EngineUnavailable):
                 raise
+            except asyncpg.UndefinedTableError:
+                self._forget(c.name)
+                raise CollectionNotFound(f"no collection named {c.name!r}", field="collection") from None
             except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
                 self.observe(served, "search", time.perf_counter() - started, False)
                 if position + 1 == len(order):
@@ -302,30 +489,31 @@ class CollectionManager:
             return SearchAnswer(result, served, round(took * 1000, 3), fallback)
         raise EngineUnavailable("no engine can serve this collection", field="engine")
 
-    async def _search_resident(self, r: Resident, queries: np.ndarray, k: int, params: dict[str, Any] | None,
+    async def _search_resident(self, r: Replica, queries: np.ndarray, k: int, params: dict[str, Any] | None,
                                payload_filter: dict[str, Any] | None, single: bool) -> SearchResult:
-        index_type = r.index.index.config.index_type if r.index.index is not None else resolve_type(
-            r.collection.index_type, r.index.count)
+        index = r.index
+        index_type = index.index.config.index_type if index.index is not None else resolve_type(
+            r.collection.index_type, index.count)
         checked = check_params("search", index_type, params, "params")
-        kind = self._kind_of(r)
         if payload_filter:
             allowed = await self.store.ids_matching(r.collection, payload_filter)
-            return await self._in_executor(r, r.index.search, queries, k, checked, allowed)
+            return await r.run(index.search, queries, k, checked, allowed)
         if single and len(queries) == 1:
             key = (r.collection.name, k, tuple(sorted(checked.items())))
-            ids, distances = await self.batchers[kind].submit(key, queries[0])
-            return SearchResult([ids], [distances])
-        return await self._in_executor(r, r.index.search, queries, k, checked, None)
+            ids, distances, watermark = await self.batchers[self._kind_of(r)].submit(key, queries[0])
+            return SearchResult([ids], [distances], watermark)
+        return await r.run(index.search, queries, k, checked, None)
 
-    def _run_batch(self, key: tuple, queries: np.ndarray) -> list[tuple[list[int], list[float]]]:
+    def _run_batch(self, key: tuple, queries: np.ndarray) -> list[tuple[list[int], list[float], int | None]]:
         name, k, params = key
-        r = self.resident[name]
+        r = self.resident.get(name)
+        if r is None:
+            raise CollectionNotFound(f"no collection named {name!r}", field="collection")
         result = r.index.search(queries, k, dict(params))
-        return list(zip(result.ids, result.distances))
+        return [(ids, d, result.watermark) for ids, d in zip(result.ids, result.distances)]
 
-    async def _in_executor(self, r: Resident, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executors[self._kind_of(r)], fn, *args)
+    def _kind_of(self, r: Replica) -> str:
+        return r.index.backend.kind
 
     # -- recall ----------------------------------------------------------------------------------------
     async def recall(self, name: str, k: int, engine: str, params: dict[str, Any] | None, sample: int,
@@ -334,9 +522,9 @@ class CollectionManager:
         c = await self.collection(name)
         r = self.resident.get(name)
         if r is not None and r.loaded:
-            ids, data = await self._in_executor(r, r.index.live)
+            ids, data = await r.run(r.index.live)
         else:
-            ids, _, vectors = await self.store.rows_since(c, 0)
+            ids, vectors = await self.store.rows(c)
             data = prepare(np, vectors, c.metric)
         if len(ids) == 0:
             raise InvalidInput("the collection is empty", field="collection")
@@ -347,7 +535,8 @@ class CollectionManager:
         if queries.shape[1] != c.dim:
             raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}", field="queries")
         truth_scores, truth_rows = exact_search(np, data, prepare(np, queries, c.metric), k, c.metric)
-        answer = await self.search(name, queries, k, engine, params)
+        # The same replica state the exact answer came from: no catch-up in between.
+        answer = await self.search(name, queries, k, engine, params, consistency="eventually")
         truth_d = from_engine(np, truth_scores, c.metric)
         hits = 0
         for qi, got in enumerate(answer.result.ids):
@@ -366,61 +555,74 @@ class CollectionManager:
         if self.resident_kind is None:
             return
         for c in await self.store.list():
-            self.catalog[c.name] = c
-            r = Resident(c, self._new_index(c))
-            self.resident[c.name] = r
+            self._register(self._new_replica(c))
         for r in list(self.resident.values()):
-            try:
-                await self._load(r)
-                r.loaded = True
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - one broken collection must not stop the others
-                log.exception("loading collection %s failed; pgvector serves it", r.collection.name)
-                r.error = f"{type(exc).__name__}: {exc}"
+            await self._load_one(r)
+        self._sync_catalog()  # collections created while this process loaded
 
-    def _snapshot_meta(self, r: Resident) -> dict[str, Any]:
+    async def _load_one(self, r: Replica) -> None:
+        try:
+            await self._load(r)
+            r.loaded = True
+            r.wake(time.monotonic())  # commits made while it loaded
+            self._maybe_rebuild(r)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one broken collection must not stop the others
+            log.exception("loading collection %s failed; pgvector serves it", r.collection.name)
+            r.error = f"{type(exc).__name__}: {exc}"
+
+    def _snapshot_meta(self, r: Replica) -> dict[str, Any]:
         c = r.collection
         return {"collection_id": c.id, "name": c.name, "dim": c.dim, "metric": c.metric,
                 "configured_type": c.index_type, "params": c.index_params, "engine": r.index.backend.name}
 
-    async def _load(self, r: Resident) -> None:
+    async def _usable_snapshot(self, r: Replica) -> dict[str, Any] | None:
+        """The snapshot, if it is readable, made for this configuration, and of this database's history."""
         c = r.collection
-        started = time.perf_counter()
         path = snapshots.path_for(self.snapshot_dir, c.id, r.index.backend.name)
         state = await asyncio.to_thread(snapshots.load, path, self._snapshot_meta(r))
-        async with r.write_lock:
-            if state is not None:
-                await self._in_executor(r, r.index.restore, state)
-                gone, _ = await self.store.deleted_since(c, r.index.watermark)
-                r.index.delete(gone, None)
-            ids, seqs, vectors = await self.store.rows_since(c, r.index.watermark)
-            if len(ids):
-                await self._in_executor(r, r.index.upsert, ids, vectors, int(seqs.max()))
-            r.index.watermark = max(r.index.watermark, await self.store.latest_seq(c))
-            count = await self.store.count(c)
-            if r.index.count != count:  # a snapshot that disagrees with Postgres is not trusted
-                log.warning("collection %s: resident count %d != stored %d; rebuilding from Postgres",
-                            c.name, r.index.count, count)
-                r.index = self._new_index(c)
-                ids, seqs, vectors = await self.store.rows_since(c, 0)
-                await self._in_executor(r, r.index.upsert, ids, vectors, int(seqs.max()) if len(seqs) else 0)
-                state = None
-            if state is None or r.index.needs_rebuild():
-                await self._in_executor(r, r.index.rebuild, None)
+        if state is None:
+            return None
+        head = await self.store.head(c)
+        if state["watermark"] > head:
+            log.warning("collection %s: the snapshot covers seq %d but PostgreSQL's head is %d (a database restored "
+                        "from a backup?): rebuilding from PostgreSQL", c.name, state["watermark"], head)
+            return None
+        if state["watermark"] and await self.store.commit_token(c, state["watermark"]) != state["token"]:
+            log.warning("collection %s: PostgreSQL's change log has no commit %d of the snapshot's history: "
+                        "rebuilding from PostgreSQL", c.name, state["watermark"])
+            return None
+        return state
+
+    async def _load(self, r: Replica) -> None:
+        c = r.collection
+        started = time.perf_counter()
+        state = await self._usable_snapshot(r)
+        if state is not None:
+            try:
+                await r.run(r.index.restore, state)
+            except ValueError as exc:
+                log.warning("collection %s: unusable snapshot (%s): rebuilding from PostgreSQL", c.name, exc)
+                r.index, state = r.new_index(), None
+        await r.ensure_fresh(time.monotonic())  # everything after the snapshot, or everything
+        if state is None or r.index.needs_rebuild():
+            await asyncio.get_running_loop().run_in_executor(self.build_executors[self._kind_of(r)], r.index.rebuild,
+                                                             None)
         r.loaded_from = "snapshot" if state is not None else "postgres"
-        log.info("collection %s: %d vectors resident on %s in %.2f s (from %s)", c.name, r.index.count,
-                 r.index.backend.name, time.perf_counter() - started, r.loaded_from)
+        log.info("collection %s: %d vectors resident on %s at seq %d in %.2f s (from %s)", c.name, r.index.count,
+                 r.index.backend.name, r.watermark, time.perf_counter() - started, r.loaded_from)
         if state is None:
             await self._save_snapshot(r)
 
-    async def _save_snapshot(self, r: Resident) -> None:
-        if r.collection.name not in self.resident:
-            return
-        state = await self._in_executor(r, r.index.state)
-        mark = (state["watermark"], len(state["ids"]), state["index_type"])
+    async def _save_snapshot(self, r: Replica) -> None:
+        if self.resident.get(r.collection.name) is not r:
+            return  # dropped meanwhile
+        state = await r.run(r.index.state)
+        mark = (state["watermark"], state["digest"], state["index_type"])
         if mark == r.saved:
             return  # nothing changed since the last snapshot
+        state["token"] = await self.store.commit_token(r.collection, state["watermark"]) if state["watermark"] else None
         path = snapshots.path_for(self.snapshot_dir, r.collection.id, r.index.backend.name)
         await asyncio.to_thread(snapshots.save, path, state, self._snapshot_meta(r))
         r.saved = mark
@@ -432,4 +634,3 @@ class CollectionManager:
                     await self._save_snapshot(r)
                 except Exception:  # noqa: BLE001
                     log.exception("snapshot of %s failed (Postgres still holds every point)", r.collection.name)
-

@@ -4,17 +4,21 @@ Engine-neutral: the same code serves FAISS and cuVS indexes (anything with the A
 - Rows 0..index.size-1 are in the ANN index; rows after that (the delta) are searched exactly and merged.
 - A delete or a replaced id marks its row dead (a tombstone); searches never return dead rows, through
   the index's keep-filter or, for indexes without one, by over-fetching. Rebuild compacts dead rows away.
-- `watermark` is the highest change sequence applied, so a snapshot knows where replay must start.
+- Changes come in only from PostgreSQL's change log (`apply`): the ids deleted and the rows written after the
+  `watermark`, applied in one step, so a replica is always PostgreSQL's state at some seq, never a mix.
+- `digest` is the content digest (indexes/digest.py) of the live rows, kept up to date with every change.
+- `generation` counts layout changes (compactions, restores): row numbers mean the same rows only within one.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from . import digest
 from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
 from .distance import exact_search, from_engine, merge_topk, prepare
 
@@ -38,24 +42,59 @@ class IndexBackend(Protocol):
 class SearchResult:
     ids: list[list[int]]
     distances: list[list[float]]
+    watermark: int | None = None  # the change seq the answer reflects (None: read from PostgreSQL itself)
+
+
+@dataclass
+class Changes:
+    """A collection's changes after seq `since` up to `head`, as one consistent read of the change log:
+    the ids deleted, and the current rows of the ids written, in that range."""
+
+    since: int
+    head: int
+    deleted: np.ndarray
+    ids: np.ndarray
+    vectors: np.ndarray
+    commits: list[tuple[int, float]] = field(default_factory=list)  # (seq, commit time as epoch seconds)
+
+    @property
+    def rows(self) -> int:
+        return len(self.deleted) + len(self.ids)
+
+
+@dataclass(frozen=True)
+class RebuildPolicy:
+    """When a background rebuild is worth its cost."""
+
+    dead_fraction: float = 0.2  # dead rows over live rows
+    delta_rows: int = 10_000  # rows outside the ANN index (searched exactly), at least ...
+    delta_fraction: float = 0.1  # ... and at least this share of the live rows
+
+
+class RebuildConflict(RuntimeError):
+    """The layout changed while a rebuild ran (another compaction or a restore): its result is dropped."""
 
 
 class ResidentCollection:
     def __init__(self, name: str, dim: int, metric: str, index_type: str, build_params: dict[str, Any],
-                 backend: IndexBackend) -> None:
+                 backend: IndexBackend, policy: RebuildPolicy | None = None) -> None:
         self.name, self.dim, self.metric = name, dim, metric
         self.index_type = index_type  # as configured: may be "auto"
         self.build_params = build_params
         self.backend = backend
+        self.policy = policy or RebuildPolicy()
         self.lock = threading.RLock()
         self._ids = np.empty(0, dtype=np.int64)
         self._vectors = np.empty((0, dim), dtype=np.float32)
         self._alive = np.empty(0, dtype=bool)
+        self._hashes = np.empty(0, dtype=np.uint64)
         self.n_rows = 0
         self.n_dead = 0
         self.row_of: dict[int, int] = {}
         self.index: AnnIndex | None = None
         self.watermark = 0
+        self.digest = 0
+        self.generation = 0
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -75,7 +114,8 @@ class ResidentCollection:
         if need <= len(self._ids):
             return
         capacity = max(need, int(len(self._ids) * 1.5), 1024)
-        for attr, shape in (("_ids", (capacity,)), ("_vectors", (capacity, self.dim)), ("_alive", (capacity,))):
+        for attr, shape in (("_ids", (capacity,)), ("_vectors", (capacity, self.dim)), ("_alive", (capacity,)),
+                            ("_hashes", (capacity,))):
             old = getattr(self, attr)
             new = np.zeros(shape, dtype=old.dtype)
             new[: self.n_rows] = old[: self.n_rows]
@@ -87,29 +127,54 @@ class ResidentCollection:
             if row is not None:
                 self._alive[row] = False
                 self.n_dead += 1
+                self.digest = digest.sub(self.digest, int(self._hashes[row]))
 
-    # -- writes ----------------------------------------------------------------------------------------
+    def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray) -> None:
+        """New rows for ids (the old row of a replaced id becomes dead)."""
+        self._kill(ids)
+        self._grow(len(ids))
+        start, end = self.n_rows, self.n_rows + len(ids)
+        self._ids[start:end] = ids
+        self._vectors[start:end] = prepared
+        self._alive[start:end] = True
+        self._hashes[start:end] = hashes
+        self.row_of.update(zip(ids.tolist(), range(start, end)))
+        self.n_rows = end
+        self.digest = digest.add(self.digest, digest.total(hashes))
+        if self.index is not None and self.index.supports_add and self.delta_rows == len(ids):
+            self.index.add(prepared)  # the delta was empty: the index stays a full prefix
+
+    # -- changes ---------------------------------------------------------------------------------------
+    def apply(self, changes: Changes) -> bool:
+        """Bring the replica from seq `changes.since` (or later) to `changes.head`: deleted ids die, written
+        ids get their current vector. Returns False when the replica is already at or past `head` (applying an
+        older read would bring back what a newer one removed). Applying a read that starts at or before the
+        watermark is idempotent: every id it names ends in its state at `head`, and the others did not change."""
+        prepared = prepare(np, changes.vectors, self.metric)
+        hashes = digest.row_hashes(changes.ids, prepared)
+        with self.lock:
+            if changes.head <= self.watermark:
+                return False
+            if changes.since > self.watermark:
+                raise ValueError(f"changes after seq {changes.since} cannot apply to a replica at {self.watermark}")
+            self._kill(changes.deleted)
+            if len(changes.ids):
+                self._append(changes.ids, prepared, hashes)
+            self.watermark = changes.head
+            return True
+
     def upsert(self, ids: np.ndarray, vectors: np.ndarray, seq: int) -> None:
-        """Insert or replace: the old row of a replaced id becomes dead, the new one is appended."""
-        prepared = prepare(np, vectors, self.metric)
-        with self.lock:
-            self._kill(ids)
-            self._grow(len(ids))
-            start, end = self.n_rows, self.n_rows + len(ids)
-            self._ids[start:end] = ids
-            self._vectors[start:end] = prepared
-            self._alive[start:end] = True
-            self.row_of.update(zip(ids.tolist(), range(start, end)))
-            self.n_rows = end
-            if self.index is not None and self.index.supports_add and self.delta_rows == len(ids):
-                self.index.add(prepared)  # the delta was empty: the index stays a full prefix
-            self.watermark = max(self.watermark, seq)
+        """Insert or replace, as the change at `seq` (tests and tools; the service applies change-log reads)."""
+        self.apply(Changes(self.watermark, max(seq, self.watermark + 1), np.empty(0, np.int64), ids, vectors))
 
-    def delete(self, ids: np.ndarray, seq: int | None) -> None:
+    def delete(self, ids: np.ndarray, seq: int) -> None:
+        self.apply(Changes(self.watermark, max(seq, self.watermark + 1), ids, np.empty(0, np.int64),
+                           np.empty((0, self.dim), np.float32)))
+
+    def content(self) -> dict[str, Any]:
+        """What a replica holds, for comparing with PostgreSQL: rows, watermark, digest."""
         with self.lock:
-            self._kill(ids)
-            if seq is not None:
-                self.watermark = max(self.watermark, seq)
+            return {"rows": self.count, "watermark": self.watermark, "digest": digest.show(self.digest)}
 
     # -- build -----------------------------------------------------------------------------------------
     def config_for(self, n_rows: int) -> IndexConfig:
@@ -117,22 +182,26 @@ class ResidentCollection:
 
     def needs_rebuild(self) -> bool:
         """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type."""
+        p = self.policy
         with self.lock:
             live = max(self.count, 1)
             config = self.config_for(self.count)
             if self.count < min_train_rows(config.index_type, config.params):
-                return self.index is not None and self.n_dead > 0.5 * live
+                return self.index is not None and self.n_dead > max(0.5, p.dead_fraction) * live
             if self.index is None or self.index.config.index_type != config.index_type:
                 return True
-            return self.n_dead > 0.2 * live or self.delta_rows > max(10_000, 0.1 * live)
+            return self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
 
     def rebuild(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compact dead rows and build a fresh index over the live ones. Searches and writes go on meanwhile:
-        the build runs outside the lock, and what changed during it is carried over at the swap."""
+        """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:
+        the build runs outside the lock, and what changed during it is carried over at the swap. The caller
+        runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict."""
         with self.lock:
+            generation = self.generation
             rows = np.flatnonzero(self._alive[: self.n_rows])
             base_ids = self._ids[rows].copy()
             base_vectors = self._vectors[rows].copy()
+            base_hashes = self._hashes[rows].copy()
             snapshot_rows = self.n_rows
         config = self.config_for(len(rows))
         index = None
@@ -141,18 +210,28 @@ class ResidentCollection:
                 progress(f"building {config.index_type} over {len(rows)} vectors")
             index = self.backend.build(config, base_vectors)
         with self.lock:
-            still_alive = self._alive[rows]
-            tail = slice(snapshot_rows, self.n_rows)
+            # Rows are only appended within a generation, so `rows` still names the same rows: check it by id.
+            if self.generation != generation or not np.array_equal(self._ids[rows], base_ids):
+                raise RebuildConflict(f"collection {self.name}: the layout changed during the rebuild")
+            still_alive = self._alive[rows]  # deleted or replaced during the build: dead now
+            tail = slice(snapshot_rows, self.n_rows)  # written during the build
             ids = np.concatenate([base_ids, self._ids[tail]])
             vectors = np.concatenate([base_vectors, self._vectors[tail]])
             alive = np.concatenate([still_alive, self._alive[tail]])
-            self._ids, self._vectors, self._alive = ids, vectors, alive
-            self.n_rows = len(ids)
-            self.n_dead = int((~alive).sum())
-            self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
+            hashes = np.concatenate([base_hashes, self._hashes[tail]])
+            self._set_rows(ids, vectors, alive, hashes)
             self.index = index
             if index is not None and index.supports_add and self.delta_rows:
                 index.add(self._vectors[index.size: self.n_rows])
+
+    def _set_rows(self, ids: np.ndarray, vectors: np.ndarray, alive: np.ndarray, hashes: np.ndarray) -> None:
+        """A new layout (compaction or restore): a new generation."""
+        self._ids, self._vectors, self._alive, self._hashes = ids, vectors, alive, hashes
+        self.n_rows = len(ids)
+        self.n_dead = int((~alive).sum())
+        self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
+        self.digest = digest.total(hashes[alive])
+        self.generation += 1
 
     # -- search ----------------------------------------------------------------------------------------
     def keep_mask(self, allowed_ids: np.ndarray | None) -> np.ndarray | None:
@@ -168,17 +247,20 @@ class ResidentCollection:
                allowed_ids: np.ndarray | None = None) -> SearchResult:
         q = prepare(np, queries, self.metric)
         with self.lock:
+            watermark = self.watermark
             keep = self.keep_mask(allowed_ids)
+            if self.count == 0 or (keep is not None and not keep.any()):
+                return SearchResult([[] for _ in range(len(q))], [[] for _ in range(len(q))], watermark)
             if keep is not None and allowed_ids is not None and int(keep.sum()) <= EXACT_FILTER_ROWS:
                 scores, rows = self._exact_subset(q, k, np.flatnonzero(keep))
             else:
                 scores, rows = self._search_rows(q, k, params, keep)
-            ids = np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
-        return _shape(ids, from_engine(np, scores, self.metric))
+            ids = np.where(rows >= 0, self._ids[np.clip(rows, 0, self.n_rows - 1)], -1)
+        return _shape(ids, from_engine(np, scores, self.metric), watermark)
 
     def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         scores, local = exact_search(np, self._vectors[rows], q, k, self.metric)
-        return scores, np.where(local >= 0, rows[np.maximum(local, 0)], -1)
+        return scores, np.where(local >= 0, rows[np.clip(local, 0, len(rows) - 1)], -1)
 
     def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any],
                      keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -222,30 +304,33 @@ class ResidentCollection:
                 "vectors": self._vectors[: self.n_rows].copy(),
                 "alive": self._alive[: self.n_rows].copy(),
                 "watermark": self.watermark,
+                "digest": digest.show(self.digest),
                 "index_type": self.index.config.index_type if self.index is not None else None,
                 "index_bytes": self.index.to_bytes() if self.index is not None else None,
             }
 
     def restore(self, state: dict[str, Any]) -> None:
+        """Take a snapshot's state. Its content must hash to the digest it recorded, or ValueError."""
         ids, vectors, alive = state["ids"], state["vectors"], state["alive"]
+        hashes = digest.row_hashes(ids, vectors)
+        found = digest.show(digest.total(hashes[alive]))
+        if found != state["digest"]:
+            raise ValueError(f"snapshot content digest {found} differs from the recorded {state['digest']}")
         index = None
         if state["index_type"] is not None:
             config = IndexConfig(state["index_type"], self.metric, self.dim, self.build_params)
             index = self.backend.load(config, state["index_bytes"])
         with self.lock:
-            self._ids, self._vectors, self._alive = ids, vectors, alive
-            self.n_rows = len(ids)
-            self.n_dead = int((~alive).sum())
-            self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
+            self._set_rows(ids, vectors, alive, hashes)
             self.index = index
             self.watermark = int(state["watermark"])
 
 
-def _shape(ids: np.ndarray, distances: np.ndarray) -> SearchResult:
+def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None) -> SearchResult:
     """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
     out_ids, out_d = [], []
     for row_ids, row_d in zip(ids.tolist(), distances.tolist()):
         n = next((j for j, v in enumerate(row_ids) if v < 0), len(row_ids))
         out_ids.append(row_ids[:n])
         out_d.append(row_d[:n])
-    return SearchResult(out_ids, out_d)
+    return SearchResult(out_ids, out_d, watermark)

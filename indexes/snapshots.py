@@ -1,8 +1,10 @@
-"""Resident-index snapshots: one file per collection and engine, written atomically (temp file, fsync,
-rename, fsync of the directory), carrying the change sequence it covers.
+"""Resident-index snapshots: one file per collection and engine, written atomically (temp file of this
+process, fsync, rename, fsync of the directory), carrying the change seq it covers (its watermark), the token of
+that commit in PostgreSQL's change log, and the content digest of its rows.
 
-A snapshot is a cache of what Postgres holds: one that is missing, unreadable or made for another
-configuration is ignored (and the index rebuilt from Postgres), never trusted.
+A snapshot is a cache of what Postgres holds: one that is missing, unreadable, made for another configuration,
+whose rows do not hash to its digest, or whose commit PostgreSQL does not have (a database restored from an
+older backup) is ignored and the index rebuilt from Postgres, never trusted.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import numpy as np
 
 log = logging.getLogger("switchyard.snapshots")
 
-FORMAT = 1
+FORMAT = 2
 ARRAYS = ("ids", "vectors", "alive")
 
 
@@ -28,8 +31,10 @@ def path_for(directory: Path, collection_id: int, engine: str) -> Path:
 
 def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    header = {**meta, "format": FORMAT, "watermark": int(state["watermark"]), "index_type": state["index_type"]}
+    # Workers sharing a data dir, and threads of one, each write their own temp file; the last rename wins.
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}-{threading.get_ident()}.tmp")
+    header = {**meta, "format": FORMAT, "watermark": int(state["watermark"]), "token": state.get("token"),
+              "digest": state["digest"], "index_type": state["index_type"]}
     with open(tmp, "wb") as raw:
         with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED) as z:
             z.writestr("meta.json", json.dumps(header))
@@ -72,10 +77,13 @@ def load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
         log.warning("snapshot %s has inconsistent arrays: rebuilding", path)
         return None
     state["watermark"] = int(meta["watermark"])
+    state["token"] = meta.get("token")
+    state["digest"] = meta.get("digest")
     state["index_type"] = meta["index_type"]
     return state
 
 
 def remove(path: Path) -> None:
-    for p in (path, path.with_suffix(path.suffix + ".tmp")):
-        p.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    for tmp in path.parent.glob(path.name + ".*.tmp"):
+        tmp.unlink(missing_ok=True)

@@ -2,7 +2,10 @@
 deletion records, and the change sequence that resident indexes replay from.
 
 Writes to one collection take a transaction-scoped advisory lock first, so `seq` values within a collection
-are handed out in commit order, and "every change after seq w" is a complete, ordered replay.
+are handed out in commit order, and "every change after seq w" is a complete, ordered replay. Each write
+transaction also records its commit in `vector_commits` (the collection's new head seq, chained to the previous
+head) and notifies channel `switchyard_vectors` with "<collection id>:<seq>", delivered at commit to every
+process that listens; catalog changes notify "c:<collection id>".
 """
 
 from __future__ import annotations
@@ -17,13 +20,26 @@ import numpy as np
 import orjson
 
 from . import pgcopy
+from . import digest
+from .distance import prepare
 from .errors import CollectionExists, CollectionNotFound, InvalidInput
+from .resident import Changes
 from .vectors import Points
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 OPERATORS = {"l2": "<->", "cosine": "<=>", "inner_product": "<#>"}
 OPCLASSES = {"l2": "vector_l2_ops", "cosine": "vector_cosine_ops", "inner_product": "vector_ip_ops"}
 ADVISORY_NAMESPACE = int.from_bytes(b"SWVC", "big")  # two-key advisory locks: (namespace, collection id)
+CHANNEL = "switchyard_vectors"
+HEAD = "(SELECT coalesce(max(seq), 0) FROM vector_commits WHERE collection_id = {id})"
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A committed write: the collection's head before it and after it."""
+
+    prev: int
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -81,13 +97,17 @@ class CollectionStore:
             )
             await conn.execute(f"CREATE INDEX ON {c.table} (seq)")
             await conn.execute(f"CREATE INDEX ON {c.table} USING gin (payload jsonb_path_ops)")
+            await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, f"c:{c.id}")
         return c
 
-    async def drop(self, name: str) -> None:
+    async def drop(self, name: str) -> Collection:
         async with self.pool.acquire() as conn, conn.transaction():
             c = await self._get(conn, name)
             await conn.execute(f"DROP TABLE IF EXISTS {c.table}")
             await conn.execute("DELETE FROM vector_collections WHERE id = $1", c.id)
+            await conn.execute("DELETE FROM vector_replica_reports WHERE collection_id = $1", c.id)
+            await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, f"c:{c.id}")
+        return c
 
     async def list(self) -> list[Collection]:
         rows = await self.pool.fetch("SELECT * FROM vector_collections ORDER BY name")
@@ -107,8 +127,8 @@ class CollectionStore:
     async def count(self, c: Collection) -> int:
         return await self.pool.fetchval(f"SELECT count(*) FROM {c.table}")
 
-    async def upsert(self, c: Collection, points: Points) -> int:
-        """Insert or replace the points in one transaction; returns the highest seq it wrote."""
+    async def upsert(self, c: Collection, points: Points) -> Commit:
+        """Insert or replace the points in one transaction; its commit covers (prev, seq]."""
         payload_col = ", payload" if points.payloads is not None else ""
         data = pgcopy.encode_rows(points.ids, points.vectors, points.payloads)
         async with self.pool.acquire() as conn, conn.transaction():
@@ -118,50 +138,132 @@ class CollectionStore:
             )
             await conn.copy_to_table("stage", source=io.BytesIO(data), columns=["id", "embedding"] + (["payload"] if payload_col else []),
                                      format="binary")
-            return await conn.fetchval(
+            row = await conn.fetchrow(
                 f"WITH w AS (INSERT INTO {c.table} (id, embedding, payload, seq) "
                 f"SELECT id, embedding, payload, nextval('vector_change_seq') FROM stage ORDER BY id "
                 f"ON CONFLICT (id) DO UPDATE SET embedding = EXCLUDED.embedding, payload = EXCLUDED.payload, "
-                f"seq = EXCLUDED.seq RETURNING seq) SELECT max(seq) FROM w"
+                f"seq = EXCLUDED.seq RETURNING seq), "
+                f"m AS (SELECT max(seq) AS seq, count(*) AS n FROM w), "
+                f"h AS (SELECT {HEAD.format(id='$1')} AS prev), "
+                f"x AS (INSERT INTO vector_commits (collection_id, seq, prev_seq, upserts) "
+                f"SELECT $1, m.seq, h.prev, m.n FROM m, h RETURNING seq, prev_seq) "
+                f"SELECT seq, prev_seq, pg_notify($2, $1::text || ':' || seq) FROM x", c.id, CHANNEL,
             )
+            return Commit(row["prev_seq"], row["seq"])
 
-    async def delete(self, c: Collection, ids: np.ndarray) -> tuple[np.ndarray, int | None]:
-        """Delete by id; returns the ids that existed and the seq recorded for the deletion."""
+    async def delete(self, c: Collection, ids: np.ndarray) -> tuple[np.ndarray, Commit]:
+        """Delete by id; returns the ids that existed and the commit recording their deletion. Deleting nothing
+        commits nothing: the commit is then empty (prev = seq = the head it found)."""
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", ADVISORY_NAMESPACE, c.id)
             deleted = await conn.fetch(f"DELETE FROM {c.table} WHERE id = ANY($1::bigint[]) RETURNING id", ids.tolist())
             if not deleted:
-                return np.empty(0, dtype=np.int64), None
+                head = await conn.fetchval(f"SELECT {HEAD.format(id='$1')}", c.id)
+                return np.empty(0, dtype=np.int64), Commit(head, head)
             gone = np.array([r["id"] for r in deleted], dtype=np.int64)
-            seq = await conn.fetchval(
-                "WITH s AS (SELECT nextval('vector_change_seq') AS seq) "
-                "INSERT INTO vector_tombstones (collection_id, id, seq) SELECT $1, unnest($2::bigint[]), seq FROM s "
-                "RETURNING seq", c.id, gone.tolist(),
+            row = await conn.fetchrow(
+                f"WITH s AS (SELECT nextval('vector_change_seq') AS seq), "
+                f"h AS (SELECT {HEAD.format(id='$1')} AS prev), "
+                f"t AS (INSERT INTO vector_tombstones (collection_id, id, seq) "
+                f"SELECT $1, unnest($2::bigint[]), seq FROM s), "
+                f"x AS (INSERT INTO vector_commits (collection_id, seq, prev_seq, deletes) "
+                f"SELECT $1, s.seq, h.prev, $3 FROM s, h RETURNING seq, prev_seq) "
+                f"SELECT seq, prev_seq, pg_notify($4, $1::text || ':' || seq) FROM x",
+                c.id, gone.tolist(), len(gone), CHANNEL,
             )
-            return gone, seq
+            return gone, Commit(row["prev_seq"], row["seq"])
 
-    async def rows_since(self, c: Collection, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, seqs, vectors) of every row written after `seq`, in seq order, read with binary COPY."""
+    # -- the change log ----------------------------------------------------------------------------------
+    async def heads(self) -> dict[int, tuple[str, int]]:
+        """Every collection's id -> (name, head seq), in one round trip (the followers' poll)."""
+        rows = await self.pool.fetch(f"SELECT c.id, c.name, {HEAD.format(id='c.id')} AS head FROM vector_collections c")
+        return {r["id"]: (r["name"], r["head"]) for r in rows}
+
+    async def head(self, c: Collection) -> int:
+        """The collection's latest committed seq; CollectionNotFound if it was dropped."""
+        head = await self.pool.fetchval(f"SELECT {HEAD.format(id='vc.id')} FROM vector_collections vc WHERE vc.id = $1",
+                                        c.id)
+        if head is None:
+            raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
+        return head
+
+    async def read_changes(self, c: Collection, since: int) -> Changes:
+        """Everything committed after `since`, as of one snapshot (REPEATABLE READ): ids deleted, current rows of
+        the ids written (binary COPY), and the commits with their times. `head` < `since` means PostgreSQL is
+        behind the caller (a database restored from a backup)."""
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            head = await conn.fetchval(f"SELECT {HEAD.format(id='vc.id')} FROM vector_collections vc WHERE vc.id = $1", c.id)
+            if head is None:
+                raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
+            if head <= since:
+                return Changes(since, head, *_no_changes(c.dim))
+            commits = await conn.fetch(
+                "SELECT seq, extract(epoch FROM committed_at)::float8 AS at FROM vector_commits "
+                "WHERE collection_id = $1 AND seq > $2 ORDER BY seq", c.id, since)
+            # An empty replica (since 0) has nothing to delete.
+            deleted = [] if since == 0 else await conn.fetch(
+                "SELECT DISTINCT id FROM vector_tombstones WHERE collection_id = $1 AND seq > $2", c.id, since)
+            ids, _, vectors = await self._copy_rows(conn, c, since)
+        gone = np.fromiter((r["id"] for r in deleted), dtype=np.int64, count=len(deleted))
+        return Changes(since, head, gone, ids, vectors, [(r["seq"], r["at"]) for r in commits])
+
+    @staticmethod
+    async def _copy_rows(conn: asyncpg.Connection, c: Collection, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, seqs, vectors) of every row written after `since`, in seq order, read with binary COPY."""
         buffer = io.BytesIO()
-        async with self.pool.acquire() as conn:
-            await conn.copy_from_query(
-                f"SELECT id, seq, embedding FROM {c.table} WHERE seq > {int(seq)} ORDER BY seq",
-                output=buffer, format="binary",
-            )
+        await conn.copy_from_query(f"SELECT id, seq, embedding FROM {c.table} WHERE seq > {int(since)} ORDER BY seq",
+                                   output=buffer, format="binary")
         return pgcopy.decode_rows(buffer.getvalue(), c.dim)
 
-    async def deleted_since(self, c: Collection, seq: int) -> tuple[np.ndarray, int]:
-        rows = await self.pool.fetch(
-            "SELECT id, seq FROM vector_tombstones WHERE collection_id = $1 AND seq > $2", c.id, seq
-        )
-        ids = np.array([r["id"] for r in rows], dtype=np.int64)
-        return ids, max((r["seq"] for r in rows), default=seq)
+    async def rows(self, c: Collection) -> tuple[np.ndarray, np.ndarray]:
+        """Every stored (id, vector)."""
+        async with self.pool.acquire() as conn:
+            ids, _, vectors = await self._copy_rows(conn, c, 0)
+        return ids, vectors
 
-    async def latest_seq(self, c: Collection) -> int:
+    async def content(self, c: Collection) -> dict[str, Any]:
+        """PostgreSQL's side of the comparison with a replica: rows, head seq and content digest, one snapshot."""
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            head = await conn.fetchval(f"SELECT {HEAD.format(id='$1')}", c.id)
+            ids, _, vectors = await self._copy_rows(conn, c, 0)
+        value = digest.total(digest.row_hashes(ids, prepare(np, vectors, c.metric)))
+        return {"rows": len(ids), "seq": head, "digest": digest.show(value)}
+
+    async def lag(self, c: Collection, watermark: int) -> dict[str, Any]:
+        """How far a replica at `watermark` is behind: rows changed after it, and the age of the oldest commit it
+        has not applied."""
+        row = await self.pool.fetchrow(
+            f"SELECT (SELECT count(*) FROM {c.table} WHERE seq > $2) + "
+            f"(SELECT count(*) FROM vector_tombstones WHERE collection_id = $1 AND seq > $2) AS rows, "
+            f"(SELECT extract(epoch FROM clock_timestamp() - min(committed_at))::float8 FROM vector_commits "
+            f"WHERE collection_id = $1 AND seq > $2) AS behind_s, {HEAD.format(id='$1')} AS head", c.id, watermark)
+        return {"head": row["head"], "lag_rows": row["rows"], "lag_ms": round(1000 * (row["behind_s"] or 0.0), 3)}
+
+    async def commit_token(self, c: Collection, seq: int) -> str | None:
+        token = await self.pool.fetchval("SELECT token::text FROM vector_commits WHERE collection_id = $1 AND seq = $2",
+                                         c.id, seq)
+        return token
+
+    # -- replica reports -----------------------------------------------------------------------------------
+    async def ask_for_reports(self, c: Collection, request: str) -> None:
+        await self.pool.execute("SELECT pg_notify($1, $2)", CHANNEL, f"r:{c.id}:{request}")
+
+    async def save_report(self, process: str, collection_id: int, request: str, report: dict[str, Any]) -> None:
+        await self.pool.execute(
+            "INSERT INTO vector_replica_reports (process, collection_id, request, report) VALUES ($1, $2, $3, $4) "
+            "ON CONFLICT (process, collection_id) DO UPDATE SET request = EXCLUDED.request, report = EXCLUDED.report, "
+            "reported_at = clock_timestamp()", process, collection_id, request, orjson.dumps(report).decode())
+
+    async def reports(self, c: Collection, request: str) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch("SELECT report FROM vector_replica_reports WHERE collection_id = $1 AND request = $2",
+                                     c.id, request)
+        return [orjson.loads(r["report"]) for r in rows]
+
+    async def live_followers(self, prefix: str) -> int:
+        """Processes following the change log now: their listening connections (application_name `prefix`...)."""
         return await self.pool.fetchval(
-            f"SELECT greatest((SELECT coalesce(max(seq), 0) FROM {c.table}), "
-            f"(SELECT coalesce(max(seq), 0) FROM vector_tombstones WHERE collection_id = $1))", c.id,
-        )
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE $1",
+            prefix + "%")
 
     async def ids_matching(self, c: Collection, payload_filter: dict[str, Any]) -> np.ndarray:
         """Ids whose payload contains every key/value of the filter (jsonb @>, served by the GIN index)."""
@@ -169,3 +271,8 @@ class CollectionStore:
                                      orjson.dumps(payload_filter).decode())
         return np.fromiter((r["id"] for r in rows), dtype=np.int64, count=len(rows))
 
+
+
+def _no_changes(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(deleted ids, written ids, vectors), all empty."""
+    return np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, dim), np.float32)

@@ -5,7 +5,9 @@ Each app owns its registry, so tests can build many apps in one process.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -46,6 +48,14 @@ class Metrics:
             ["domain", "engine", "kind"], registry=self.registry,
         )
 
+        self.replication_lag = Histogram(
+            "switchyard_replication_lag_seconds",
+            "From a commit in PostgreSQL to its change applied in this process's resident replica "
+            "(commits read from the change log; this process's own writes are applied before their ack).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+            registry=self.registry,
+        )
+
     @contextmanager
     def engine_call(self, domain: str, engine: str, operation: str) -> Iterator[None]:
         """Time one engine call; the outcome is 'ok' or 'error'."""
@@ -63,6 +73,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReplicationTrace:
+    """Appends '<collection id> <seq> <applied at, epoch s>' per commit a replica applies, for measuring the lag
+    from a commit to every process (commit times are in PostgreSQL's vector_commits)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.file = open(directory / f"replication-{os.getpid()}.log", "a", buffering=1 << 16)  # noqa: SIM115
+
+    def applied(self, collection_id: int, seq: int, at: float) -> None:
+        self.file.write(f"{collection_id} {seq} {at:.6f}\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class HTTPMetricsMiddleware:

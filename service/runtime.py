@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Literal
 
 import asyncpg
 
 from .database import EmbeddedPostgres, connect, open_pool, server_facts
-from indexes.manager import CollectionManager
+from indexes.manager import CollectionManager, Consistency
+from indexes.resident import RebuildPolicy
 from olap.manager import OlapManager
 from spatial.manager import SpatialManager
 
 from .devices import probe_cuda
 from .engines import EngineRegistry
 from .jobs import JobRunner
-from .metrics import Metrics
+from .metrics import Metrics, ReplicationTrace
 from .migrate import apply_migrations, load_migrations
 from .settings import Settings
 
@@ -46,6 +48,7 @@ class Runtime:
         self.postgres_version: str | None = None
         self.latest_migration = max((m.version for m in load_migrations()), default=0)
         self._engines_task: asyncio.Task[None] | None = None
+        self.trace: ReplicationTrace | None = None
 
     async def start(self) -> None:
         self.phase = "starting"
@@ -71,9 +74,15 @@ class Runtime:
             self.jobs = JobRunner(self.pool)
             if interrupted := await self.jobs.recover():
                 log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
+            if s.replication_trace_dir is not None:
+                self.trace = ReplicationTrace(s.replication_trace_dir)
             self.vectors = CollectionManager(
-                self.pool, s.data_dir, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
+                self.pool, s.data_dir, dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
+                consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
+                                        s.replication_poll_ms / 1000),
+                policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
+                on_applied=self._applied,
             )
             self.spatial = SpatialManager(
                 self.pool, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
@@ -87,6 +96,14 @@ class Runtime:
             self.phase = "failed"
             await self._release()
             raise
+
+    def _applied(self, collection_id: int, seq: int, committed_at: float | None) -> None:
+        """A replica here applied a commit: its lag (when the commit time is known) and the trace, if asked for."""
+        now = time.time()
+        if committed_at is not None:
+            self.metrics.replication_lag.observe(max(0.0, now - committed_at))
+        if self.trace is not None:
+            self.trace.applied(collection_id, seq, now)
 
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
@@ -118,6 +135,9 @@ class Runtime:
         if self.vectors is not None:
             await self.vectors.stop()  # writes snapshots of what changed
             self.vectors = None
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
         if self.olap is not None:
             await self.olap.stop()
             self.olap = None

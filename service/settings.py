@@ -30,6 +30,22 @@ class Settings(BaseSettings):
     batch_window_ms: float = Field(default=0.0, ge=0, le=100,
                                    description="How long an idle collection waits for company before searching; 0 = "
                                    "never wait, batch only what queues while the engine is busy.")
+    consistency: Literal["strong", "session", "bounded", "eventually"] = Field(
+        default="bounded", description="Consistency level of searches that do not name one (README: Consistency).")
+    bounded_staleness_ms: float = Field(default=1000.0, gt=0, le=3_600_000, description=(
+        "'bounded' searches see every write committed this long before they arrived."))
+    consistency_timeout_ms: float = Field(default=2000.0, gt=0, le=600_000, description=(
+        "How long a search waits for its replica to reach its level before pgvector answers (auto) or 503."))
+    replication_poll_ms: float = Field(default=200.0, ge=10, le=60_000, description=(
+        "How often each process polls every collection's head: the backstop of LISTEN/NOTIFY, and what keeps "
+        "'bounded' searches from waiting. Keep it well under bounded_staleness_ms."))
+    replication_trace_dir: Path | None = Field(default=None, description=(
+        "If set, each process appends '<collection id> <seq> <applied at, epoch s>' for every commit it applies "
+        "to a file here (replication-lag measurements: loadtests/bench_replication.py)."))
+    rebuild_dead_fraction: float = Field(default=0.2, gt=0, le=10, description=(
+        "A resident index is rebuilt in the background when its dead rows exceed this share of its live rows."))
+    rebuild_delta_rows: int = Field(default=10_000, ge=1, description=(
+        "... or when more rows than this (and than 10% of the live rows) wait outside the ANN index."))
     db_pool_min: int = Field(default=1, ge=0)
     db_pool_max: int = Field(default=10, ge=1)
     db_connect_timeout_s: float = Field(default=30.0, gt=0)
@@ -54,7 +70,7 @@ class Settings(BaseSettings):
         # compose passes SWITCHYARD_API_KEY="" when the variable is unset: that means "no key", not "the empty key".
         return None if isinstance(key, str) and key.strip() == "" else key
 
-    @field_validator("data_dir", "ssb_import_dir")
+    @field_validator("data_dir", "ssb_import_dir", "replication_trace_dir")
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         return path.expanduser().resolve() if path is not None else None

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 
-from fastapi import Path, Request, Response
+from fastapi import Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -59,6 +59,9 @@ class CollectionOut(BaseModel):
     count: int | None = None
     engines: list[str] | None = None
     index_state: dict[str, Any] | None = None
+    replication: dict[str, Any] | None = Field(default=None, description=(
+        "PostgreSQL's head `seq` (and with ?verify=true its `rows` and content `digest`), and each process's "
+        "replica: `watermark`, `lag_rows`, `lag_ms`, `rows`, `digest` (equal to PostgreSQL's when in step)."))
 
 
 def _collection_out(c: Any, **extra: Any) -> CollectionOut:
@@ -83,7 +86,9 @@ class UpsertPoints(BaseModel):
 class WriteOut(BaseModel):
     upserted: int | None = None
     deleted: int | None = None
-    seq: int | None = Field(default=None, description="Change sequence of the committed write.")
+    seq: int | None = Field(default=None, description=(
+        "Change seq of the committed write (for a delete that found nothing, the collection's head): pass it as "
+        "`seq` with consistency `session` to read your write from any process."))
 
 
 class DeletePoints(BaseModel):
@@ -102,6 +107,11 @@ class SearchRequest(BaseModel):
         "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
         "cagra {itopk_size, search_width}; pgvector {ef_search, probes}."))
     filter: dict[str, Scalar] | None = Field(default=None, description="Payload equality filter: every key must match.")
+    consistency: Literal["strong", "session", "bounded", "eventually"] | None = Field(default=None, description=(
+        "What the resident replica must have applied first: `strong` every commit before this search, `session` "
+        "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
+        "nothing. pgvector always reads the latest commit."))
+    seq: int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
 
     @model_validator(mode="after")
     def _one_query(self) -> "SearchRequest":
@@ -118,6 +128,9 @@ class SearchOut(BaseModel):
     engine: str
     took_ms: float
     fallback: str | None = Field(default=None, description="Why `auto` did not use its first choice.")
+    consistency: str = Field(description="The level the search was served at.")
+    watermark: int | None = Field(default=None, description=(
+        "The change seq the resident replica had applied when it answered (null: pgvector read PostgreSQL)."))
 
 
 class RecallRequest(BaseModel):
@@ -161,11 +174,13 @@ async def list_collections(runtime: RuntimeDep) -> list[CollectionOut]:
     return [_collection_out(c) for c in await domain(runtime, "vectors").store.list()]
 
 
-@router.get("/collections/{name}", summary="A collection with its count, index state and engines")
-async def get_collection(name: CollectionName, runtime: RuntimeDep) -> CollectionOut:
-    info = await domain(runtime, "vectors").describe(name)
+@router.get("/collections/{name}", summary="A collection with its count, index state, engines and replicas")
+async def get_collection(name: CollectionName, runtime: RuntimeDep, verify: Annotated[bool, Query(description=(
+        "Also read every stored vector to compute PostgreSQL's content digest (a full scan)."))] = False,
+) -> CollectionOut:
+    info = await domain(runtime, "vectors").describe(name, verify)
     return _collection_out(info["collection"], count=info["count"], engines=info["engines"],
-                           index_state=info["index_state"])
+                           index_state=info["index_state"], replication=info["replication"])
 
 
 @router.delete("/collections/{name}", status_code=204, summary="Delete a collection and its points")
@@ -201,8 +216,8 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
 async def delete_points(name: CollectionName, body: DeletePoints, runtime: RuntimeDep) -> WriteOut:
-    deleted = await domain(runtime, "vectors").delete(name, check_ids(body.ids))
-    return WriteOut(deleted=deleted)
+    deleted, seq = await domain(runtime, "vectors").delete(name, check_ids(body.ids))
+    return WriteOut(deleted=deleted, seq=seq)
 
 
 async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
@@ -217,13 +232,15 @@ async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
         queries = as_matrix(body.vectors, c.dim, "vectors")
     else:
         queries = from_base64(body.vectors_b64, c.dim, "vectors_b64")
+    consistency = body.consistency or vectors.consistency.default
     answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
-                                  single=body.vector is not None)
+                                  single=body.vector is not None, consistency=consistency, seq=body.seq)
     ids, distances = answer.result.ids, answer.result.distances
     if body.vector is not None:
         ids, distances = ids[0], distances[0]
     return orjson.dumps({"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
-                         "fallback": answer.fallback})
+                         "fallback": answer.fallback, "consistency": consistency,
+                         "watermark": answer.result.watermark})
 
 
 @router.post(

@@ -1,0 +1,171 @@
+"""One collection's resident replica in this process, and how it keeps up with PostgreSQL's change log.
+
+Every change reaches the index in one of two ways, one at a time:
+- `catch_up`: one consistent read of the log after the watermark (deletes and current rows), applied in one
+  step; it also proves the replica fresh as of the moment the read started;
+- `apply_own`: a write this process has just committed, applied from the request's own data when it is the very
+  next change after the watermark (the common case: no read back), otherwise by a catch-up.
+So a failure between a commit and its apply is repaired by the next catch-up (the change follower's
+notification, its poll, or a search that needs freshness).
+
+Consistency levels (Milvus's names) become a moment the replica must be fresh as of:
+  strong      the search's arrival: a catch-up that starts after it (one round trip when nothing changed),
+              shared by every search that arrived before it started;
+  session     watermark >= the seq the client passes (what its write returned); if behind, as strong;
+  bounded     the arrival minus the staleness bound, which the follower's poll keeps true without waiting;
+  eventually  nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from .errors import InvalidInput
+from .resident import Changes, ResidentCollection
+from .store import Collection, Commit
+
+log = logging.getLogger("switchyard.vectors")
+
+LEVELS = ("strong", "session", "bounded", "eventually")
+
+# (collection id, seq, commit time as epoch seconds or None) for each commit a replica applies.
+Applied = Callable[[int, int, float | None], None]
+
+
+def check_level(level: str, seq: int | None) -> None:
+    if level not in LEVELS:
+        raise InvalidInput(f"must be one of {', '.join(LEVELS)}", field="consistency")
+    if level == "session" and seq is None:
+        raise InvalidInput("consistency 'session' needs the seq your write returned", field="seq")
+    if seq is not None and seq < 0:
+        raise InvalidInput("must be a change seq (0 or more)", field="seq")
+
+
+@dataclass
+class Replica:
+    collection: Collection
+    index: ResidentCollection
+    read_changes: Callable[[int], Awaitable[Changes]]  # since -> the log after it
+    run: Callable[..., Awaitable[Any]]  # run a blocking call on the engine's executor
+    new_index: Callable[[], ResidentCollection]
+    on_applied: Applied = lambda collection_id, seq, at: None
+    loaded: bool = False
+    error: str | None = None
+    loaded_from: str | None = None  # "snapshot" (+ catch-up) or "postgres" (rebuilt), said by GET collection
+    saved: tuple | None = None  # (watermark, digest, index type) of the last snapshot written
+    bulk_loading: int = 0  # bulk loads in progress build once at the end: no background rebuilds meanwhile
+    rebuild_task: asyncio.Task | None = None  # the one rebuild of this collection, background or asked for
+    rebuild_started: float = 0.0
+    fresh_as_of: float = -math.inf  # monotonic time as of which every commit is applied
+    _task: asyncio.Task | None = field(default=None, repr=False)  # the running catch-up or own apply
+    _wanted: float = field(default=-math.inf, repr=False)
+    _pump: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def watermark(self) -> int:
+        return self.index.watermark
+
+    # -- catching up -----------------------------------------------------------------------------------
+    async def ensure_fresh(self, not_before: float) -> None:
+        """Return once a catch-up that started at or after `not_before` has been applied. Concurrent callers
+        share catch-ups; the catch-up itself is shielded, so a caller that gives up does not cut it short."""
+        while self.fresh_as_of < not_before:
+            task = self._task
+            if task is None or task.done():
+                task = self._task = asyncio.ensure_future(self._catch_up())
+            await asyncio.shield(task)
+
+    async def reach(self, level: str, seq: int | None, arrived: float, bound_s: float) -> None:
+        """Wait until the replica satisfies `level` for a search that arrived at `arrived` (monotonic)."""
+        if level == "eventually":
+            return
+        if level == "bounded":
+            await self.ensure_fresh(arrived - bound_s)
+        elif level == "session" and seq is not None and self.watermark >= seq:
+            return
+        else:
+            await self.ensure_fresh(arrived)
+
+    async def _catch_up(self) -> None:
+        started = time.monotonic()
+        changes = await self.read_changes(self.watermark)
+        if changes.head < self.watermark:
+            # PostgreSQL is behind this replica: the database was restored from an older backup. Start over.
+            log.error("collection %s: PostgreSQL's head seq %d is behind the replica's %d; reloading it from "
+                      "PostgreSQL", self.collection.name, changes.head, self.watermark)
+            self.index = self.new_index()
+            changes = await self.read_changes(0)
+        if await self.run(self.index.apply, changes):
+            for seq, at in changes.commits:
+                self.on_applied(self.collection.id, seq, at)
+        self.fresh_as_of = max(self.fresh_as_of, started)
+
+    async def apply_own(self, commit: Commit, changes: Changes) -> None:
+        """Apply a write this process committed: directly when it is the next change after the watermark, else
+        through a catch-up (which reads it back with whatever else was committed)."""
+        while self.watermark < commit.seq:
+            task = self._task
+            if task is not None and not task.done():
+                await asyncio.shield(task)
+                continue
+            if self.watermark == commit.prev:
+                task = self._task = asyncio.ensure_future(self._apply_own(commit, changes))
+            else:
+                task = self._task = asyncio.ensure_future(self._catch_up())
+            await asyncio.shield(task)
+
+    async def _apply_own(self, commit: Commit, changes: Changes) -> None:
+        if await self.run(self.index.apply, changes):
+            self.on_applied(self.collection.id, commit.seq, None)
+
+    def wake(self, not_before: float) -> None:
+        """Catch up in the background (a notification or the poll saw a newer head)."""
+        self._wanted = max(self._wanted, not_before)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.ensure_future(self._pump_loop())
+
+    async def _pump_loop(self) -> None:
+        delay = 0.05
+        while self.fresh_as_of < self._wanted:
+            try:
+                await self.ensure_fresh(self._wanted)
+                delay = 0.05
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried: the log still holds every change
+                log.warning("collection %s: catch-up failed (%s: %s); retrying", self.collection.name,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def note_head(self, head: int, read_at: float) -> None:
+        """The poll read the collection's head at `read_at`: fresh as of then if nothing is missing."""
+        if head <= self.watermark:
+            self.fresh_as_of = max(self.fresh_as_of, read_at)
+        else:
+            self.wake(read_at)
+
+    async def stop(self) -> None:
+        for task in (self._pump, self.rebuild_task, self._task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    # -- reporting -------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        idx = self.index.index
+        now = time.monotonic()
+        return {
+            "resident": True, "loaded": self.loaded, "error": self.error, "engine": self.index.backend.name,
+            "index_type": idx.config.index_type if idx is not None else None,
+            "indexed_rows": self.index.indexed_rows, "delta_rows": self.index.delta_rows,
+            "dead_rows": self.index.n_dead, "watermark": self.watermark,
+            "fresh_ms": round(1000 * (now - self.fresh_as_of), 1) if math.isfinite(self.fresh_as_of) else None,
+            "rebuilding": self.rebuild_task is not None and not self.rebuild_task.done(),
+            "loaded_from": self.loaded_from,
+        }
