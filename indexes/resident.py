@@ -95,6 +95,8 @@ class ResidentCollection:
         self.watermark = 0
         self.digest = 0
         self.generation = 0
+        self.rebuilds = 0  # completed rebuilds ...
+        self.carried_over = 0  # ... and the rows written or deleted while they ran, carried over at their swaps
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -130,9 +132,9 @@ class ResidentCollection:
                 self.digest = digest.sub(self.digest, int(self._hashes[row]))
 
     def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray) -> None:
-        """New rows for ids (the old row of a replaced id becomes dead)."""
-        self._kill(ids)
+        """New rows for ids (the old row of a replaced id becomes dead). Allocates before it changes anything."""
         self._grow(len(ids))
+        self._kill(ids)
         start, end = self.n_rows, self.n_rows + len(ids)
         self._ids[start:end] = ids
         self._vectors[start:end] = prepared
@@ -174,7 +176,8 @@ class ResidentCollection:
     def content(self) -> dict[str, Any]:
         """What a replica holds, for comparing with PostgreSQL: rows, watermark, digest."""
         with self.lock:
-            return {"rows": self.count, "watermark": self.watermark, "digest": digest.show(self.digest)}
+            return {"rows": self.count, "watermark": self.watermark, "digest": digest.show(self.digest),
+                    "rebuilds": self.rebuilds, "rebuild_carried_rows": self.carried_over}
 
     # -- build -----------------------------------------------------------------------------------------
     def config_for(self, n_rows: int) -> IndexConfig:
@@ -215,6 +218,8 @@ class ResidentCollection:
                 raise RebuildConflict(f"collection {self.name}: the layout changed during the rebuild")
             still_alive = self._alive[rows]  # deleted or replaced during the build: dead now
             tail = slice(snapshot_rows, self.n_rows)  # written during the build
+            self.rebuilds += 1
+            self.carried_over += int((~still_alive).sum()) + (self.n_rows - snapshot_rows)
             ids = np.concatenate([base_ids, self._ids[tail]])
             vectors = np.concatenate([base_vectors, self._vectors[tail]])
             alive = np.concatenate([still_alive, self._alive[tail]])
