@@ -299,6 +299,7 @@ class CollectionManager:
             if r.collection.id not in current:
                 log.info("collection %s was dropped by another process", r.collection.name)
                 self._forget(r.collection.name)
+                snapshots.remove(snapshots.path_for(self.snapshot_dir, r.collection.id, r.index.backend.name))
         for cid, c in current.items():
             if cid not in self.by_id:
                 stale = self.catalog.get(c.name)
@@ -442,7 +443,7 @@ class CollectionManager:
         r = self.resident.get(name)
         order = self.engine_order(r, engine)
         fallback = None
-        if order[0] != "pgvector":
+        if order[0] != "pgvector" and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
             try:
                 await asyncio.wait_for(r.reach(level, seq, arrived, self.consistency.bound_s), self.consistency.timeout_s)
             except CollectionNotFound:

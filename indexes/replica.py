@@ -80,16 +80,18 @@ class Replica:
                 task = self._task = asyncio.ensure_future(self._catch_up())
             await asyncio.shield(task)
 
-    async def reach(self, level: str, seq: int | None, arrived: float, bound_s: float) -> None:
-        """Wait until the replica satisfies `level` for a search that arrived at `arrived` (monotonic)."""
+    def satisfies(self, level: str, seq: int | None, arrived: float, bound_s: float) -> bool:
+        """Whether the replica already meets `level` for a search that arrived at `arrived` (monotonic)."""
         if level == "eventually":
-            return
-        if level == "bounded":
-            await self.ensure_fresh(arrived - bound_s)
-        elif level == "session" and seq is not None and self.watermark >= seq:
-            return
-        else:
-            await self.ensure_fresh(arrived)
+            return True
+        if level == "session" and seq is not None and self.watermark >= seq:
+            return True
+        return self.fresh_as_of >= (arrived - bound_s if level == "bounded" else arrived)
+
+    async def reach(self, level: str, seq: int | None, arrived: float, bound_s: float) -> None:
+        """Wait until the replica meets `level` for a search that arrived at `arrived`."""
+        if not self.satisfies(level, seq, arrived, bound_s):
+            await self.ensure_fresh(arrived - bound_s if level == "bounded" else arrived)
 
     async def _catch_up(self) -> None:
         started = time.monotonic()

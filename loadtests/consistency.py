@@ -375,10 +375,10 @@ class Workload:
         anomalies = []
         replicas = replication["replicas"]
         for rep in replicas:
-            if rep["digest"] != pg["digest"] or rep["rows"] != pg["rows"]:
+            if rep.get("digest") != pg["digest"] or rep.get("rows") != pg["rows"]:
                 anomalies.append({"kind": "digest-mismatch", "detail": (
-                    f"process {rep['pid']} has digest {rep['digest']} over {rep['rows']} rows at watermark "
-                    f"{rep['watermark']}; PostgreSQL has {pg['digest']} over {pg['rows']} rows at seq {pg['seq']}"),
+                    f"process {rep['pid']} has digest {rep.get('digest')} over {rep.get('rows')} rows at watermark "
+                    f"{rep.get('watermark')}; PostgreSQL has {pg['digest']} over {pg['rows']} rows at seq {pg['seq']}"),
                     "op": rep, "involved": []})
         if workers and len(replicas) < workers:
             anomalies.append({"kind": "replica-missing", "detail": f"{len(replicas)} of {workers} workers reported",
