@@ -27,12 +27,12 @@ from typing import Any, Awaitable, Callable, TypeVar
 import asyncpg
 import numpy as np
 
-from . import pgvector_search, snapshots
+from . import pgvector_search, reports, snapshots
 from .ann import INDEX_TYPES, check_params, resolve_type
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
-from .follower import APPLICATION_PREFIX, Follower
+from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .store import Collection, CollectionStore
@@ -71,7 +71,7 @@ class CollectionManager:
                  on_applied: Applied | None = None) -> None:
         self.store = CollectionStore(pool)
         self.pool = pool
-        self.snapshot_dir = data_dir / "vectors"
+        self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)
         self.backends: dict[str, IndexBackend] = {}  # "gpu"/"cpu" -> backend that keeps indexes resident
         self.executors: dict[str, ThreadPoolExecutor] = {}  # searches and change applies
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
@@ -178,8 +178,7 @@ class CollectionManager:
         try:
             await self.store.drop(name)
         finally:
-            for kind in ENGINE_KIND.values():
-                snapshots.remove(snapshots.path_for(self.snapshot_dir, c.id, kind))
+            self.snapshots.remove(c.id)
 
     def _register(self, r: Replica) -> None:
         self.catalog[r.collection.name] = r.collection
@@ -219,44 +218,12 @@ class CollectionManager:
             engines.insert(0, r.index.backend.name)
             state = r.state()
         state["pgvector_index"] = await pgvector_search.has_index(self.pool, c)
-        replication = await self.replication(c, verify)
+        own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
+        replication = await reports.gather(self.store, self.follower, c, own, verify)
         return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
                 "replication": replication}
 
     # -- replication -----------------------------------------------------------------------------------
-    async def replication(self, c: Collection, verify: bool, wait_s: float = 1.0) -> dict[str, Any]:
-        """Ask every process following this database for its replica of `c` (through the change channel) and
-        wait up to `wait_s` for the answers."""
-        request = uuid.uuid4().hex
-        own = await self._report(c)
-        others: list[dict[str, Any]] = []
-        expected = 0
-        if self.follower.listening:
-            expected = await self.store.live_followers(APPLICATION_PREFIX) - 1
-            if expected > 0:
-                await self.store.ask_for_reports(c, request)
-                deadline = time.monotonic() + wait_s
-                while True:
-                    others = [x for x in await self.store.reports(c, request) if x["process"] != self.process]
-                    if len(others) >= expected or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.01)
-        postgres = await self.store.content(c) if verify else {"seq": await self.store.head(c)}
-        return {"postgres": postgres, "process": self.process, "replicas": [own, *others],
-                "processes_expected": expected + 1}
-
-    async def _report(self, c: Collection) -> dict[str, Any]:
-        r = self.by_id.get(c.id)
-        out: dict[str, Any] = {"process": self.process, "pid": os.getpid(), "host": socket.gethostname(),
-                               "listening": self.follower.listening}
-        if r is None:
-            return {**out, "resident": False}
-        content = await r.run(r.index.content)
-        lag = await self.store.lag(c, content["watermark"])
-        state = r.state()
-        return {**out, **content, **lag, "resident": True, "loaded": r.loaded, "engine": state["engine"],
-                "fresh_ms": state["fresh_ms"], "rebuilding": state["rebuilding"]}
-
     # FollowerHandler: called on the event loop by the follower.
     def on_change(self, collection_id: int, seq: int) -> None:
         r = self.by_id.get(collection_id)
@@ -274,7 +241,8 @@ class CollectionManager:
             c = r.collection if r is not None else next(
                 (x for x in await self.store.list() if x.id == collection_id), None)
             if c is not None:
-                await self.store.save_report(self.process, collection_id, request, await self._report(c))
+                own = await reports.report(self.store, self.follower, c, r)
+                await self.store.save_report(self.process, collection_id, request, own)
 
         self._spawn(answer(), "a replica report")
 
@@ -299,7 +267,7 @@ class CollectionManager:
             if r.collection.id not in current:
                 log.info("collection %s was dropped by another process", r.collection.name)
                 self._forget(r.collection.name)
-                snapshots.remove(snapshots.path_for(self.snapshot_dir, r.collection.id, r.index.backend.name))
+                self.snapshots.remove(r.collection.id)
         for cid, c in current.items():
             if cid not in self.by_id:
                 stale = self.catalog.get(c.name)
@@ -573,33 +541,10 @@ class CollectionManager:
             log.exception("loading collection %s failed; pgvector serves it", r.collection.name)
             r.error = f"{type(exc).__name__}: {exc}"
 
-    def _snapshot_meta(self, r: Replica) -> dict[str, Any]:
-        c = r.collection
-        return {"collection_id": c.id, "name": c.name, "dim": c.dim, "metric": c.metric,
-                "configured_type": c.index_type, "params": c.index_params, "engine": r.index.backend.name}
-
-    async def _usable_snapshot(self, r: Replica) -> dict[str, Any] | None:
-        """The snapshot, if it is readable, made for this configuration, and of this database's history."""
-        c = r.collection
-        path = snapshots.path_for(self.snapshot_dir, c.id, r.index.backend.name)
-        state = await asyncio.to_thread(snapshots.load, path, self._snapshot_meta(r))
-        if state is None:
-            return None
-        head = await self.store.head(c)
-        if state["watermark"] > head:
-            log.warning("collection %s: the snapshot covers seq %d but PostgreSQL's head is %d (a database restored "
-                        "from a backup?): rebuilding from PostgreSQL", c.name, state["watermark"], head)
-            return None
-        if state["watermark"] and await self.store.commit_token(c, state["watermark"]) != state["token"]:
-            log.warning("collection %s: PostgreSQL's change log has no commit %d of the snapshot's history: "
-                        "rebuilding from PostgreSQL", c.name, state["watermark"])
-            return None
-        return state
-
     async def _load(self, r: Replica) -> None:
         c = r.collection
         started = time.perf_counter()
-        state = await self._usable_snapshot(r)
+        state = await self.snapshots.usable(r)
         if state is not None:
             try:
                 await r.run(r.index.restore, state)
@@ -617,16 +562,8 @@ class CollectionManager:
             await self._save_snapshot(r)
 
     async def _save_snapshot(self, r: Replica) -> None:
-        if self.resident.get(r.collection.name) is not r:
-            return  # dropped meanwhile
-        state = await r.run(r.index.state)
-        mark = (state["watermark"], state["digest"], state["index_type"])
-        if mark == r.saved:
-            return  # nothing changed since the last snapshot
-        state["token"] = await self.store.commit_token(r.collection, state["watermark"]) if state["watermark"] else None
-        path = snapshots.path_for(self.snapshot_dir, r.collection.id, r.index.backend.name)
-        await asyncio.to_thread(snapshots.save, path, state, self._snapshot_meta(r))
-        r.saved = mark
+        if self.resident.get(r.collection.name) is r:  # not dropped meanwhile
+            await self.snapshots.save(r)
 
     async def save_snapshots(self) -> None:
         for r in list(self.resident.values()):

@@ -9,20 +9,26 @@ older backup) is ignored and the index rebuilt from Postgres, never trusted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .replica import Replica
+    from .store import CollectionStore
 
 log = logging.getLogger("switchyard.snapshots")
 
 FORMAT = 2
 ARRAYS = ("ids", "vectors", "alive")
+ENGINES = ("cuvs", "faiss")
 
 
 def path_for(directory: Path, collection_id: int, engine: str) -> Path:
@@ -87,3 +93,51 @@ def remove(path: Path) -> None:
     path.unlink(missing_ok=True)
     for tmp in path.parent.glob(path.name + ".*.tmp"):
         tmp.unlink(missing_ok=True)
+
+
+class Snapshots:
+    """The snapshots of one data directory, checked against PostgreSQL's change log."""
+
+    def __init__(self, directory: Path, store: "CollectionStore") -> None:
+        self.directory, self.store = directory, store
+
+    def _path(self, r: "Replica") -> Path:
+        return path_for(self.directory, r.collection.id, r.index.backend.name)
+
+    @staticmethod
+    def _meta(r: "Replica") -> dict[str, Any]:
+        c = r.collection
+        return {"collection_id": c.id, "name": c.name, "dim": c.dim, "metric": c.metric,
+                "configured_type": c.index_type, "params": c.index_params, "engine": r.index.backend.name}
+
+    async def usable(self, r: "Replica") -> dict[str, Any] | None:
+        """The replica's snapshot, if it is readable, made for this configuration, and of this database's history:
+        not ahead of PostgreSQL's head, and its commit still in the log with the same token."""
+        state = await asyncio.to_thread(load, self._path(r), self._meta(r))
+        if state is None:
+            return None
+        c = r.collection
+        head = await self.store.head(c)
+        if state["watermark"] > head:
+            log.warning("collection %s: the snapshot covers seq %d but PostgreSQL's head is %d (a database restored "
+                        "from a backup?): rebuilding from PostgreSQL", c.name, state["watermark"], head)
+            return None
+        if state["watermark"] and await self.store.commit_token(c, state["watermark"]) != state["token"]:
+            log.warning("collection %s: PostgreSQL's change log has no commit %d of the snapshot's history: "
+                        "rebuilding from PostgreSQL", c.name, state["watermark"])
+            return None
+        return state
+
+    async def save(self, r: "Replica") -> None:
+        """Write the replica's state, unless it is what the last snapshot already holds."""
+        state = await r.run(r.index.state)
+        mark = (state["watermark"], state["digest"], state["index_type"])
+        if mark == r.saved:
+            return
+        state["token"] = await self.store.commit_token(r.collection, state["watermark"]) if state["watermark"] else None
+        await asyncio.to_thread(save, self._path(r), state, self._meta(r))
+        r.saved = mark
+
+    def remove(self, collection_id: int) -> None:
+        for engine in ENGINES:
+            remove(path_for(self.directory, collection_id, engine))

@@ -356,7 +356,15 @@ class Workload:
             threads.append(threading.Thread(target=self.build_loop, daemon=True))
         for t in threads:
             t.start()
-        self.stop.wait(self.c.duration_s if self.c.max_ops is None else None)
+        started = time.monotonic()
+        deadline = started + self.c.duration_s if self.c.max_ops is None else float("inf")
+        while not self.stop.wait(min(5.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            goal = f"/{self.c.max_ops}" if self.c.max_ops else f" in {self.c.duration_s:g} s"
+            print(f"\r  {self.count}{goal} operations, {self.count / (time.monotonic() - started):.0f}/s ",
+                  end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
         self.stop.set()
         for t in threads:
             t.join()
