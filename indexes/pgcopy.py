@@ -68,3 +68,14 @@ def decode_rows(data: bytes, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if len(rows) and (np.any(rows["id_len"] != 8) or np.any(rows["vec_dim"] != dim)):
         raise ValueError("COPY stream holds NULLs or vectors of another dimension")
     return rows["id"].astype(np.int64), rows["seq"].astype(np.int64), rows["vec"].astype(np.float32)
+
+
+def decode_sent_rows(data: bytes, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parse the concatenation of int8send(id) || vector_send(embedding) per row: ids and vectors."""
+    dtype = np.dtype([("id", ">i8"), ("vec_dim", ">u2"), ("vec_unused", ">u2"), ("vec", ">f4", (dim,))])
+    if len(data) % dtype.itemsize:
+        raise ValueError("sent rows are not all (id, vector) of the expected dimension")
+    rows = np.frombuffer(data, dtype=dtype)
+    if len(rows) and np.any(rows["vec_dim"] != dim):
+        raise ValueError("sent rows hold vectors of another dimension")
+    return rows["id"].astype(np.int64), rows["vec"].astype(np.float32).reshape(len(rows), dim)

@@ -31,6 +31,7 @@ OPERATORS = {"l2": "<->", "cosine": "<=>", "inner_product": "<#>"}
 OPCLASSES = {"l2": "vector_l2_ops", "cosine": "vector_cosine_ops", "inner_product": "vector_ip_ops"}
 ADVISORY_NAMESPACE = int.from_bytes(b"SWVC", "big")  # two-key advisory locks: (namespace, collection id)
 CHANNEL = "switchyard_vectors"
+FEW_ROWS = 2000  # catch-ups of up to this many rows read in one statement
 HEAD = "(SELECT coalesce(max(seq), 0) FROM vector_commits WHERE collection_id = {id})"
 
 
@@ -188,9 +189,14 @@ class CollectionStore:
         return head
 
     async def read_changes(self, c: Collection, since: int) -> Changes:
-        """Everything committed after `since`, as of one snapshot (REPEATABLE READ): ids deleted, current rows of
-        the ids written (binary COPY), and the commits with their times. `head` < `since` means PostgreSQL is
-        behind the caller (a database restored from a backup)."""
+        """Everything committed after `since`, as of one snapshot: ids deleted, current rows of the ids written,
+        and the commits with their times. `head` < `since` means PostgreSQL is behind the caller (a database
+        restored from a backup). A small catch-up is one statement (one snapshot, one round trip); a large one,
+        or a whole collection, is a REPEATABLE READ transaction reading the rows with binary COPY."""
+        if since > 0:
+            changes = await self._read_few_changes(c, since)
+            if changes is not None:
+                return changes
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             head = await conn.fetchval(f"SELECT {HEAD.format(id='vc.id')} FROM vector_collections vc WHERE vc.id = $1", c.id)
             if head is None:
@@ -206,6 +212,28 @@ class CollectionStore:
             ids, _, vectors = await self._copy_rows(conn, c, since)
         gone = np.fromiter((r["id"] for r in deleted), dtype=np.int64, count=len(deleted))
         return Changes(since, head, gone, ids, vectors, [(r["seq"], r["at"]) for r in commits])
+
+    async def _read_few_changes(self, c: Collection, since: int) -> Changes | None:
+        """The changes after `since` in one statement, or None when more than FEW_ROWS rows changed."""
+        row = await self.pool.fetchrow(
+            f"SELECT {HEAD.format(id='vc.id')} AS head, "
+            f"(SELECT count(*) FROM {c.table} WHERE seq > $2) AS n_rows, "
+            f"(SELECT array_agg(seq ORDER BY seq) FROM vector_commits WHERE collection_id = $1 AND seq > $2) AS seqs, "
+            f"(SELECT array_agg(extract(epoch FROM committed_at)::float8 ORDER BY seq) FROM vector_commits "
+            f"WHERE collection_id = $1 AND seq > $2) AS ats, "
+            f"(SELECT array_agg(DISTINCT id) FROM vector_tombstones WHERE collection_id = $1 AND seq > $2) AS deleted, "
+            f"(SELECT string_agg(int8send(id) || vector_send(embedding), ''::bytea ORDER BY seq) FROM "
+            f"(SELECT id, seq, embedding FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS rows "
+            f"FROM vector_collections vc WHERE vc.id = $1", c.id, since, FEW_ROWS)
+        if row is None:
+            raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
+        if row["head"] <= since:
+            return Changes(since, row["head"], *_no_changes(c.dim))
+        if row["n_rows"] > FEW_ROWS:
+            return None
+        ids, vectors = pgcopy.decode_sent_rows(row["rows"] or b"", c.dim)
+        gone = np.array(row["deleted"] or [], dtype=np.int64)
+        return Changes(since, row["head"], gone, ids, vectors, list(zip(row["seqs"] or [], row["ats"] or [])))
 
     @staticmethod
     async def _copy_rows(conn: asyncpg.Connection, c: Collection, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -362,7 +362,7 @@ class Workload:
             if time.monotonic() >= deadline:
                 break
             goal = f"/{self.c.max_ops}" if self.c.max_ops else f" in {self.c.duration_s:g} s"
-            print(f"\r  {self.count}{goal} operations, {self.count / (time.monotonic() - started):.0f}/s ",
+            print(f"\r  {self.count} operations{goal}, {self.count / (time.monotonic() - started):.0f}/s ",
                   end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         self.stop.set()

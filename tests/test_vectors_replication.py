@@ -123,6 +123,20 @@ def test_writes_through_one_process_reach_the_others(make_client, tmp_path):
     eventually(lambda: assert_in_step(a, "shared", processes=2))
 
 
+def test_large_and_small_catch_ups_read_the_same_log(make_client, tmp_path):
+    """Over FEW_ROWS changed rows a catch-up reads with COPY in a transaction, under it in one statement."""
+    a = app(make_client, tmp_path, "a")
+    create(a, "sizes", metric="cosine")
+    b = app(make_client, tmp_path, "b")
+    upsert(a, "sizes", range(2500), DATA[:2500])  # one commit of 2,500 rows: the COPY path in b
+    assert top1(b, "sizes", DATA[:2500], consistency="strong")[0] == list(range(2500))
+    upsert(a, "sizes", range(10), DATA[2500:2510])  # small: one statement
+    delete(a, "sizes", range(10, 20))
+    found, _, _ = top1(b, "sizes", DATA[2500:2510], consistency="strong")
+    assert found == list(range(10))
+    eventually(lambda: assert_in_step(b, "sizes", processes=2))
+
+
 def test_a_dropped_and_recreated_collection_is_followed(make_client, tmp_path):
     a, b = app(make_client, tmp_path, "a"), app(make_client, tmp_path, "b")
     create(a, "again")
