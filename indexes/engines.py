@@ -32,10 +32,14 @@ class _ResidentEngine:
 class FaissEngine(_ResidentEngine):
     kind = "cpu"
 
+    def __init__(self, vectors: CollectionManager, cpu_threads: int | None = None, **_: Any) -> None:
+        super().__init__(vectors)
+        self.threads = cpu_threads
+
     def backend(self) -> Any:
         from .faiss_index import FaissBackend
 
-        return FaissBackend()
+        return FaissBackend(self.threads)
 
 
 class CuvsEngine(_ResidentEngine):

@@ -24,10 +24,12 @@ VERSION = faiss.__version__
 TRAIN_SAMPLE_PER_LIST = 256  # k-means sees at most this many points per list: enough, and bounded
 
 
-def _use_threads(rows: int) -> None:
-    """OpenMP threads for the next FAISS call from this thread (the setting is per calling thread): all cores
-    for real work, one for a handful of rows, where waking a second thread costs more than it saves."""
-    faiss.omp_set_num_threads(1 if rows < 4 else os.cpu_count() or 1)
+def _use_threads(rows: int, threads: int | None) -> None:
+    """OpenMP threads for the next FAISS call from this thread (the setting is per calling thread): `threads`
+    (default all cores) for real work, one for a handful of rows, where waking a second thread costs more than it
+    saves. With several worker processes sharing the cores, `threads` is their share: an OpenMP barrier waiting
+    for a thread that has no core stalls the call, with the replica's lock held, for a scheduler tick or more."""
+    faiss.omp_set_num_threads(1 if rows < 4 else threads or os.cpu_count() or 1)
 
 
 def _metric(metric: str) -> int:
@@ -47,14 +49,15 @@ class FaissIndex:
     supports_add = True
     supports_filter = True
 
-    def __init__(self, config: IndexConfig, index: Any) -> None:
+    def __init__(self, config: IndexConfig, index: Any, threads: int | None = None) -> None:
         self.config = config
         self.index = index
+        self.threads = threads
         self._bitmap: np.ndarray | None = None  # kept alive while FAISS reads it
 
     @classmethod
-    def build(cls, config: IndexConfig, vectors: np.ndarray) -> "FaissIndex":
-        _use_threads(len(vectors))
+    def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None) -> "FaissIndex":
+        _use_threads(len(vectors), threads)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
         if t == "brute_force":
@@ -76,14 +79,14 @@ class FaissIndex:
             index.train(_train_sample(vectors, n_lists))
         else:
             raise ValueError(f"FAISS has no index type {t!r}")
-        built = cls(config, index)
+        built = cls(config, index, threads)
         if n:
             built.add(vectors)
         return built
 
     @classmethod
-    def from_bytes(cls, config: IndexConfig, data: bytes) -> "FaissIndex":
-        return cls(config, faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)))
+    def from_bytes(cls, config: IndexConfig, data: bytes, threads: int | None = None) -> "FaissIndex":
+        return cls(config, faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)), threads)
 
     def to_bytes(self) -> bytes:
         return faiss.serialize_index(self.index).tobytes()
@@ -93,7 +96,7 @@ class FaissIndex:
         return int(self.index.ntotal)
 
     def add(self, vectors: np.ndarray) -> None:
-        _use_threads(len(vectors))
+        _use_threads(len(vectors), self.threads)
         self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
 
     def _search_parameters(self, k: int, params: dict[str, Any], selector: Any) -> tuple[Any, int]:
@@ -117,7 +120,7 @@ class FaissIndex:
             selector = faiss.IDSelectorBitmap(self._bitmap)
         search_params, kk = self._search_parameters(k, params, selector)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        _use_threads(len(queries))
+        _use_threads(len(queries), self.threads)
         if search_params is None:
             scores, rows = self.index.search(queries, kk)
         else:
@@ -131,8 +134,11 @@ class FaissBackend:
     name = "faiss"
     kind = "cpu"
 
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads  # OpenMP threads per call; None: every core
+
     def build(self, config: IndexConfig, vectors: np.ndarray) -> FaissIndex:
-        return FaissIndex.build(config, vectors)
+        return FaissIndex.build(config, vectors, self.threads)
 
     def load(self, config: IndexConfig, data: bytes) -> FaissIndex:
-        return FaissIndex.from_bytes(config, data)
+        return FaissIndex.from_bytes(config, data, self.threads)

@@ -35,7 +35,7 @@ from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, Invalid
 from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
-from .store import Collection, CollectionStore
+from .store import Collection, CollectionStore, Commit
 from .vectors import Points
 
 log = logging.getLogger("switchyard.vectors")
@@ -147,14 +147,16 @@ class CollectionManager:
             c = self.catalog[name] = await self.store.get(name)
         return c
 
-    async def _with_collection(self, name: str, fn: Callable[[Collection], Awaitable[T]]) -> T:
+    async def _with_collection(self, name: str, fn: Callable[[Collection], Awaitable[T]]) -> tuple[Collection, T]:
         """Run fn on the collection; if another process dropped (and perhaps re-created) it since this one cached
         its definition, forget the stale one and try once more with what PostgreSQL holds now."""
+        c = await self.collection(name)
         try:
-            return await fn(await self.collection(name))
+            return c, await fn(c)
         except asyncpg.UndefinedTableError:
             self._forget(name)
-            return await fn(await self.collection(name))
+            c = await self.collection(name)
+            return c, await fn(c)
 
     async def create(self, name: str, dim: int, metric: str, index_type: str, index_params: dict[str, Any] | None,
                      pgvector_index: dict[str, Any] | None) -> Collection:
@@ -284,24 +286,24 @@ class CollectionManager:
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
-        commit = await self._with_collection(name, lambda c: self.store.upsert(c, points))
-        await self._apply_own(name, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
-                                                    points.vectors))
+        c, commit = await self._with_collection(name, lambda c: self.store.upsert(c, points))
+        await self._apply_own(c, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
+                                                 points.vectors))
         return commit.seq
 
     async def delete(self, name: str, ids: np.ndarray) -> tuple[int, int]:
         """Returns how many points existed, and the change seq after which they are gone."""
-        gone, commit = await self._with_collection(name, lambda c: self.store.delete(c, ids))
+        c, (gone, commit) = await self._with_collection(name, lambda c: self.store.delete(c, ids))
         if commit.seq > commit.prev:
-            dim = (await self.collection(name)).dim
-            await self._apply_own(name, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
-                                                        np.empty((0, dim), np.float32)))
+            await self._apply_own(c, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
+                                                     np.empty((0, c.dim), np.float32)))
         return len(gone), commit.seq
 
-    async def _apply_own(self, name: str, commit: Any, changes: Changes) -> None:
+    async def _apply_own(self, c: Collection, commit: Commit, changes: Changes) -> None:
         """This process's replica takes its own committed write before the ack. If that fails, the write is still
         acknowledged (it is committed) and the next catch-up brings it in."""
-        r = self.resident.get(name)
+        name = c.name
+        r = self.by_id.get(c.id)
         if r is None or not r.loaded:
             return  # loading replicas catch up from the log when they finish
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +27,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Larger request bodies get 413 unparsed.")
     max_bulk_bytes: int = Field(default=4 * 1024**3, ge=1024,
                                 description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")
+    cpu_threads: int | None = Field(default=None, ge=1, le=1024, description=(
+        "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers."))
     batch_max: int = Field(default=64, ge=1, le=4096, description="Most single-vector searches merged into one engine call.")
     batch_window_ms: float = Field(default=0.0, ge=0, le=100,
                                    description="How long an idle collection waits for company before searching; 0 = "
@@ -74,6 +77,10 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         return path.expanduser().resolve() if path is not None else None
+
+    @property
+    def engine_threads(self) -> int:
+        return self.cpu_threads or max(1, (os.cpu_count() or 1) // self.workers)
 
     @property
     def ssb_imports(self) -> Path:
