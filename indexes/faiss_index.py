@@ -53,7 +53,6 @@ class FaissIndex:
         self.config = config
         self.index = index
         self.threads = threads
-        self._bitmap: np.ndarray | None = None  # kept alive while FAISS reads it
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None) -> "FaissIndex":
@@ -115,9 +114,10 @@ class FaissIndex:
     def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
                keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         selector = None
+        bitmap = None  # a local: alive while FAISS reads it, and searches running side by side have their own
         if keep is not None:
-            self._bitmap = np.packbits(keep[: self.size], bitorder="little")
-            selector = faiss.IDSelectorBitmap(self._bitmap)
+            bitmap = np.packbits(keep[: self.size], bitorder="little")
+            selector = faiss.IDSelectorBitmap(bitmap)
         search_params, kk = self._search_parameters(k, params, selector)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         _use_threads(len(queries), self.threads)

@@ -12,7 +12,6 @@ Engine-neutral: the same code serves FAISS and cuVS indexes (anything with the A
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -21,6 +20,7 @@ import numpy as np
 from . import digest
 from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
 from .distance import exact_search, from_engine, merge_topk, prepare
+from .rwlock import ReadWriteLock
 
 # A filter passing fewer rows than this is answered by exact search over just those rows.
 EXACT_FILTER_ROWS = 20_000
@@ -83,7 +83,7 @@ class ResidentCollection:
         self.build_params = build_params
         self.backend = backend
         self.policy = policy or RebuildPolicy()
-        self.lock = threading.RLock()
+        self.lock = ReadWriteLock()  # searches share it; changes and swaps take it alone
         self._ids = np.empty(0, dtype=np.int64)
         self._vectors = np.empty((0, dim), dtype=np.float32)
         self._alive = np.empty(0, dtype=bool)
@@ -154,7 +154,7 @@ class ResidentCollection:
         watermark is idempotent: every id it names ends in its state at `head`, and the others did not change."""
         prepared = prepare(np, changes.vectors, self.metric)
         hashes = digest.row_hashes(changes.ids, prepared)
-        with self.lock:
+        with self.lock.write():
             if changes.head <= self.watermark:
                 return False
             if changes.since > self.watermark:
@@ -175,7 +175,7 @@ class ResidentCollection:
 
     def content(self) -> dict[str, Any]:
         """What a replica holds, for comparing with PostgreSQL: rows, watermark, digest."""
-        with self.lock:
+        with self.lock.read():
             return {"rows": self.count, "watermark": self.watermark, "digest": digest.show(self.digest),
                     "rebuilds": self.rebuilds, "rebuild_carried_rows": self.carried_over}
 
@@ -186,7 +186,7 @@ class ResidentCollection:
     def needs_rebuild(self) -> bool:
         """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type."""
         p = self.policy
-        with self.lock:
+        with self.lock.read():
             live = max(self.count, 1)
             config = self.config_for(self.count)
             if self.count < min_train_rows(config.index_type, config.params):
@@ -199,7 +199,7 @@ class ResidentCollection:
         """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:
         the build runs outside the lock, and what changed during it is carried over at the swap. The caller
         runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict."""
-        with self.lock:
+        with self.lock.read():
             generation = self.generation
             rows = np.flatnonzero(self._alive[: self.n_rows])
             base_ids = self._ids[rows].copy()
@@ -212,7 +212,7 @@ class ResidentCollection:
             if progress:
                 progress(f"building {config.index_type} over {len(rows)} vectors")
             index = self.backend.build(config, base_vectors)
-        with self.lock:
+        with self.lock.write():
             # Rows are only appended within a generation, so `rows` still names the same rows: check it by id.
             if self.generation != generation or not np.array_equal(self._ids[rows], base_ids):
                 raise RebuildConflict(f"collection {self.name}: the layout changed during the rebuild")
@@ -251,7 +251,7 @@ class ResidentCollection:
     def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
                allowed_ids: np.ndarray | None = None) -> SearchResult:
         q = prepare(np, queries, self.metric)
-        with self.lock:
+        with self.lock.read():
             watermark = self.watermark
             keep = self.keep_mask(allowed_ids)
             if self.count == 0 or (keep is not None and not keep.any()):
@@ -291,19 +291,19 @@ class ResidentCollection:
 
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         """Prepared vectors of live ids (for recall sampling)."""
-        with self.lock:
+        with self.lock.read():
             return self._vectors[[self.row_of[i] for i in ids.tolist()]].copy()
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, prepared vectors) of every live row."""
-        with self.lock:
+        with self.lock.read():
             rows = np.flatnonzero(self._alive[: self.n_rows])
             return self._ids[rows].copy(), self._vectors[rows].copy()
 
     # -- snapshots -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything a snapshot needs, copied under the lock."""
-        with self.lock:
+        with self.lock.read():
             return {
                 "ids": self._ids[: self.n_rows].copy(),
                 "vectors": self._vectors[: self.n_rows].copy(),
@@ -325,7 +325,7 @@ class ResidentCollection:
         if state["index_type"] is not None:
             config = IndexConfig(state["index_type"], self.metric, self.dim, self.build_params)
             index = self.backend.load(config, state["index_bytes"])
-        with self.lock:
+        with self.lock.write():
             self._set_rows(ids, vectors, alive, hashes)
             self.index = index
             self.watermark = int(state["watermark"])
