@@ -184,16 +184,16 @@ class ResidentCollection:
         return IndexConfig(resolve_type(self.index_type, n_rows), self.metric, self.dim, self.build_params)
 
     def needs_rebuild(self) -> bool:
-        """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type."""
+        """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type. Called on
+        the event loop, so it takes no lock (it must never wait for a search): a heuristic over a few counters."""
         p = self.policy
-        with self.lock.read():
-            live = max(self.count, 1)
-            config = self.config_for(self.count)
-            if self.count < min_train_rows(config.index_type, config.params):
-                return self.index is not None and self.n_dead > max(0.5, p.dead_fraction) * live
-            if self.index is None or self.index.config.index_type != config.index_type:
-                return True
-            return self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
+        live = max(self.count, 1)
+        config = self.config_for(self.count)
+        if self.count < min_train_rows(config.index_type, config.params):
+            return self.index is not None and self.n_dead > max(0.5, p.dead_fraction) * live
+        if self.index is None or self.index.config.index_type != config.index_type:
+            return True
+        return self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
 
     def rebuild(self, progress: Callable[[str], None] | None = None) -> None:
         """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:
