@@ -8,6 +8,8 @@ Engine-neutral: the same code serves FAISS and cuVS indexes (anything with the A
   `watermark`, applied in one step, so a replica is always PostgreSQL's state at some seq, never a mix.
 - `digest` is the content digest (indexes/digest.py) of the live rows, kept up to date with every change.
 - `generation` counts layout changes (compactions, restores): row numbers mean the same rows only within one.
+  Within a generation rows are only appended (a replaced or deleted row is marked dead, never rewritten), so a
+  reader may take the arrays and the row count under the lock and copy rows below that count after it.
 """
 
 from __future__ import annotations
@@ -199,13 +201,9 @@ class ResidentCollection:
         """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:
         the build runs outside the lock, and what changed during it is carried over at the swap. The caller
         runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict."""
-        with self.lock.read():
-            generation = self.generation
-            rows = np.flatnonzero(self._alive[: self.n_rows])
-            base_ids = self._ids[rows].copy()
-            base_vectors = self._vectors[rows].copy()
-            base_hashes = self._hashes[rows].copy()
-            snapshot_rows = self.n_rows
+        generation, snapshot_rows, alive, (ids_now, vectors_now, hashes_now) = self._layout()
+        rows = np.flatnonzero(alive)
+        base_ids, base_vectors, base_hashes = ids_now[rows], vectors_now[rows], hashes_now[rows]
         config = self.config_for(len(rows))
         index = None
         if len(rows) >= min_train_rows(config.index_type, config.params) and len(rows) > 0:
@@ -294,25 +292,30 @@ class ResidentCollection:
         with self.lock.read():
             return self._vectors[[self.row_of[i] for i in ids.tolist()]].copy()
 
+    def _layout(self) -> tuple[int, int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(generation, rows, a copy of the alive mask, the row arrays): only the mask is copied under the lock;
+        rows below the count stay as they are (see the module's note), so callers copy them without it."""
+        with self.lock.read():
+            n = self.n_rows
+            return self.generation, n, self._alive[:n].copy(), (self._ids, self._vectors, self._hashes)
+
     def live(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, prepared vectors) of every live row."""
-        with self.lock.read():
-            rows = np.flatnonzero(self._alive[: self.n_rows])
-            return self._ids[rows].copy(), self._vectors[rows].copy()
+        _, _, alive, (ids, vectors, _) = self._layout()
+        rows = np.flatnonzero(alive)
+        return ids[rows], vectors[rows]
 
     # -- snapshots -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Everything a snapshot needs, copied under the lock."""
+        """Everything a snapshot needs. The index is serialised under the lock (changes would alter it); the rows
+        are copied after it."""
         with self.lock.read():
-            return {
-                "ids": self._ids[: self.n_rows].copy(),
-                "vectors": self._vectors[: self.n_rows].copy(),
-                "alive": self._alive[: self.n_rows].copy(),
-                "watermark": self.watermark,
-                "digest": digest.show(self.digest),
-                "index_type": self.index.config.index_type if self.index is not None else None,
-                "index_bytes": self.index.to_bytes() if self.index is not None else None,
-            }
+            n = self.n_rows
+            alive, arrays = self._alive[:n].copy(), (self._ids, self._vectors)
+            out = {"watermark": self.watermark, "digest": digest.show(self.digest),
+                   "index_type": self.index.config.index_type if self.index is not None else None,
+                   "index_bytes": self.index.to_bytes() if self.index is not None else None}
+        return {"ids": arrays[0][:n].copy(), "vectors": arrays[1][:n].copy(), "alive": alive, **out}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a snapshot's state. Its content must hash to the digest it recorded, or ValueError."""

@@ -40,10 +40,12 @@ COLLECTION = "replicated"
 
 
 class Writer:
-    """Upserts of `batch` new vectors at `rate` per second, on one keep-alive connection, until stopped."""
+    """Upserts of `batch` new points at `rate` per second, on one keep-alive connection, until stopped."""
 
-    def __init__(self, port: int, dim: int, rate: float, batch: int = 10, first_id: int = 10_000_000) -> None:
-        self.port, self.dim, self.rate, self.batch, self.next_id = port, dim, rate, batch, first_id
+    next_id = 10_000_000  # every writer's ids are new, so no write replaces a point
+
+    def __init__(self, port: int, dim: int, rate: float, batch: int = 10) -> None:
+        self.port, self.dim, self.rate, self.batch = port, dim, rate, batch
         self.stop = threading.Event()
         self.seqs: list[int] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -61,8 +63,8 @@ class Writer:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         period, due = 1.0 / self.rate, time.monotonic()
         while not self.stop.is_set():
-            ids = list(range(self.next_id, self.next_id + self.batch))
-            self.next_id += self.batch
+            ids = list(range(Writer.next_id, Writer.next_id + self.batch))
+            Writer.next_id += self.batch
             vectors = self.rng.standard_normal((self.batch, self.dim)).astype("<f4")
             body = orjson.dumps({"ids": ids, "vectors_b64": base64.b64encode(vectors.tobytes()).decode()})
             conn.request("PUT", f"/v1/collections/{COLLECTION}/points", body, {"Content-Type": "application/json"})
