@@ -278,14 +278,17 @@ def test_a_snapshot_ahead_of_postgres_is_discarded(make_client, tmp_path, databa
     assert client.get("/v1/collections/restored").json()["index_state"]["loaded_from"] == "snapshot"
     client.__exit__(None, None, None)
 
-    async def restore_backup_taken_after_first_write() -> None:
+    async def restore_backup_taken_at(seq: int, with_sequence: bool) -> None:
+        """What restoring a backup taken right after commit `seq` does to the collection's rows and log."""
         conn = await asyncpg.connect(database_url)
         cid = await conn.fetchval("SELECT id FROM vector_collections WHERE name = 'restored'")
-        await conn.execute(f"DELETE FROM vectors_{cid} WHERE seq > $1", s1)
-        await conn.execute("DELETE FROM vector_commits WHERE collection_id = $1 AND seq > $2", cid, s1)
+        await conn.execute(f"DELETE FROM vectors_{cid} WHERE seq > $1", seq)
+        await conn.execute("DELETE FROM vector_commits WHERE collection_id = $1 AND seq > $2", cid, seq)
+        if with_sequence:  # a restored sequence hands the same seqs out again
+            await conn.execute("SELECT setval('vector_change_seq', $1)", seq)
         await conn.close()
 
-    run(restore_backup_taken_after_first_write())
+    run(restore_backup_taken_at(s1, with_sequence=False))
     client = app(make_client, tmp_path, "a")
     info = client.get("/v1/collections/restored").json()
     assert info["index_state"]["loaded_from"] == "postgres" and info["count"] == 100
@@ -297,15 +300,7 @@ def test_a_snapshot_ahead_of_postgres_is_discarded(make_client, tmp_path, databa
     client.__exit__(None, None, None)
 
     # Restored again to s1, sequence included; then another process's history goes past t1 without a commit at t1.
-    async def rewind() -> None:
-        conn = await asyncpg.connect(database_url)
-        cid = await conn.fetchval("SELECT id FROM vector_collections WHERE name = 'restored'")
-        await conn.execute(f"DELETE FROM vectors_{cid} WHERE seq > $1", s1)
-        await conn.execute("DELETE FROM vector_commits WHERE collection_id = $1 AND seq > $2", cid, s1)
-        await conn.execute("SELECT setval('vector_change_seq', $1)", s1)
-        await conn.close()
-
-    run(rewind())
+    run(restore_backup_taken_at(s1, with_sequence=True))
     other = app(make_client, tmp_path, "b")
     past = upsert(other, "restored", range(600, 700), DATA[600:700])
     assert past > t1
