@@ -5,6 +5,9 @@ staleness true while nothing is written.
 The listening connection names itself `switchyard-follower <process>` (application_name), so the processes
 following a database can be counted from pg_stat_activity. It is re-established after a drop, with backoff, and
 each re-establishment polls at once: notifications sent while nobody listened are gone.
+
+Waits with a time limit use `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11 wait_for can swallow a
+cancellation that arrives as its awaitable completes, and a loop that lost its cancellation never stops.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import Awaitable, Protocol
 
 import asyncpg
 
@@ -42,6 +45,7 @@ class Follower:
         self.reconnects = 0
         self._poke = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     @property
     def application_name(self) -> str:
@@ -53,6 +57,7 @@ class Follower:
         self._tasks.append(asyncio.create_task(self._poll_loop(), name="vectors-poll"))
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -65,7 +70,7 @@ class Follower:
     async def _listen_loop(self) -> None:
         delay = 0.1
         first = True
-        while True:
+        while not self._stopping:
             conn = None
             try:
                 conn = await asyncpg.connect(self.dsn, timeout=10,
@@ -80,10 +85,9 @@ class Follower:
                 first, delay = False, 0.1
                 self.poll_now()  # what was committed while nobody listened
                 while not lost.is_set():
-                    try:
-                        await asyncio.wait_for(lost.wait(), 5.0)
-                    except TimeoutError:  # a half-open connection stays silent: ask it something
-                        await asyncio.wait_for(conn.fetchval("SELECT 1"), 5.0)
+                    if not await _within(5.0, lost.wait()):  # a half-open connection stays silent: ask it
+                        async with asyncio.timeout(5.0):
+                            await conn.fetchval("SELECT 1")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the poll covers the gap; keep trying
@@ -111,7 +115,7 @@ class Follower:
     # -- poll ------------------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
         failing = False
-        while True:
+        while not self._stopping:
             read_at = time.monotonic()
             try:
                 heads = await self.store.heads()
@@ -125,8 +129,15 @@ class Follower:
                 if not failing:
                     log.warning("change poll failed (%s: %s); retrying", type(exc).__name__, exc)
                 failing = True
-            try:
-                await asyncio.wait_for(self._poke.wait(), self.poll_s)
-            except TimeoutError:
-                pass
+            await _within(self.poll_s, self._poke.wait())
             self._poke.clear()
+
+
+async def _within(seconds: float, waiting: Awaitable[object]) -> bool:
+    """Await `waiting` for at most `seconds`; whether it finished."""
+    try:
+        async with asyncio.timeout(seconds):
+            await waiting
+        return True
+    except TimeoutError:
+        return False

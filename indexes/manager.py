@@ -415,7 +415,8 @@ class CollectionManager:
         fallback = None
         if order[0] != "pgvector" and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
             try:
-                await asyncio.wait_for(r.reach(level, seq, arrived, self.consistency.bound_s), self.consistency.timeout_s)
+                async with asyncio.timeout(self.consistency.timeout_s):  # not wait_for: see indexes/follower.py
+                    await r.reach(level, seq, arrived, self.consistency.bound_s)
             except CollectionNotFound:
                 self._forget(name)
                 raise

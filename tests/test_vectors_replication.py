@@ -397,3 +397,18 @@ def test_the_listener_comes_back_after_its_connection_is_killed(make_client, tmp
     eventually(lambda: follower.reconnects >= 1 and follower.listening)
     upsert(a, "heard", [42], DATA[[42]])
     eventually(lambda: top1(b, "heard", DATA[[42]], consistency="eventually")[0] == [42], timeout_s=3)
+
+
+@pytest.mark.timeout(90)
+def test_a_service_stopped_as_it_starts_stops(make_settings, tmp_path):
+    """Stopping cancels the change follower wherever it is (its poll once lost a cancellation inside wait_for)."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    for i in range(6):
+        client = TestClient(create_app(make_settings(data_dir=tmp_path / f"s{i}")))
+        client.__enter__()
+        started = time.monotonic()
+        client.__exit__(None, None, None)
+        assert time.monotonic() - started < 10
