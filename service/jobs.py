@@ -78,7 +78,7 @@ class JobRunner:
                 job.total = total
             if time.monotonic() - last_flush > FLUSH_EVERY_S:
                 last_flush = time.monotonic()
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._flush(job)))
+                loop.call_soon_threadsafe(self._flush_soon, job)
 
         job.state = "running"
         await self._flush(job)
@@ -94,16 +94,24 @@ class JobRunner:
         finally:
             job.updated_at = time.time()
             try:
-                await asyncio.shield(self._flush(job))
+                await asyncio.shield(self._flush(job, final=True))
             finally:
                 self.running.pop(job.id, None)
 
-    async def _flush(self, job: Job) -> None:
+    def _flush_soon(self, job: Job) -> None:
+        task = asyncio.get_running_loop().create_task(self._flush(job))
+        self.tasks.add(task)  # a strong reference until it is done
+        task.add_done_callback(self.tasks.discard)
+
+    async def _flush(self, job: Job, final: bool = False) -> None:
+        """Write the job's state. Progress flushes run as their own tasks and may reach the database after the
+        final one: they never overwrite a finished job's state."""
         try:
             await self.pool.execute(
                 "UPDATE jobs SET state = $2, done = $3, total = $4, message = $5, result = $6, updated_at = now() "
-                "WHERE id = $1", uuid.UUID(job.id), job.state, job.done, job.total, job.message,
-                orjson.dumps(job.result).decode() if job.result is not None else None,
+                "WHERE id = $1 AND ($7 OR state NOT IN ('succeeded', 'failed'))", uuid.UUID(job.id), job.state,
+                job.done, job.total, job.message, orjson.dumps(job.result).decode() if job.result is not None else None,
+                final,
             )
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
             log.warning("could not record progress of job %s", job.id)
