@@ -160,6 +160,16 @@ def _load_vectors(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loadtest(args: argparse.Namespace) -> int:
+    """Delegates to the Locust harness (the `loadtest` extra), which runs Locust in child processes."""
+    try:
+        from loadtests.runner import main as loadtest_main
+        import locust  # noqa: F401 - only to say early that the extra is missing
+    except ImportError as exc:
+        sys.exit(f"switchyard loadtest needs the loadtest extra: pip install 'switchyard[loadtest]' ({exc})")
+    return loadtest_main(args.loadtest_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--api-key", dest="api_key", default=os.environ.get("SWITCHYARD_API_KEY"))
     load.set_defaults(run=_load_vectors)
 
+    loadtest = sub.add_parser(
+        "loadtest", add_help=False, help="Locust load tests: vectors | vectors-mixed | spatial | olap (see --help of each)")
+    loadtest.add_argument("loadtest_args", nargs=argparse.REMAINDER)
+    loadtest.set_defaults(run=_loadtest)
+
     ssb = sub.add_parser("ssb", help="Star Schema Benchmark data: generate or import into the data directory")
     ssb_sub = ssb.add_subparsers(dest="ssb_command", required=True)
     gen = ssb_sub.add_parser("generate", help="generate an SSB dataset (Parquet) following ssb-dbgen's rules")
@@ -202,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["loadtest"]:  # argparse's REMAINDER would not pass a leading --help on
+        return _loadtest(argparse.Namespace(loadtest_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks: the Locust harness (switchyard loadtest), side-by-side benchmark drivers, reports."""

@@ -1,0 +1,155 @@
+"""What every Switchyard Locust file shares: custom statistics, exact tallies merged on the master, recall.
+
+Locust has one kind of statistic, the request. A figure that is not a latency (recall@k, read-your-writes) is
+recorded as a synthetic request whose "response time" is the figure in percent, so it shows in the web UI, the
+CSVs and the HTML report beside the latencies: its Average column is the mean. Locust rounds the histogram behind
+the percentiles, never the sum behind the mean. The exact counts behind each figure are also kept in a `Tally`
+that workers send to the master with their stats reports and that the master (or a local run) writes as JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from locust import events
+
+PERCENT = 100.0
+FIGURES = {"RECALL", "RYW"}  # request types that carry a figure, not a latency
+
+
+def fire_figure(environment: Any, kind: str, name: str, value: float, failure: str | None = None) -> None:
+    """Record `value` (0..1) as a synthetic request `kind name` with response time value x 100."""
+    environment.events.request.fire(
+        request_type=kind, name=name, response_time=value * PERCENT, response_length=0, response=None,
+        context={}, exception=Exception(failure) if failure else None)
+
+
+class Tally:
+    """Exact integer counters by name, summed over users, processes and workers.
+
+    A worker sends what it counted since its last report (report_to_master) and the master adds it up
+    (worker_report); a local run keeps everything itself. `write` saves the totals as JSON."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # users are greenlets, but the master merges from its own greenlet too
+        self._since_report: dict[str, int] = defaultdict(int)
+        self._merged: dict[str, int] = defaultdict(int)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._since_report[name] += amount
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            out, self._since_report = dict(self._since_report), defaultdict(int)
+        return out
+
+    def merge(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            for name, amount in counts.items():
+                self._merged[name] += amount
+
+    def totals(self) -> dict[str, int]:
+        with self._lock:
+            out = defaultdict(int, self._merged)
+            for name, amount in self._since_report.items():
+                out[name] += amount
+        return dict(sorted(out.items()))
+
+    def write(self, path: str | None) -> None:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(self.totals(), indent=1))
+
+
+TALLY = Tally()
+
+
+@events.init_command_line_parser.add_listener
+def _common_options(parser: Any) -> None:
+    group = parser.add_argument_group("switchyard")
+    group.add_argument("--tally-out", default="", help="write the exact counters behind the custom figures here (JSON)")
+    group.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY", ""), help="bearer token, if the service wants one")
+
+
+@events.report_to_master.add_listener
+def _send_tally(client_id: str, data: dict) -> None:
+    data["switchyard_tally"] = TALLY.take()
+
+
+@events.worker_report.add_listener
+def _merge_tally(client_id: str, data: dict) -> None:
+    TALLY.merge(data.get("switchyard_tally", {}))
+
+
+def _is_worker(environment: Any) -> bool:
+    return type(environment.runner).__name__ == "WorkerRunner"
+
+
+@events.test_stop.add_listener
+def _write_tally_at_stop(environment: Any, **_: Any) -> None:
+    if not _is_worker(environment):
+        TALLY.write(environment.parsed_options.tally_out)
+
+
+@events.quitting.add_listener
+def _write_tally_at_exit(environment: Any, **_: Any) -> None:
+    # Again at exit: a worker's last report can reach the master after test_stop.
+    if not _is_worker(environment):
+        TALLY.write(environment.parsed_options.tally_out)
+
+
+@events.request.add_listener
+def _record_latency(request_type: str, name: str, response_time: float, exception: Any = None, **_: Any) -> None:
+    """Latencies in log buckets 1% wide, in the tally: exact enough for sub-millisecond percentiles, which
+    Locust's own histogram rounds to whole milliseconds."""
+    if request_type in FIGURES or exception is not None or response_time is None:
+        return
+    micros = max(1.0, response_time * 1000)
+    TALLY.add(f"latency:{request_type} {name}:{int(math.log(micros) * 100)}")
+
+
+def auth_headers(environment: Any) -> dict[str, str]:
+    key = environment.parsed_options.api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def problem_text(response: Any) -> str:
+    """The detail of a problem+json answer, or the start of the body."""
+    try:
+        body = json.loads(response.content or b"{}")
+        return f"{response.status_code} {body.get('title', '')}: {body.get('detail', '')}".strip()
+    except (ValueError, AttributeError):
+        return f"{response.status_code} {(response.text or '')[:200]}"
+
+
+def b64_rows(matrix: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(matrix, dtype="<f4").tobytes()).decode()
+
+
+def worker_index(environment: Any) -> int:
+    """This process's index among Locust workers (0 in a local run): keeps id ranges and query orders apart."""
+    return int(getattr(environment.runner, "worker_index", 0) or 0)
+
+
+class Dataset:
+    """Queries and their exact neighbours, written by the runner (loadtests/datasets.py) into one folder."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.meta = json.loads((folder / "meta.json").read_text())
+        self.queries = np.load(folder / "queries.npy").astype(np.float32)
+        self.neighbors = np.load(folder / "neighbors.npy").astype(np.int64)
+
+    def hits(self, query: int, ids: list[int], k: int) -> int:
+        """How many of `ids` are among the query's k exact nearest neighbours (VectorDBBench's recall@k)."""
+        truth = self.neighbors[query, :k]
+        return int(np.isin(np.asarray(ids[:k], dtype=np.int64), truth).sum())

@@ -1,0 +1,44 @@
+"""The VectorDBBench process: `python -m loadtests.vectordbbench.bench PLAN.json` runs the plan's tasks through
+VectorDBBench's own runner and waits for them. The command (__main__.py) starts it with VectorDBBench's
+environment (log and result folders) and captures its output.
+
+VectorDBBench runs its work in spawned processes, which import this module again as their main module: the
+top-level imports below register Switchyard and keep the run offline in each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from . import offline, registry  # noqa: F401 - registry registers DB.Switchyard at import
+
+offline.install()
+log = logging.getLogger("vectordb_bench")
+
+
+def run(plan: dict) -> int:
+    from vectordb_bench import interface
+
+    from .tasks import build_tasks
+
+    tasks = build_tasks(plan)
+    runner = interface.benchmark_runner
+    runner.run(tasks, plan["task_label"])
+    while runner.has_running():
+        future = interface.global_result_future
+        if future is not None and future.done() and future.exception() is not None:
+            log.error(f"VectorDBBench's task process died: {future.exception()!r}")
+            return 1
+        time.sleep(1)
+    if runner.latest_error:
+        log.error(f"VectorDBBench did not run the tasks: {runner.latest_error}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))
