@@ -110,7 +110,7 @@ def vectors(args: argparse.Namespace) -> int:
             targets.append(_Target("pgvector-direct", "pgvector_direct.py", "ef_search",
                                    overrides.get("pgvector-direct", values), url,
                                    ["--pg-dsn", dsn, "--pg-table", args.baseline_table]))
-        sweep = Sweep(out, args.duration, args.processes, args.locust_arg, args.api_key or "")
+        sweep = Sweep(out, args.duration, args.processes, args.locust_arg, args.api_key or "", args.record_responses)
         common = ["--dataset", str(folder), "--k", str(args.k), "--batch", str(args.batch)]
         summary["points"] = _sweep_targets(sweep, targets, common, args)
     report.write(out, summary)
@@ -176,7 +176,9 @@ def _prepare_collection(api: Api, args: argparse.Namespace, data: Any) -> dict[s
         return {"reused": True}
     if existing is not None:
         api.call("DELETE", f"/v1/collections/{args.collection}")
-    index = {"type": args.index, "params": json.loads(args.index_params)}
+    params = json.loads(args.index_params) if args.index_params else (
+        {"m": args.m, "ef_construction": args.ef_construction} if args.index == "hnsw" else {})
+    index = {"type": args.index, "params": params}
     api.call("POST", "/v1/collections", json={
         "name": args.collection, "dim": data.base.shape[1], "metric": data.metric, "index": index,
         "pgvector_index": {"type": "hnsw", "m": args.m, "ef_construction": args.ef_construction}})
@@ -215,8 +217,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     v.add_argument("--metric", choices=["l2", "cosine", "inner_product"], default="l2")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--index", default="hnsw", help="resident index type (auto, brute_force, hnsw, ivf_flat, ...)")
-    v.add_argument("--index-params", default='{"m": 16, "ef_construction": 64}', help="its build parameters (JSON)")
-    v.add_argument("--m", type=int, default=16, help="pgvector HNSW m (Switchyard's pgvector index and the baseline)")
+    v.add_argument("--index-params", help="its build parameters as JSON (default for hnsw: --m, --ef-construction)")
+    v.add_argument("--m", type=int, default=16, help="HNSW m of every index: resident, Switchyard's pgvector, baseline")
     v.add_argument("--ef-construction", type=int, default=64)
     v.add_argument("--reuse", action="store_true", help="keep the collection if it already holds as many rows")
     v.add_argument("--engines", type=lambda s: s.split(","), default=["cpu", "pgvector"],
@@ -232,6 +234,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="also run the queries as SQL on a plain PostgreSQL + pgvector server: its libpq URL, or "
                         "'embedded' to start one for the run")
     v.add_argument("--baseline-table", default="loadtest_baseline")
+    v.add_argument("--record-responses", action="store_true",
+                   help="keep every answer's ids (points/<point>/responses.jsonl) to check recall offline")
     v.set_defaults(run=vectors)
 
     from loadtests import workloads  # the other three workloads

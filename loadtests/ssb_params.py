@@ -52,6 +52,20 @@ def _region_pair(r: random.Random) -> dict[str, str]:
     return {"customer_region": r.choice(REGIONS), "supplier_region": r.choice(REGIONS)}
 
 
+def _nation_pair(r: random.Random) -> dict[str, str]:
+    nations = NATIONS[r.choice(REGIONS)]  # Q3.2 compares nations of one region
+    return {"customer_nation": r.choice(nations), "supplier_nation": r.choice(nations)}
+
+
+def _two_years(r: random.Random) -> list[int]:
+    first = r.randint(1992, 1997)
+    return [first, first + 1]
+
+
+def _two_mfgrs(r: random.Random) -> list[str]:
+    return sorted(r.sample([f"MFGR#{i}" for i in range(1, 6)], 2))
+
+
 def _brand_range(r: random.Random) -> dict[str, str]:
     # same digit count at both ends: brands compare as strings ('MFGR#2210' < 'MFGR#222')
     category, low = _category(r), r.choice((1, 2, *range(10, 34)))
@@ -68,16 +82,13 @@ GENERATORS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
     "2.2": lambda r: {**_brand_range(r), "region": r.choice(REGIONS)},
     "2.3": lambda r: {"brand": f"{_category(r)}{r.randint(1, 40)}", "region": r.choice(REGIONS)},
     "3.1": lambda r: {**_region_pair(r), **_years(r)},
-    "3.2": lambda r: (lambda region: {"customer_nation": r.choice(NATIONS[region]),
-                                      "supplier_nation": r.choice(NATIONS[region]), **_years(r)})(r.choice(REGIONS)),
+    "3.2": lambda r: {**_nation_pair(r), **_years(r)},
     "3.3": lambda r: {"cities": _two_cities(r), **_years(r)},
     "3.4": lambda r: {"cities": _two_cities(r), "yearmonth": f"{r.choice(MONTHS)}{r.randint(1992, 1998)}"},
-    "4.1": lambda r: {**_region_pair(r), "mfgrs": sorted(r.sample([f"MFGR#{i}" for i in range(1, 6)], 2))},
-    "4.2": lambda r: (lambda y: {**_region_pair(r), "years": [y, y + 1],
-                                 "mfgrs": sorted(r.sample([f"MFGR#{i}" for i in range(1, 6)], 2))})(r.randint(1992, 1997)),
-    "4.3": lambda r: (lambda region: {"customer_region": r.choice(REGIONS), "supplier_nation": r.choice(NATIONS[region]),
-                                      "years": sorted(r.sample(range(1992, 1999), 2)), "category": _category(r)})(
-        r.choice(REGIONS)),
+    "4.1": lambda r: {**_region_pair(r), "mfgrs": _two_mfgrs(r)},
+    "4.2": lambda r: {**_region_pair(r), "years": _two_years(r), "mfgrs": _two_mfgrs(r)},
+    "4.3": lambda r: {"customer_region": r.choice(REGIONS), "supplier_nation": _nation_pair(r)["supplier_nation"],
+                      "years": _two_years(r), "category": _category(r)},
 }
 
 # Ad-hoc SQL a user might send beside the templates: (name, SQL with {year} / {region} holes).

@@ -33,6 +33,7 @@ class Sweep:
     processes: int = 0               # Locust --processes: 0 = one process
     extra_args: list[str] = field(default_factory=list)
     api_key: str = ""
+    record_responses: bool = False   # every answer's ids in points/<label>/responses.jsonl
     done: int = 0
     total: int = 0
 
@@ -47,6 +48,8 @@ class Sweep:
                "--tally-out", str(folder / "tally.json"), *point.args, *self.extra_args]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.record_responses:
+            cmd += ["--responses-out", str(folder / "responses.jsonl")]
         if self.processes:
             cmd += ["--processes", str(self.processes)]
         (folder / "command.txt").write_text(" ".join(cmd) + "\n")
@@ -60,8 +63,11 @@ class Sweep:
         if not stats.exists():
             print(file=sys.stderr)
             raise RuntimeError(f"Locust exited with {proc.returncode} and wrote no stats: see {folder / 'stderr.txt'}")
+        final = folder / "final_stats.json"  # written by common.py at exit: Locust's figures after the last request
+        requests = {k: v for k, v in json.loads(final.read_text()).items() if k != "None Aggregated"} \
+            if final.exists() else read_stats(stats)
         row = {**point.meta, "label": point.label, "users": point.users, "wall_s": round(time.perf_counter() - started, 1),
-               "requests": read_stats(stats), "tally": json.loads((folder / "tally.json").read_text())
+               "requests": requests, "tally": json.loads((folder / "tally.json").read_text())
                if (folder / "tally.json").exists() else {}, "folder": str(folder.relative_to(self.out))}
         return row
 
@@ -85,7 +91,12 @@ def _num(text: str) -> float | None:
     return None if text in ("", "N/A") else float(text)
 
 
-# -- exact latency percentiles from the tallies (common.py's log buckets, 1% wide) ---------------------------
+# -- exact latency percentiles from the tallies: log buckets 1% wide --------------------------------------------
+def latency_bucket(ms: float) -> int:
+    """The bucket of a latency: 100 x ln(microseconds), so a bucket's lower edge is within 1% of any value in it."""
+    return int(math.log(max(1.0, ms * 1000)) * 100)
+
+
 def percentiles(tally: dict[str, int], name: str, qs: tuple[float, ...] = (50, 99)) -> dict[str, float | None]:
     prefix = f"latency:{name}:"
     buckets = sorted((int(k[len(prefix):]), n) for k, n in tally.items() if k.startswith(prefix))

@@ -162,11 +162,13 @@ def _load_vectors(args: argparse.Namespace) -> int:
 
 def _loadtest(args: argparse.Namespace) -> int:
     """Delegates to the Locust harness (the `loadtest` extra), which runs Locust in child processes."""
-    try:
-        from loadtests.runner import main as loadtest_main
-        import locust  # noqa: F401 - only to say early that the extra is missing
-    except ImportError as exc:
-        sys.exit(f"switchyard loadtest needs the loadtest extra: pip install 'switchyard[loadtest]' ({exc})")
+    import importlib.util
+
+    # find_spec, not import: importing locust monkey-patches the process with gevent
+    if importlib.util.find_spec("locust") is None or importlib.util.find_spec("loadtests") is None:
+        sys.exit("switchyard loadtest needs the loadtest extra: pip install 'switchyard[loadtest]'")
+    from loadtests.runner import main as loadtest_main
+
     return loadtest_main(args.loadtest_args)
 
 

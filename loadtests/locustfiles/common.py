@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import threading
 from collections import defaultdict
@@ -20,6 +19,8 @@ from typing import Any
 
 import numpy as np
 from locust import events
+
+from loadtests.sweep import latency_bucket
 
 PERCENT = 100.0
 FIGURES = {"RECALL", "RYW"}  # request types that carry a figure, not a latency
@@ -78,6 +79,7 @@ def _common_options(parser: Any) -> None:
     group = parser.add_argument_group("switchyard")
     group.add_argument("--tally-out", default="", help="write the exact counters behind the custom figures here (JSON)")
     group.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY", ""), help="bearer token, if the service wants one")
+    group.add_argument("--responses-out", default="", help="append every answer's ids here (JSON lines), for offline checks")
 
 
 @events.report_to_master.add_listener
@@ -95,16 +97,45 @@ def _is_worker(environment: Any) -> bool:
 
 
 @events.test_stop.add_listener
-def _write_tally_at_stop(environment: Any, **_: Any) -> None:
+def _final_csv_rows(environment: Any, **_: Any) -> None:
+    # Locust rewrites its CSVs once a second and not again at exit: give its writer one more turn now that the
+    # users have stopped, so the CSVs hold the final figures (the same as final_stats.json below).
+    import gevent
+    from locust import stats
+
     if not _is_worker(environment):
-        TALLY.write(environment.parsed_options.tally_out)
+        gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.2)
 
 
-@events.quitting.add_listener
-def _write_tally_at_exit(environment: Any, **_: Any) -> None:
-    # Again at exit: a worker's last report can reach the master after test_stop.
-    if not _is_worker(environment):
-        TALLY.write(environment.parsed_options.tally_out)
+@events.quit.add_listener
+def _write_final(exit_code: int, **_: Any) -> None:
+    environment = STATE_ENV.get("environment")
+    if environment is None or _is_worker(environment):
+        return
+    options = environment.parsed_options
+    TALLY.write(options.tally_out)
+    if options.tally_out:
+        Path(options.tally_out).with_name("final_stats.json").write_text(json.dumps(final_stats(environment), indent=1))
+
+
+STATE_ENV: dict[str, Any] = {}
+
+
+@events.init.add_listener
+def _remember_environment(environment: Any, **_: Any) -> None:
+    STATE_ENV["environment"] = environment
+
+
+def final_stats(environment: Any) -> dict[str, dict[str, Any]]:
+    """Every request entry's final figures, as {"TYPE name": {...}}: the exact sum behind the mean included."""
+    out = {}
+    for entry in environment.stats.entries.values():
+        out[f"{entry.method} {entry.name}"] = {
+            "count": entry.num_requests, "failures": entry.num_failures, "avg": entry.avg_response_time,
+            "total": entry.total_response_time, "median": entry.median_response_time,
+            "p99": entry.get_response_time_percentile(0.99) if entry.num_requests else None,
+            "rps": entry.total_rps}
+    return out
 
 
 @events.request.add_listener
@@ -113,8 +144,7 @@ def _record_latency(request_type: str, name: str, response_time: float, exceptio
     Locust's own histogram rounds to whole milliseconds."""
     if request_type in FIGURES or exception is not None or response_time is None:
         return
-    micros = max(1.0, response_time * 1000)
-    TALLY.add(f"latency:{request_type} {name}:{int(math.log(micros) * 100)}")
+    TALLY.add(f"latency:{request_type} {name}:{latency_bucket(response_time)}")
 
 
 def auth_headers(environment: Any) -> dict[str, str]:
@@ -138,6 +168,48 @@ def b64_rows(matrix: np.ndarray) -> str:
 def worker_index(environment: Any) -> int:
     """This process's index among Locust workers (0 in a local run): keeps id ranges and query orders apart."""
     return int(getattr(environment.runner, "worker_index", 0) or 0)
+
+
+class ResponseLog:
+    """Every answer's ids as JSON lines ({"query": row, "ids": [...]}), when --responses-out names a file."""
+
+    def __init__(self) -> None:
+        self.file = None
+
+    def open(self, path: str) -> None:
+        self.file = open(path, "a") if path else None
+
+    def write(self, row: int, ids: list[int]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"query": row, "ids": ids}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+RESPONSES = ResponseLog()
+
+
+@events.test_start.add_listener
+def _open_responses(environment: Any, **_: Any) -> None:
+    RESPONSES.open(environment.parsed_options.responses_out)
+
+
+@events.test_stop.add_listener
+def _close_responses(environment: Any, **_: Any) -> None:
+    RESPONSES.close()
+
+
+def score(environment: Any, data: "Dataset", rows: list[int], answers: list[list[int]], k: int) -> None:
+    """recall@k of each answer: a RECALL statistic, exact counts in the tally, the ids in the response log."""
+    for row, got in zip(rows, answers):
+        hits = data.hits(row, got, k)
+        TALLY.add("recall_hits", hits)
+        TALLY.add("recall_queries")
+        fire_figure(environment, "RECALL", f"recall@{k}", hits / k)
+        RESPONSES.write(row, got)
 
 
 class Dataset:

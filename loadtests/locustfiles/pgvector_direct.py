@@ -17,7 +17,7 @@ from typing import Any
 
 from locust import User, constant, events, task
 
-from loadtests.locustfiles.common import TALLY, Dataset, fire_figure
+from loadtests.locustfiles.common import Dataset, score
 
 STATE: dict[str, Any] = {}
 OPERATORS = {"l2": "<->", "cosine": "<=>", "inner_product": "<#>"}
@@ -81,8 +81,4 @@ class PgvectorDirectUser(User):
         name = "search" if options.batch == 1 else f"search batch={options.batch}"
         self.environment.events.request.fire(request_type="SQL", name=name, response_time=elapsed_ms,
                                              response_length=0, response=None, context={}, exception=error)
-        for row, got in zip(rows, answers):
-            hits = data.hits(row, got, options.k)
-            TALLY.add("recall_hits", hits)
-            TALLY.add("recall_queries")
-            fire_figure(self.environment, "RECALL", f"recall@{options.k}", hits / options.k)
+        score(self.environment, data, rows, answers, options.k)

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fire_figure, problem_text, worker_index
+from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, problem_text, score, worker_index
 
 STATE: dict[str, Any] = {}
 
@@ -33,7 +33,6 @@ def _options(parser: Any) -> None:
     group.add_argument("--k", type=int, default=10)
     group.add_argument("--batch", type=int, default=1, help="queries per request (1: single-vector searches)")
     group.add_argument("--consistency", default="", help="strong | session | bounded | eventually (default: the service's)")
-    group.add_argument("--responses-out", default="", help="append every answer's ids here (JSON lines), for offline checks")
 
 
 @events.test_start.add_listener
@@ -42,8 +41,7 @@ def _load(environment: Any, **_: Any) -> None:
     if not options.dataset:
         raise SystemExit("--dataset is required: a folder with queries.npy, neighbors.npy and meta.json")
     data = Dataset(options.dataset)
-    STATE.update(data=data, batches=_bodies(data, options), counter=itertools.count(worker_index(environment) * 7919),
-                 responses=open(options.responses_out, "a") if options.responses_out else None)
+    STATE.update(data=data, batches=_bodies(data, options), counter=itertools.count(worker_index(environment) * 7919))
 
 
 def _bodies(data: Dataset, options: Any) -> list[tuple[list[int], bytes]]:
@@ -59,13 +57,6 @@ def _bodies(data: Dataset, options: Any) -> list[tuple[list[int], bytes]]:
         rows = list(range(start, start + b))
         out.append((rows, orjson.dumps({"vectors_b64": b64_rows(data.queries[rows]), **extra})))
     return out
-
-
-@events.test_stop.add_listener
-def _close(environment: Any, **_: Any) -> None:
-    if STATE.get("responses"):
-        STATE["responses"].close()
-        STATE["responses"] = None
 
 
 class VectorSearchUser(FastHttpUser):
@@ -87,14 +78,4 @@ class VectorSearchUser(FastHttpUser):
             TALLY.add(f"engine:{answer['engine']}")  # what answered: faiss, cuvs, pgvector
             if answer.get("fallback"):
                 TALLY.add(f"fallback:{answer['engine']}")
-        self._score(rows, answer["ids"], options.k)
-
-    def _score(self, rows: list[int], ids: list[list[int]], k: int) -> None:
-        data: Dataset = STATE["data"]
-        for row, got in zip(rows, ids):
-            hits = data.hits(row, got, k)
-            TALLY.add("recall_hits", hits)
-            TALLY.add("recall_queries")
-            fire_figure(self.environment, "RECALL", f"recall@{k}", hits / k)
-            if STATE["responses"] is not None:
-                STATE["responses"].write(json.dumps({"query": row, "ids": got}) + "\n")
+        score(self.environment, STATE["data"], rows, answer["ids"], options.k)
