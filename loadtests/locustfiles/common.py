@@ -176,7 +176,9 @@ class ResponseLog:
     def __init__(self) -> None:
         self.file = None
 
-    def open(self, path: str) -> None:
+    def open(self, path: str, worker: int | None) -> None:
+        if path and worker is not None:  # one file per worker process: appends from several would interleave
+            path = f"{path}.worker{worker}"
         self.file = open(path, "a") if path else None
 
     def write(self, row: int, ids: list[int]) -> None:
@@ -194,7 +196,8 @@ RESPONSES = ResponseLog()
 
 @events.test_start.add_listener
 def _open_responses(environment: Any, **_: Any) -> None:
-    RESPONSES.open(environment.parsed_options.responses_out)
+    RESPONSES.open(environment.parsed_options.responses_out,
+                   worker_index(environment) if _is_worker(environment) else None)
 
 
 @events.test_stop.add_listener
