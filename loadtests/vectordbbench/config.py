@@ -6,7 +6,12 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, SecretStr
-from vectordb_bench.backend.clients.api import DBCaseConfig, DBConfig, IndexType, MetricType
+from vectordb_bench.backend.clients.api import (
+    DBCaseConfig,
+    DBConfig,
+    IndexType,
+    MetricType,
+)
 
 # VectorDBBench's metric names -> Switchyard's.
 METRICS = {MetricType.L2: "l2", MetricType.COSINE: "cosine", MetricType.IP: "inner_product"}

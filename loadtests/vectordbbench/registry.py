@@ -56,7 +56,7 @@ def _dispatch() -> None:
             return SwitchyardConfig
         return config_cls.fget(self)
 
-    def our_case_config_cls(self: DB, index_type=None) -> type | None:  # noqa: ANN001 - VectorDBBench's signature
+    def our_case_config_cls(self: DB, index_type=None) -> type | None:
         if _ours(self):
             from .config import case_config_cls as ours
 

@@ -85,3 +85,12 @@ class PgvectorServer:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def ensure_vector_extension(dsn: str) -> None:
+    """VectorDBBench's pgvector client registers the vector type on connecting, before its own CREATE EXTENSION,
+    so a database without the extension fails there: create it first."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")

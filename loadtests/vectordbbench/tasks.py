@@ -7,8 +7,16 @@ from __future__ import annotations
 from psycopg.conninfo import conninfo_to_dict
 from vectordb_bench.backend.cases import CaseType
 from vectordb_bench.backend.clients import DB
-from vectordb_bench.backend.clients.pgvector.config import PgVectorConfig, PgVectorHNSWConfig
-from vectordb_bench.models import ALL_TASK_STAGES, CaseConfig, ConcurrencySearchConfig, TaskConfig
+from vectordb_bench.backend.clients.pgvector.config import (
+    PgVectorConfig,
+    PgVectorHNSWConfig,
+)
+from vectordb_bench.models import (
+    ALL_TASK_STAGES,
+    CaseConfig,
+    ConcurrencySearchConfig,
+    TaskConfig,
+)
 
 from . import registry  # noqa: F401 - DB.Switchyard
 from .config import SwitchyardConfig, SwitchyardHNSWConfig

@@ -1,0 +1,177 @@
+"""`python -m loadtests.vectordbbench run ...`: VectorDBBench's custom-dataset performance case (and its label-filter
+cases) against Switchyard and against VectorDBBench's own pgvector client, in one offline run; then a summary.
+
+This process prepares the data set and the systems under test and never imports VectorDBBench: it runs bench.py
+as a child process with VectorDBBench's environment (its log and result folders inside --out, no dataset source),
+captures everything it prints, and summarises its result files and logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import dataset as ds
+from . import offline, summary
+from .services import REPO, PgvectorServer, SwitchyardServer, ensure_vector_extension
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.vectordbbench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run VectorDBBench against Switchyard and pgvector, write a summary")
+    data = run.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="train.npy,test.npy[,neighbors.npy], a folder holding those, or a folder in "
+                                     "VectorDBBench's custom-dataset Parquet layout")
+    data.add_argument("--synthetic", metavar="N,DIM", help="a seeded clustered Gaussian mixture of N vectors (L2)")
+    run.add_argument("--queries", type=int, default=1000, help="test queries of --synthetic (default 1000)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--metric", choices=ds.METRICS, default="l2", help="metric of --data (default l2)")
+    run.add_argument("--label-percentages", type=_floats, default=[], metavar="P,P",
+                     help="also run the label-filter case for these label shares, e.g. 0.01,0.5 (labels and their "
+                          "ground truth are generated for .npy and synthetic data)")
+    run.add_argument("--url", help="a running Switchyard, e.g. http://127.0.0.1:8000")
+    run.add_argument("--start-service", action="store_true",
+                     help="start `switchyard serve` with an embedded PostgreSQL in a temporary data dir")
+    run.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY"))
+    run.add_argument("--pgvector-dsn", help="PostgreSQL with pgvector for VectorDBBench's pgvector client; default: "
+                                            "an embedded PostgreSQL of its own in a temporary data dir")
+    run.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8], metavar="C,C")
+    run.add_argument("--duration", type=int, default=30, help="seconds per concurrency (default 30)")
+    run.add_argument("--k", type=int, default=10)
+    run.add_argument("--m", type=int, default=16)
+    run.add_argument("--ef-construction", type=int, default=64)
+    run.add_argument("--ef-search", type=int, default=64)
+    run.add_argument("--engine", choices=["auto", "cpu", "pgvector"], default="auto", help="Switchyard's search engine")
+    run.add_argument("--switchyard-pgvector-index", choices=["hnsw", "none"], default="hnsw",
+                     help="the pgvector index Switchyard keeps for fallback (built in its load time; default hnsw)")
+    run.add_argument("--pgvector-maintenance-work-mem", default="1GB",
+                     help="for the pgvector client's index build (VectorDBBench's option; default 1GB)")
+    run.add_argument("--insert-batch-size", type=int, default=5000, help="rows per insert call, both systems")
+    run.add_argument("--out", type=Path, default=REPO / "loadtests" / "results" / "vectordbbench")
+    run.add_argument("--keep-data", action="store_true", help="keep the temporary folder (data set, data dirs)")
+    args = parser.parse_args(argv)
+    if not args.url and not args.start_service:
+        parser.error("give --url of a running Switchyard, or --start-service")
+    return args
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for the summary."""
+    parts = urlsplit(dsn)
+    if not parts.password:
+        return dsn
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+
+
+def prepare_dataset(args: argparse.Namespace, folder: Path) -> ds.CustomDataset:
+    if args.synthetic:
+        n, dim = _ints(args.synthetic)
+        train, test = ds.synthetic(n, dim, args.queries, args.seed)
+        return ds.write_custom_dataset(folder, train, test, "l2", args.k, None, args.label_percentages, args.seed)
+    given = [Path(p) for p in args.data.split(",")]
+    if len(given) == 1 and given[0].is_dir():
+        if (given[0] / "train.npy").exists():
+            given = [given[0] / name for name in ("train.npy", "test.npy", "neighbors.npy")
+                     if (given[0] / name).exists()]
+        else:
+            return ds.describe_parquet_dir(given[0], args.metric, args.label_percentages)
+    train, test, neighbors = ds.load_npy(given)
+    return ds.write_custom_dataset(folder, train, test, args.metric, args.k, neighbors, args.label_percentages,
+                                   args.seed)
+
+
+def run_vectordbbench(plan_file: Path, plan: dict, out: Path, scratch: Path) -> int:
+    """bench.py in a child process, its output (and every process it spawns) copied to a log file and here."""
+    logs = out / "logs"
+    env = {**os.environ, **offline.OFFLINE_ENV,
+           "LOG_FILE": str(logs / "vectordb_bench.log"), "LOG_LEVEL": "INFO",
+           "RESULTS_LOCAL_DIR": str(out / "vectordbbench-results"),
+           "DATASET_LOCAL_DIR": str(scratch / "vectordbbench-datasets"),
+           offline.ENV: urlsplit(plan["switchyard"]["url"]).hostname,
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with open(logs / "vectordbbench-console.log", "w") as console:
+        proc = subprocess.Popen([sys.executable, "-m", "loadtests.vectordbbench.bench", str(plan_file)], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            console.write(line)
+            sys.stdout.write(line)
+        return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    out = args.out.resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="switchyard-vdbb-"))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    task_label = "switchyard-" + time.strftime("%Y%m%d-%H%M%S")
+    switchyard = pgvector = None
+    try:
+        print(f"data set -> {scratch / 'dataset'}", flush=True)
+        data = prepare_dataset(args, scratch / "dataset")
+        url = args.url
+        if args.start_service:
+            switchyard = SwitchyardServer(scratch / "switchyard", out / "logs" / "switchyard-serve.log")
+            url = switchyard.start()
+            print(f"switchyard serve at {url}", flush=True)
+        dsn = args.pgvector_dsn
+        if dsn is None:
+            pgvector = PgvectorServer(scratch / "pgvector")
+            dsn = pgvector.start()
+            print(f"embedded PostgreSQL for pgvector at {dsn}", flush=True)
+        ensure_vector_extension(dsn)
+        plan = {
+            "task_label": task_label, "dataset": data.to_dict(), "k": args.k, "concurrencies": args.concurrency,
+            "duration": args.duration, "insert_batch_size": args.insert_batch_size,
+            "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
+            "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
+                           "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key},
+            "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
+        }
+        plan_file = scratch / "plan.json"
+        plan_file.write_text(json.dumps(plan, indent=2))
+        exit_code = run_vectordbbench(plan_file, plan, out, scratch)
+    finally:
+        if switchyard is not None:
+            switchyard.stop()
+        if pgvector is not None:
+            pgvector.stop()
+        if not args.keep_data:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    public_plan = {**plan, "switchyard": {**plan["switchyard"], "api_key": None},
+                   "pgvector": {**plan["pgvector"], "dsn": redact(plan["pgvector"]["dsn"])}}
+    report = summary.build(
+        results=summary.read_results(out / "vectordbbench-results", task_label),
+        log_scan=summary.scan_logs([out / "logs" / "vectordb_bench.log", out / "logs" / "vectordbbench-console.log"]),
+        meta={"command": "python -m loadtests.vectordbbench " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "started": started, "task_label": task_label, "plan": public_plan,
+              "vectordbbench_exit_code": exit_code, "machine": summary.machine()},
+    )
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = summary.markdown(report)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0 if report["clean"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
