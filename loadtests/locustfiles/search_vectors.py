@@ -32,6 +32,8 @@ def _options(parser: Any) -> None:
     group.add_argument("--params", default="", help='search parameters as JSON, e.g. {"ef": 64}')
     group.add_argument("--k", type=int, default=10)
     group.add_argument("--batch", type=int, default=1, help="queries per request (1: single-vector searches)")
+    group.add_argument("--encoding", choices=["json", "b64"], default="json",
+                       help="single searches as {\"vector\": [...]} (json, the micro-batched path) or vectors_b64")
     group.add_argument("--consistency", default="", help="strong | session | bounded | eventually (default: the service's)")
 
 
@@ -53,9 +55,11 @@ def _bodies(data: Dataset, options: Any) -> list[tuple[list[int], bytes]]:
         extra["consistency"] = options.consistency
     n, b = len(data.queries), max(1, options.batch)
     out = []
+    single = b == 1 and options.encoding == "json"  # how an application sends one query: JSON floats
     for start in range(0, n - b + 1, b):
         rows = list(range(start, start + b))
-        out.append((rows, orjson.dumps({"vectors_b64": b64_rows(data.queries[rows]), **extra})))
+        query = {"vector": data.queries[start].tolist()} if single else {"vectors_b64": b64_rows(data.queries[rows])}
+        out.append((rows, orjson.dumps({**query, **extra})))
     return out
 
 
@@ -78,4 +82,5 @@ class VectorSearchUser(FastHttpUser):
             TALLY.add(f"engine:{answer['engine']}")  # what answered: faiss, cuvs, pgvector
             if answer.get("fallback"):
                 TALLY.add(f"fallback:{answer['engine']}")
-        score(self.environment, STATE["data"], rows, answer["ids"], options.k)
+        ids = answer["ids"] if len(rows) > 1 or options.encoding == "b64" else [answer["ids"]]
+        score(self.environment, STATE["data"], rows, ids, options.k)
