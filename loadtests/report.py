@@ -160,26 +160,37 @@ def _users_axis(ax: Any, series: dict[str, list[dict]]) -> None:
 def _users_plots(out: Path, series: dict[str, list[dict]]) -> None:
     """latency_vs_users.png (p50 solid, p99 dashed) and qps_vs_users.png, one line per series."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, rows) in enumerate(series.items()):
-        color = f"C{i}"
+    many = len(series) > 6  # then the legend goes beside the plot and colours come from a 20-colour map
+    size = (11, 5.5) if many else (7, 4.5)
+    colors = plt.get_cmap("tab20").colors if many else [f"C{i}" for i in range(10)]
+
+    def legend(ax: Any) -> None:
+        if many:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+        else:
+            ax.legend(fontsize=7)
+
+    fig, ax = plt.subplots(figsize=size)
+    for i, (name, rows) in enumerate(sorted(series.items())):
+        color = colors[i % len(colors)]
         ax.plot([r["users"] for r in rows], [r.get("p50_ms") for r in rows], marker="o", color=color, label=f"{name} p50")
         ax.plot([r["users"] for r in rows], [r.get("p99_ms") for r in rows], marker="s", ls="--", color=color,
                 label=f"{name} p99")
-    ax.set(xlabel="users (closed loop)", ylabel="latency, ms", yscale="log", title="Latency vs users")
+    ax.set(xlabel="users (closed loop)", ylabel="latency, ms", yscale="log", title="Latency vs users (p50 solid, p99 dashed)")
     _users_axis(ax, series)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    legend(ax)
     fig.tight_layout()
     fig.savefig(out / "latency_vs_users.png", dpi=120)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rows in series.items():
-        ax.plot([r["users"] for r in rows], [r.get("qps", r.get("rps")) for r in rows], marker="o", label=name)
+    fig, ax = plt.subplots(figsize=size)
+    for i, (name, rows) in enumerate(sorted(series.items())):
+        ax.plot([r["users"] for r in rows], [r.get("qps", r.get("rps")) for r in rows], marker="o", label=name,
+                color=colors[i % len(colors)])
     ax.set(xlabel="users (closed loop)", ylabel="per second", title="Throughput vs users")
     _users_axis(ax, series)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    legend(ax)
     fig.tight_layout()
     fig.savefig(out / "qps_vs_users.png", dpi=120)
     plt.close(fig)

@@ -101,7 +101,7 @@ def _seeded_polygons(n: int, seed: int) -> list[str]:
     for _ in range(n):
         cx, cy, size = rng.uniform(-170, 170), rng.uniform(-55, 70), rng.uniform(1, 8)
         m = int(rng.integers(8, 15))
-        angles = np.sort(rng.uniform(0, 2 * np.pi, m))
+        angles = (np.arange(m) + rng.uniform(0, 0.8, m)) * (2 * np.pi / m)  # spaced apart: always a simple ring
         radii = size * rng.uniform(0.5, 1.0, m)
         ring = [(cx + r * np.cos(a), cy + r * np.sin(a)) for a, r in zip(angles, radii)]
         ring.append(ring[0])
