@@ -29,22 +29,13 @@ import numpy as np
 import orjson
 
 from benchkit import JsonClient, MachineLoad, Service, repeat, run_clients, save_json, versions, wait_for_quiet
+from datasets import mixture  # sibling module: these scripts run as files
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # -- data ---------------------------------------------------------------------------------------------
-def make_data(n: int, n_queries: int, dim: int, seed: int, latent: int = 32, clusters: int = 1000,
-              noise: float = 0.35) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    centers = rng.standard_normal((clusters, latent)).astype(np.float32)
-    projection = (rng.standard_normal((latent, dim)) / np.sqrt(latent)).astype(np.float32)
-
-    def sample(m: int) -> np.ndarray:
-        z = centers[rng.integers(0, clusters, m)] + rng.standard_normal((m, latent)).astype(np.float32)
-        return (z @ projection + noise * rng.standard_normal((m, dim)).astype(np.float32)).astype(np.float32)
-
-    return sample(n), sample(n_queries)
+make_data = mixture  # the load tests' seeded mixture (loadtests/datasets.py)
 
 
 def ground_truth(base: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
