@@ -61,6 +61,13 @@ def from_base64(text: str, dim: int, field: str) -> np.ndarray:
     return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
 
 
+def from_raw(raw: bytes, dim: int, field: str) -> np.ndarray:
+    """Little-endian float32 values, row after row, as sent (application/octet-stream): no parsing at all."""
+    if not raw or len(raw) % (4 * dim):
+        raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors", field=field)
+    return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
+
+
 def check_ids(ids: object, field: str = "ids") -> np.ndarray:
     try:
         array = np.asarray(ids, dtype=np.int64)

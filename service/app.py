@@ -9,7 +9,8 @@ from fastapi import FastAPI
 
 from . import __version__
 from .errors import install_error_handlers
-from .fastlane import SearchFastLane
+from . import access_log
+from .fastlane import HotLane
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
 from .routes import engines, jobs, olap, ops, spatial, vectors
@@ -27,16 +28,21 @@ input, `field`. With `SWITCHYARD_API_KEY` set, every `/v1` route needs `Authoriz
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    """The FastAPI app behind the hot lane (service/fastlane.py), which serves searches and JSON upserts before
+    any middleware, FastAPI's own included; the lane passes attribute access through to the app."""
     settings = settings or Settings()
     runtime = Runtime(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.access_log or settings.access_log_sample:
+            access_log.start()
         await runtime.start()
         try:
             yield
         finally:
             await runtime.stop()
+            access_log.stop()
 
     app = FastAPI(title="Switchyard", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.switchyard = runtime
@@ -46,8 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
 
     # Added innermost first: metrics see every response, including the 413s the size limit sends.
-    app.add_middleware(SearchFastLane, runtime=runtime)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics)
-    return app
+    if settings.access_log:
+        app.add_middleware(access_log.AccessLogMiddleware)
+    return HotLane(app, runtime)  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app

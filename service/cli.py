@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     uvicorn.run(
         "service.app:create_app", factory=True, host=settings.host, port=settings.port, workers=settings.workers,
         log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
+        access_log=False,  # service/access_log.py logs requests off the event loop instead
     )
     return 0
 

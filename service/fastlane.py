@@ -1,16 +1,21 @@
-"""A fast lane for the hottest route, POST /v1/collections/{name}/search.
+"""The hot lane: the outermost layer of the app, serving the hottest routes with no Python they do not need.
 
-Single-vector searches cost a few hundred microseconds in the engine; FastAPI's per-request machinery
-(routing through included routers, dependency solving, exception and telemetry middleware) costs about as much
-again. This pure ASGI layer answers well-formed, authorised searches directly through the same function the
-route uses (routes.vectors.run_search). Anything else, and any request that fails, goes through the full app,
-so every error is produced by one code path, exactly as without the fast lane.
+POST /v1/collections/{name}/search (JSON, base64 or raw float32 bodies) and JSON upserts to
+PUT /v1/collections/{name}/points cost a few hundred microseconds in the engine; FastAPI's per-request machinery
+and the general middleware stack (error, telemetry and body-limit layers, metrics, size limit) cost about as much
+again. This pure ASGI layer answers well-formed, authorised requests of a declared length within the body limit
+directly, through the same functions the routes use (routes.vectors.run_search / run_upsert), and records the
+same metrics. Anything else, and any request that fails, goes through the full app, so every error (401, 413,
+422, 404, 503 ...) is produced by one code path, exactly as without the hot lane. Hot requests are access-logged
+only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE).
 """
 
 from __future__ import annotations
 
 import hmac
+import random
 import re
+import time
 from types import SimpleNamespace
 
 from fastapi.exceptions import RequestValidationError
@@ -18,35 +23,56 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from indexes.errors import VectorError
 
+from .access_log import log_request
 from .errors import ProblemError
-from .routes.vectors import run_search
+from .routes.vectors import RAW_VECTORS, run_search, run_upsert
 
-SEARCH = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/search$")
-ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics label of the full route
+HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
+SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes
+POINTS_ROUTE = SimpleNamespace(path="/v1/collections/{name}/points")
+JSON = b"application/json"
+HEADERS = [(b"content-type", JSON)]
 
 
-class SearchFastLane:
+class HotLane:
     def __init__(self, app: ASGIApp, runtime: object) -> None:
         self.app = app
         self.runtime = runtime
+        settings = runtime.settings
+        self.max_body = settings.max_body_bytes
+        self.sample = settings.access_log_sample
+        self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
 
-    def _authorised(self, scope: Scope) -> bool:
-        key = self.runtime.settings.api_key
-        if key is None:
-            return True
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.get_secret_value().encode())
-        return False
+    def __getattr__(self, name: str) -> object:
+        if name == "app":  # not set yet: never recurse
+            raise AttributeError(name)
+        return getattr(self.app, name)  # app.state, app.openapi(), dependency_overrides ...: the FastAPI app's
+
+    def _accepts(self, headers: list[tuple[bytes, bytes]], search: bool) -> bytes | None:
+        """The media type if this request is ours: authorised, declared length within the limit, a body we parse."""
+        length, media, authorised = -1, JSON, self.key is None
+        for name, value in headers:
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else -1
+            elif name == b"content-type":
+                media = value.split(b";")[0].strip().lower()
+            elif name == b"authorization" and self.key is not None:
+                scheme, _, token = value.partition(b" ")
+                authorised = scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
+        if not authorised or not 0 <= length <= self.max_body:
+            return None
+        if media == JSON or (search and media == RAW_VECTORS.encode()):
+            return media
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = SEARCH.match(scope.get("path", "")) if scope["type"] == "http" and scope["method"] == "POST" else None
-        # Only bodies of declared length (already checked against the size limit), from authorised clients.
-        declared = any(name == b"content-length" for name, _ in scope.get("headers", ()))
-        if match is None or not declared or not self._authorised(scope):
+        match = HOT.match(scope["path"]) if scope["type"] == "http" else None
+        search = match is not None and match.group(2) == "search"
+        if (match is None or scope["method"] != ("POST" if search else "PUT")
+                or (media := self._accepts(scope["headers"], search)) is None):
             await self.app(scope, receive, send)
             return
+        start = time.perf_counter()
         chunks = []
         while True:
             message = await receive()
@@ -57,14 +83,22 @@ class SearchFastLane:
                 break
         raw = b"".join(chunks)
         try:
-            answer = await run_search(self.runtime, match.group(1), raw)
+            if search:
+                answer = await run_search(self.runtime, match.group(1), raw, media.decode(),
+                                          scope["query_string"].decode("latin-1"))
+            else:
+                answer = await run_upsert(self.runtime, match.group(1), raw)
         except (ProblemError, VectorError, RequestValidationError, ValueError):
-            await self.app(scope, _replay(raw), send)  # the full app formats the error
+            await self.app(scope, _replay(raw), send)  # the full app formats the error (and counts it)
             return
-        scope["route"] = ROUTE
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+                    "headers": [*HEADERS, (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
+        elapsed = time.perf_counter() - start
+        template = (SEARCH_ROUTE if search else POINTS_ROUTE).path
+        self.runtime.metrics.observe_request(template, scope["method"], 200, elapsed)
+        if self.sample and random.random() < self.sample:
+            log_request(scope, 200, elapsed, sampled=True)
 
 
 def _replay(body: bytes) -> Receive:

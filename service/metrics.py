@@ -56,6 +56,19 @@ class Metrics:
             registry=self.registry,
         )
 
+        self._http_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """Count and time one HTTP request; label children are looked up once per label set (the hot lane's
+        requests would otherwise pay for the lookup every time)."""
+        key = (route, method, status)
+        children = self._http_children.get(key)
+        if children is None:
+            labels = (route, method, str(status))
+            children = self._http_children[key] = (self.http_requests.labels(*labels), self.http_latency.labels(*labels))
+        children[0].inc()
+        children[1].observe(seconds)
+
     @contextmanager
     def engine_call(self, domain: str, engine: str, operation: str) -> Iterator[None]:
         """Time one engine call; the outcome is 'ok' or 'error'."""
@@ -115,6 +128,4 @@ class HTTPMetricsMiddleware:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            labels = (template, scope["method"], str(status))
-            self.metrics.http_requests.labels(*labels).inc()
-            self.metrics.http_latency.labels(*labels).observe(time.perf_counter() - start)
+            self.metrics.observe_request(template, scope["method"], status, time.perf_counter() - start)

@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int = Field(default=1, ge=1, description="Uvicorn workers; each holds its own resident indexes.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = Field(default=True, description=(
+        "Log every request (logger switchyard.access, written by a background thread) except the hot routes."))
+    access_log_sample: float = Field(default=0.0, ge=0.0, le=1.0, description=(
+        "Share of hot-route requests (search, JSON upsert) that are access-logged too: 0 none, 1 all."))
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Larger request bodies get 413 unparsed.")
     max_bulk_bytes: int = Field(default=4 * 1024**3, ge=1024,
                                 description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")

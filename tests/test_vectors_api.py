@@ -201,3 +201,62 @@ def test_engine_metrics_are_recorded(client, col):
 def test_unknown_job_is_404(client):
     assert_problem(client.get("/v1/jobs/00000000-0000-0000-0000-000000000000"), 404, "not-found")
     assert_problem(client.get("/v1/jobs/not-a-uuid"), 404, "not-found")
+
+
+def raw(matrix) -> bytes:
+    return np.ascontiguousarray(matrix, dtype="<f4").tobytes()
+
+
+def test_raw_float32_searches_answer_as_json_does(client, col):
+    queries = clustered(3, DIM, seed=11)
+    for q in queries:  # one vector: the same flat answer as {"vector": ...}
+        r = client.post(f"/v1/collections/{col}/search?k=4&engine=cpu&consistency=strong", content=raw(q),
+                        headers={"content-type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        assert r.json()["ids"] == nearest(client, col, q, k=4, engine="cpu")["ids"]
+        assert r.json()["consistency"] == "strong"
+    r = client.post(f"/v1/collections/{col}/search?k=3", content=raw(queries),
+                    headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["ids"] == oracle(DATA, queries, 3, "l2")[0].tolist()
+    r = client.post(f"/v1/collections/{col}/search?k=3&batch=true", content=raw(queries[:1]),
+                    headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["ids"] == oracle(DATA, queries[:1], 3, "l2")[0].tolist()
+
+
+@pytest.mark.parametrize("query, body, field", [
+    ("k=3", b"\x00" * (4 * DIM + 2), "body"),          # not whole vectors
+    ("k=3", b"", "body"),
+    ("k=0", raw(np.zeros(DIM)), "k"),
+    ("k=3&ef=lots", raw(np.zeros(DIM)), "ef"),
+    ("k=3&engine=tpu", raw(np.zeros(DIM)), "engine"),
+    ("k=3", raw(np.full(DIM, np.nan)), "body[0]"),
+])
+def test_bad_raw_searches_are_422_naming_the_field(client, col, query, body, field):
+    before = state(client, col)
+    r = client.post(f"/v1/collections/{col}/search?{query}", content=body,
+                    headers={"content-type": "application/octet-stream"})
+    assert_problem(r, 422, "validation-error", field=field)
+    assert state(client, col) == before
+
+
+def test_hot_routes_keep_auth_limits_and_metrics(make_client):
+    key = "s3cret-key-for-tests"
+    client = make_client(api_key=key, max_body_bytes=4096)
+    wait_ready(client)
+    auth = {"authorization": f"Bearer {key}"}
+    assert client.post("/v1/collections", json={"name": "hot", "dim": DIM}, headers=auth).status_code == 201
+    body = {"ids": [1, 2], "vectors": DATA[:2].tolist()}
+    assert_problem(client.put("/v1/collections/hot/points", json=body), 401, "unauthorized")
+    assert client.put("/v1/collections/hot/points", json=body, headers=auth).json()["upserted"] == 2
+    assert_problem(client.post("/v1/collections/hot/search", content=raw(DATA[0]),
+                               headers={"content-type": "application/octet-stream"}), 401, "unauthorized")
+    assert_problem(client.post("/v1/collections/hot/search", content=raw(np.zeros((200, DIM))),
+                               headers={**auth, "content-type": "application/octet-stream"}), 413, "payload-too-large")
+    for _ in range(3):
+        r = client.post("/v1/collections/hot/search?k=1", content=raw(DATA[1]),
+                        headers={**auth, "content-type": "application/octet-stream"})
+        assert r.json()["ids"] == [2]
+    text = client.get("/metrics", headers=auth).text
+    assert 'switchyard_http_requests_total{method="POST",route="/v1/collections/{name}/search",status="200"} 3.0' in text
+    assert 'switchyard_http_requests_total{method="PUT",route="/v1/collections/{name}/points",status="200"} 1.0' in text
+    assert 'route="/v1/collections/{name}/search",status="401"' in text and 'status="413"' in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl
 
 import orjson
 
@@ -11,13 +12,14 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from indexes.manager import MAX_K
-from indexes.vectors import as_matrix, check_ids, from_arrow_ipc, from_base64, make_points
+from indexes.vectors import as_matrix, check_ids, from_arrow_ipc, from_base64, from_raw, make_points
 
 from ..deps import RuntimeDep, domain, v1_router
 
 router = v1_router(tags=["vectors"])
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+RAW_VECTORS = "application/octet-stream"
 CollectionName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="Collection name.")]
 Scalar = str | int | float | bool | None
 
@@ -96,11 +98,8 @@ class DeletePoints(BaseModel):
     ids: list[int] = Field(min_length=1, max_length=100_000)
 
 
-class SearchRequest(BaseModel):
+class SearchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    vector: list[float] | None = Field(default=None, description="One query vector.")
-    vectors: list[list[float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
-    vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
     k: int = Field(default=10, ge=1, le=MAX_K)
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
     params: dict[str, int | float] | None = Field(default=None, description=(
@@ -113,12 +112,47 @@ class SearchRequest(BaseModel):
         "nothing. pgvector always reads the latest commit."))
     seq: int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
 
+
+class SearchRequest(SearchOptions):
+    vector: list[float] | None = Field(default=None, description="One query vector.")
+    vectors: list[list[float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
+    vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
+
     @model_validator(mode="after")
     def _one_query(self) -> "SearchRequest":
         given = [x for x in (self.vector, self.vectors, self.vectors_b64) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of 'vector', 'vectors' and 'vectors_b64'")
         return self
+
+
+RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq"}
+
+
+def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
+    """Options of a raw float32 search from its query string: k, engine, consistency, seq, `batch=true` (answer
+    lists even for one vector); any other name is a search parameter (`ef=64`). Returns (options, batch)."""
+    fields: dict[str, Any] = {}
+    params: dict[str, float] = {}
+    batch = False
+    for name, value in parse_qsl(query_string, keep_blank_values=True):
+        if name in RAW_QUERY_FIELDS:
+            fields[name] = value
+        elif name == "batch":
+            batch = value.lower() in ("1", "true", "yes")
+        else:
+            try:
+                number = float(value)
+            except ValueError:
+                raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
+                                               "msg": "a search parameter must be a number"}]) from None
+            params[name] = int(number) if number.is_integer() else number
+    if params:
+        fields["params"] = params
+    try:
+        return SearchOptions.model_validate(fields), batch
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
 class SearchOut(BaseModel):
@@ -205,13 +239,19 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
-    body = parse_json(UpsertPoints, await request.body())
+    return Response(await run_upsert(runtime, name, await request.body()), media_type="application/json")
+
+
+async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
+    """A JSON upsert: parse, store (acknowledged after COMMIT), answer. Shared with the hot lane."""
+    vectors = domain(runtime, "vectors")
+    body = parse_json(UpsertPoints, raw)
     c = await vectors.collection(name)
     matrix = (as_matrix(body.vectors, c.dim, "vectors") if body.vectors is not None
               else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
     points = make_points(body.ids, matrix, body.payloads)
     seq = await vectors.upsert(name, points)
-    return WriteOut(upserted=len(points.ids), seq=seq)
+    return orjson.dumps({"upserted": len(points.ids), "deleted": None, "seq": seq})
 
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
@@ -220,23 +260,31 @@ async def delete_points(name: CollectionName, body: DeletePoints, runtime: Runti
     return WriteOut(deleted=deleted, seq=seq)
 
 
-async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
-    """Parse a search body, search, and return the JSON answer. Shared by the route below and the fast lane
+async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
+                     query_string: str = "") -> bytes:
+    """Parse a search body, search, and return the JSON answer. Shared by the route below and the hot lane
     (service/fastlane.py), which calls it without FastAPI's per-request machinery."""
-    body = parse_json(SearchRequest, raw)
     vectors = domain(runtime, "vectors")
-    c = await vectors.collection(name)
-    if body.vector is not None:
-        queries = as_matrix([body.vector], c.dim, "vector")
-    elif body.vectors is not None:
-        queries = as_matrix(body.vectors, c.dim, "vectors")
+    if content_type == RAW_VECTORS:
+        body, batch = raw_search_options(query_string)
+        c = await vectors.collection(name)
+        queries = from_raw(raw, c.dim, "body")
+        single = len(queries) == 1 and not batch
     else:
-        queries = from_base64(body.vectors_b64, c.dim, "vectors_b64")
+        body = parse_json(SearchRequest, raw)
+        c = await vectors.collection(name)
+        single = body.vector is not None
+        if body.vector is not None:
+            queries = as_matrix([body.vector], c.dim, "vector")
+        elif body.vectors is not None:
+            queries = as_matrix(body.vectors, c.dim, "vectors")
+        else:
+            queries = from_base64(body.vectors_b64, c.dim, "vectors_b64")
     consistency = body.consistency or vectors.consistency.default
     answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
-                                  single=body.vector is not None, consistency=consistency, seq=body.seq)
+                                  single=single, consistency=consistency, seq=body.seq)
     ids, distances = answer.result.ids, answer.result.distances
-    if body.vector is not None:
+    if single:
         ids, distances = ids[0], distances[0]
     return orjson.dumps({"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
                          "fallback": answer.fallback, "consistency": consistency,
@@ -245,12 +293,16 @@ async def run_search(runtime: Any, name: str, raw: bytes) -> bytes:
 
 @router.post(
     "/collections/{name}/search", summary="k nearest neighbours of one vector or a batch", response_model=SearchOut,
-    openapi_extra=json_body(SearchRequest),
+    openapi_extra=json_body(SearchRequest, {RAW_VECTORS: {"schema": {"type": "string", "format": "binary"}, "description": (
+        "Raw little-endian float32 vectors, row after row (no parsing at all). Options in the query string: "
+        "`k`, `engine`, `consistency`, `seq`, `batch=true` (answer lists for one vector too), and any search "
+        "parameter by name, e.g. `?k=10&engine=cpu&ef=64`.")}}),
 )
 async def search(name: CollectionName, request: Request) -> Response:
-    # The body is parsed by pydantic-core straight from bytes and the answer written with orjson.
-    return Response(await run_search(request.app.state.switchyard, name, await request.body()),
-                    media_type="application/json")
+    # The body is parsed by pydantic-core straight from bytes (or not at all) and the answer written with orjson.
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    return Response(await run_search(request.app.state.switchyard, name, await request.body(), content_type,
+                                     request.url.query), media_type="application/json")
 
 
 @router.post("/collections/{name}/recall", summary="recall@k of an engine against exact search")
