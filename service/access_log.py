@@ -16,8 +16,9 @@ log = logging.getLogger("switchyard.access")
 _listener: logging.handlers.QueueListener | None = None
 
 
-def start(level: int = logging.INFO) -> None:
-    """Route switchyard.access through a queue to the handlers it had (the root's when none); idempotent."""
+def start() -> None:
+    """Route switchyard.access through a queue to the handlers it had (the root's when none); idempotent. Its
+    level stays the configured one (SWITCHYARD_LOG_LEVEL): at warning, no access lines."""
     global _listener
     if _listener is not None:
         return
@@ -28,7 +29,6 @@ def start(level: int = logging.INFO) -> None:
     _listener = logging.handlers.QueueListener(records, *handlers, respect_handler_level=True)
     log.handlers = [logging.handlers.QueueHandler(records)]
     log.propagate = False
-    log.setLevel(level)
     _listener.start()
 
 
