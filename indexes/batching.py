@@ -4,11 +4,20 @@ While the engine works on one batch, new requests queue; when it finishes, every
 max_batch) goes as the next batch. A lone client therefore waits for nothing, and 32 concurrent clients
 share calls of ~32 vectors. With window_s > 0 the first request of an idle key also waits up to that long
 for company. Every future is resolved, with the result or with the engine's exception.
+
+A lone query of a key whose lone queries have cost less than `inline_below_s` runs on the event loop itself:
+the hop to a worker thread and back cost ~150 us of CPU for one request at a time (loadtests/bench_ipc.py),
+more than an HNSW search of a 128-d vector. Lone means no other search reached the batcher in the same turn of
+the loop (requests that arrive together do: one yield lets them); under concurrency searches keep going to the
+thread in batches, which inlining would serialise. `can_inline(key)` may veto it (say, while a writer holds the
+engine's lock, which would stall the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import defaultdict
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -27,16 +36,49 @@ class _Lane:
 
 
 class MicroBatcher:
-    def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0) -> None:
+    def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0,
+                 inline_below_s: float = 0.0, can_inline: Callable[[Hashable], bool] | None = None) -> None:
         self.run = run
         self.executor = executor
         self.max_batch = max_batch
         self.window_s = window_s
+        self.inline_below_s = inline_below_s if window_s <= 0 else 0.0
+        self.can_inline = can_inline
         self._lanes: dict[Hashable, _Lane] = defaultdict(_Lane)
+        self._lone_cost: dict[Hashable, float] = {}  # moving average of a lone query's engine time, per key
+        self._arriving = 0  # searches between their arrival and the decision to inline them or not
         self.batches = 0
         self.queries = 0
+        self.inline = 0
+
+    def _timed(self, key: Hashable, queries: np.ndarray) -> list[Any]:
+        started = time.perf_counter()
+        results = self.run(key, queries)
+        if len(queries) == 1:
+            seconds = time.perf_counter() - started
+            previous = self._lone_cost.get(key)
+            self._lone_cost[key] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        return results
+
+    def _inline_ok(self, key: Hashable) -> bool:
+        lane = self._lanes.get(key)
+        return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
+                and (self.can_inline is None or self.can_inline(key)))
 
     async def submit(self, key: Hashable, vector: np.ndarray) -> Any:
+        if self.inline_below_s and self._inline_ok(key):
+            self._arriving += 1
+            try:
+                await asyncio.sleep(0)  # requests that arrived with this one reach this point meanwhile
+                alone = self._arriving == 1
+            finally:
+                self._arriving -= 1
+            if alone and self._inline_ok(key):
+                result = self._timed(key, vector[None, :])[0]
+                self.batches += 1
+                self.queries += 1
+                self.inline += 1
+                return result
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         lane = self._lanes[key]
         lane.pending.append((vector, future))
@@ -57,7 +99,7 @@ class MicroBatcher:
                     continue
                 queries = np.stack([v for v, _ in live])
                 try:
-                    results = await loop.run_in_executor(self.executor, self.run, key, queries)
+                    results = await loop.run_in_executor(self.executor, self._timed, key, queries)
                 except Exception as exc:  # noqa: BLE001 - handed to every waiting request
                     for _, f in live:
                         if not f.done():

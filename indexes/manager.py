@@ -66,7 +66,7 @@ class SearchAnswer:
 
 class CollectionManager:
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, dsn: str | None = None, max_batch: int = 64,
-                 batch_window_s: float = 0.0, observe: Callable[[str, str, float, bool], None] | None = None,
+                 batch_window_s: float = 0.0, inline_search_s: float = 0.0, observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None) -> None:
         self.store = CollectionStore(pool)
@@ -77,7 +77,7 @@ class CollectionManager:
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
         self.resident: dict[str, Replica] = {}
         self.by_id: dict[int, Replica] = {}
-        self.max_batch, self.batch_window_s = max_batch, batch_window_s
+        self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
         self.consistency = consistency or Consistency()
@@ -99,8 +99,12 @@ class CollectionManager:
                                                   thread_name_prefix=f"vectors-{kind}")
         self.build_executors[kind] = self.executors[kind] if kind == "gpu" else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"vectors-{kind}-build")
+        # Lone cheap searches may run on the event loop (see batching.py), on the CPU only: cuVS calls must stay
+        # on their one thread.
         self.batchers[kind] = MicroBatcher(self._run_batch, self.executors[kind], max_batch=self.max_batch,
-                                           window_s=self.batch_window_s)
+                                           window_s=self.batch_window_s,
+                                           inline_below_s=self.inline_search_s if kind == "cpu" else 0.0,
+                                           can_inline=self._uncontended)
 
     @property
     def resident_kind(self) -> str | None:
@@ -483,6 +487,10 @@ class CollectionManager:
             raise CollectionNotFound(f"no collection named {name!r}", field="collection")
         result = r.index.search(queries, k, dict(params))
         return [(ids, d, result.watermark) for ids, d in zip(result.ids, result.distances)]
+
+    def _uncontended(self, key: tuple) -> bool:
+        r = self.resident.get(key[0])
+        return r is not None and not r.index.lock.contended
 
     def _kind_of(self, r: Replica) -> str:
         return r.index.backend.kind

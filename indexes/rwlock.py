@@ -19,6 +19,11 @@ class ReadWriteLock:
         self._writing = False
         self._writers_waiting = 0
 
+    @property
+    def contended(self) -> bool:
+        """A writer holds or waits for the lock (a hint, read without the lock): a reader now would wait."""
+        return self._writing or self._writers_waiting > 0
+
     @contextmanager
     def read(self) -> Iterator[None]:
         with self._cond:

@@ -150,7 +150,8 @@ def run_set(n: int, dim: int, args: argparse.Namespace) -> dict[str, Any]:
     result["faiss_in_process"] = faiss_cpu_per_search(base, queries)
     print(f"    {result['faiss_in_process']['cpu_us_per_search']} us CPU per search", flush=True)
     with tempfile.TemporaryDirectory(prefix="switchyard-overhead-") as tmp:
-        service = Service(Path(tmp) / "data", env={"SWITCHYARD_WORKERS": str(args.workers)})
+        service = Service(Path(tmp) / "data", env={"SWITCHYARD_WORKERS": str(args.workers),
+                                                   **dict(e.split("=", 1) for e in args.env)})
         service.start()
         try:
             name = f"overhead{dim}"
@@ -224,12 +225,14 @@ def main() -> None:
     parser.add_argument("--clients", default="1,2,4,8,16,32,64")
     parser.add_argument("--duration", type=float, default=5)
     parser.add_argument("--workers", type=int, default=1, help="SWITCHYARD_WORKERS of the service")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="more service settings")
     args = parser.parse_args()
     args.encodings = args.encodings.split(",")
     args.clients = [int(c) for c in args.clients.split(",")]
     print(f"machine load before: {wait_for_quiet():.2f} cores busy", flush=True)
     sets = [run_set(*map(int, s.split("x")), args) for s in args.sets.split(",")]
     report = {"what": "server CPU per request vs in-process FAISS; QPS vs clients", "k": K, "ef": EF, "m": M,
+              "service_env": args.env,
               "ef_construction": EF_CONSTRUCTION, "workers": args.workers, "encodings": args.encodings, "sets": sets,
               "versions": versions("faiss-cpu", "fastapi", "uvicorn", "numpy"),
               "note": "clients are threads of this process on the same cores as the service"}

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     cpu_threads: int | None = Field(default=None, ge=1, le=1024, description=(
         "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers."))
     batch_max: int = Field(default=64, ge=1, le=4096, description="Most single-vector searches merged into one engine call.")
+    inline_search_us: float = Field(default=500, ge=0, le=100_000, description=(
+        "A lone single-vector search on the CPU whose engine time has averaged under this runs on the event loop "
+        "instead of a worker thread (the hop costs more than a small search); 0: always a thread."))
     batch_window_ms: float = Field(default=0.0, ge=0, le=100,
                                    description="How long an idle collection waits for company before searching; 0 = "
                                    "never wait, batch only what queues while the engine is busy.")

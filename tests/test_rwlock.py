@@ -45,3 +45,13 @@ def test_readers_share_writers_exclude_and_a_waiting_writer_goes_first():
         t.join(5)
     assert events.index("writer in") > max(events.index("r1 out"), events.index("r2 out"))
     assert events.index("r3 in") > events.index("writer out")
+
+
+def test_contended_says_when_a_reader_would_wait():
+    lock = ReadWriteLock()
+    assert not lock.contended
+    with lock.read():
+        assert not lock.contended
+    with lock.write():
+        assert lock.contended
+    assert not lock.contended
