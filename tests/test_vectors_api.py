@@ -260,3 +260,28 @@ def test_hot_routes_keep_auth_limits_and_metrics(make_client):
     assert 'switchyard_http_requests_total{method="POST",route="/v1/collections/{name}/search",status="200"} 3.0' in text
     assert 'switchyard_http_requests_total{method="PUT",route="/v1/collections/{name}/points",status="200"} 1.0' in text
     assert 'route="/v1/collections/{name}/search",status="401"' in text and 'status="413"' in text
+
+
+def test_small_and_large_upserts_store_the_same(client):
+    """Up to 1,000 rows an upsert binds arrays, above it COPYs into a staged table: both store every field."""
+    wait_ready(client)
+    data = clustered(1500, DIM, seed=21)
+    for name, sizes in (("small", [700, 700, 100]), ("large", [1500])):
+        assert client.post("/v1/collections", json={"name": name, "dim": DIM}).status_code == 201
+        start = 0
+        for size in sizes:
+            ids = list(range(start, start + size))
+            r = client.put(f"/v1/collections/{name}/points", json={
+                "ids": ids, "vectors_b64": b64(data[start:start + size]),
+                "payloads": [{"tag": i % 7} if i % 3 else None for i in ids]})
+            assert r.status_code == 200 and r.json()["upserted"] == size, r.text
+            start += size
+    for i in (0, 1, 2, 700, 1499):
+        answers = [nearest(client, name, data[i], k=1, consistency="strong") for name in ("small", "large")]
+        assert answers[0]["ids"] == answers[1]["ids"] == [i]
+        assert answers[0]["distances"][0] == pytest.approx(0, abs=1e-5)
+    for tag in (0, 3):
+        got = [nearest(client, name, data[10], k=1000, filter={"tag": tag}, engine="pgvector")["ids"]
+               for name in ("small", "large")]
+        expected = {i for i in range(1500) if i % 3 and i % 7 == tag}
+        assert set(got[0]) == set(got[1]) == expected
