@@ -235,8 +235,8 @@ class CollectionManager:
         r = self.by_id.get(collection_id)
         if r is None:
             self._sync_catalog()  # a collection this process has not heard of yet
-        elif r.loaded and seq > r.watermark:
-            r.wake(time.monotonic())
+        elif r.loaded:
+            r.notified(seq)
 
     def on_catalog(self, collection_id: int) -> None:
         self._sync_catalog()
@@ -290,18 +290,39 @@ class CollectionManager:
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
-        c, commit = await self._with_collection(name, lambda c: self.store.upsert(c, points))
-        await self._apply_own(c, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
-                                                 points.vectors))
+        c, (commit, r) = await self._with_collection(name, lambda c: self._own_write(c, self.store.upsert(c, points)))
+        try:
+            await self._apply_own(c, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
+                                                     points.vectors))
+        finally:
+            if r is not None:
+                r.end_own_write()
         return commit.seq
 
     async def delete(self, name: str, ids: np.ndarray) -> tuple[int, int]:
         """Returns how many points existed, and the change seq after which they are gone."""
-        c, (gone, commit) = await self._with_collection(name, lambda c: self.store.delete(c, ids))
-        if commit.seq > commit.prev:
-            await self._apply_own(c, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
-                                                     np.empty((0, c.dim), np.float32)))
+        c, ((gone, commit), r) = await self._with_collection(name, lambda c: self._own_write(c, self.store.delete(c, ids)))
+        try:
+            if commit.seq > commit.prev:
+                await self._apply_own(c, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
+                                                         np.empty((0, c.dim), np.float32)))
+        finally:
+            if r is not None:
+                r.end_own_write()
         return len(gone), commit.seq
+
+    async def _own_write(self, c: Collection, write: Awaitable[T]) -> tuple[T, Replica | None]:
+        """Run a write, its replica told that a commit of its own is on the way (see Replica.notified); the
+        caller ends it once the write is applied. On failure it is ended here."""
+        r = self.by_id.get(c.id)
+        if r is not None:
+            r.begin_own_write()
+        try:
+            return await write, r
+        except BaseException:
+            if r is not None:
+                r.end_own_write()
+            raise
 
     async def _apply_own(self, c: Collection, commit: Commit, changes: Changes) -> None:
         """This process's replica takes its own committed write before the ack. If that fails, the write is still

@@ -62,6 +62,8 @@ class Replica:
     rebuild_task: asyncio.Task | None = None  # the one rebuild of this collection, background or asked for
     rebuild_started: float = 0.0
     fresh_as_of: float = -math.inf  # monotonic time as of which every commit is applied
+    own_writes: int = 0  # this process's writes between their COMMIT and their apply
+    deferred_seq: int = 0  # the newest commit notified while own writes were in flight
     _task: asyncio.Task | None = field(default=None, repr=False)  # the running catch-up or own apply
     _wanted: float = field(default=-math.inf, repr=False)
     _pump: asyncio.Task | None = field(default=None, repr=False)
@@ -124,6 +126,25 @@ class Replica:
     async def _apply_own(self, commit: Commit, changes: Changes) -> None:
         if await self.run(self.index.apply, changes):
             self.on_applied(self.collection.id, commit.seq, None)
+
+    def notified(self, seq: int) -> None:
+        """A commit notification. While this process has writes of its own in flight it is most likely one of
+        them, about to be applied from the request's data: reading it back would only repeat the work (a query
+        and an apply per write), so the wake waits until they are done."""
+        if seq <= self.watermark:
+            return
+        if self.own_writes:
+            self.deferred_seq = max(self.deferred_seq, seq)
+        else:
+            self.wake(time.monotonic())
+
+    def begin_own_write(self) -> None:
+        self.own_writes += 1
+
+    def end_own_write(self) -> None:
+        self.own_writes -= 1
+        if not self.own_writes and self.deferred_seq > self.watermark:
+            self.wake(time.monotonic())
 
     def wake(self, not_before: float) -> None:
         """Catch up in the background (a notification or the poll saw a newer head)."""

@@ -421,3 +421,30 @@ def test_the_follower_stops_even_when_cancelled_as_it_is_poked():
             await follower.stop()
 
     run(scenario())
+
+
+def test_a_process_does_not_read_back_its_own_writes(make_client, tmp_path, monkeypatch):
+    """Its own commit's notification arrives while the write is being applied from the request's data: no
+    catch-up read follows each write (it did: one query and one apply per write). Another process's commits are
+    still read at once."""
+    client = app(make_client, tmp_path, "a")
+    create(client, "own")
+    upsert(client, "own", range(10), DATA[:10])
+    reads = []
+    real = CollectionStore.read_changes
+
+    async def counting(self, c, since):
+        reads.append(since)
+        return await real(self, c, since)
+
+    monkeypatch.setattr(CollectionStore, "read_changes", counting)
+    for i in range(10, 40):
+        upsert(client, "own", [i], DATA[i:i + 1])
+    time.sleep(0.3)  # notifications delivered, any catch-up they would start started
+    assert len(reads) <= 3, reads  # polls may still read; per-write read-backs would be 30
+    other = app(make_client, tmp_path, "b")
+    upsert(other, "own", [40], DATA[40:41])
+    deadline = time.monotonic() + 5  # the notification brings it, with no search asking for freshness
+    while top1(client, "own", DATA[40:41], consistency="eventually")[0] != [40]:
+        assert time.monotonic() < deadline, "another process's write never arrived"
+        time.sleep(0.02)
