@@ -1,16 +1,14 @@
 """Access logging off the event loop: uvicorn's own access log is off (it formatted and wrote a line inside the
 loop for every request, about a fifth of a search's cost); requests are logged here instead, through a
-QueueHandler so that formatting and writing happen on a background thread. Hot routes are logged only when
-sampled (service/fastlane.py)."""
+QueueHandler so that formatting and writing happen on a background thread. The metrics middleware logs each
+request that reaches the full app; hot routes are logged only when sampled (service/fastlane.py)."""
 
 from __future__ import annotations
 
 import logging
 import logging.handlers
 import queue
-import time
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 log = logging.getLogger("switchyard.access")
 _listener: logging.handlers.QueueListener | None = None
@@ -47,27 +45,3 @@ def log_request(scope: Scope, status: int, seconds: float, sampled: bool = False
     path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
     log.info('%s - "%s %s HTTP/%s" %d %.1fms%s', f"{client[0]}:{client[1]}" if client else "-", scope["method"], path,
              scope.get("http_version", "1.1"), status, seconds * 1000, " (sampled)" if sampled else "")
-
-
-class AccessLogMiddleware:
-    """One line per request that reaches the full app (hot-lane requests are sampled there instead)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.perf_counter(), 500
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_status)
-        finally:
-            log_request(scope, status, time.perf_counter() - start)

@@ -54,7 +54,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Added innermost first: metrics see every response, including the 413s the size limit sends.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics)
-    if settings.access_log:
-        app.add_middleware(access_log.AccessLogMiddleware)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.access_log)
     return HotLane(app, runtime)  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app

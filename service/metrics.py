@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .access_log import log_request
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -104,11 +106,13 @@ class ReplicationTrace:
 
 
 class HTTPMetricsMiddleware:
-    """Pure ASGI, so it costs microseconds per request; labels by route template, never by raw path."""
+    """Pure ASGI, so it costs microseconds per request; labels by route template, never by raw path. Also writes
+    the access log line (service/access_log.py) when asked: one wrapper for both."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = False) -> None:
         self.app = app
         self.metrics = metrics
+        self.log_requests = log_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,4 +132,7 @@ class HTTPMetricsMiddleware:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.observe_request(template, scope["method"], status, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self.metrics.observe_request(template, scope["method"], status, elapsed)
+            if self.log_requests:
+                log_request(scope, status, elapsed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
@@ -87,3 +88,42 @@ def test_openapi_documents_routes_and_bearer_auth(client):
     assert {"/healthz", "/readyz", "/metrics", "/v1/engines"} <= set(spec["paths"])
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert spec["paths"]["/v1/engines"]["get"]["security"] == [{"HTTPBearer": []}]
+
+
+def test_access_log_lines_come_from_a_background_thread_and_skip_hot_routes(make_settings):
+    import logging
+
+    from service import access_log
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[tuple[str, str]] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append((threading.current_thread().name, record.getMessage()))
+
+    access_log.stop()
+    logger = logging.getLogger("switchyard.access")
+    saved = (logger.handlers, logger.propagate, logger.level)
+    collect = Collect()
+    logger.handlers = [collect]
+    logger.setLevel(logging.INFO)  # setLevel, not .level =: it clears the logger's isEnabledFor cache
+    try:
+        for sample in (0.0, 1.0):
+            access_log.stop()
+            logger.handlers = [collect]
+            with TestClient(create_app(make_settings(access_log_sample=sample))) as client:
+                wait_ready(client)
+                client.post("/v1/collections", json={"name": f"logged{int(sample)}", "dim": 2})
+                client.put(f"/v1/collections/logged{int(sample)}/points", json={"ids": [1], "vectors": [[0, 1]]})
+            access_log.stop()  # drains the queue
+    finally:
+        access_log.stop()
+        logger.handlers, logger.propagate = saved[:2]
+        logger.setLevel(saved[2])
+    lines = [text for _, text in collect.lines]
+    assert any('"POST /v1/collections HTTP/1.1" 201' in t for t in lines)
+    puts = [t for t in lines if '"PUT /v1/collections/logged' in t]
+    assert len(puts) == 1 and "logged1" in puts[0] and puts[0].endswith("(sampled)")  # only when sampled
+    assert all(thread != threading.main_thread().name for thread, _ in collect.lines)
