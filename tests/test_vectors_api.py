@@ -285,3 +285,30 @@ def test_small_and_large_upserts_store_the_same(client):
                for name in ("small", "large")]
         expected = {i for i in range(1500) if i % 3 and i % 7 == tag}
         assert set(got[0]) == set(got[1]) == expected
+
+
+def test_small_writes_join_the_index_and_large_ones_wait_in_the_delta(client):
+    """Up to 64 rows go straight into the HNSW graph (under the write lock, before the ack); a larger write
+    would hold searches and the ack for as long as its adds take, so it waits in the delta, searched exactly."""
+    wait_ready(client)
+    data = clustered(600, DIM, seed=31)
+    assert client.post("/v1/collections", json={"name": "grow", "dim": DIM, "index": {
+        "type": "hnsw", "params": {"m": 8, "ef_construction": 32}}}).status_code == 201
+    client.put("/v1/collections/grow/points", json={"ids": list(range(300)), "vectors_b64": b64(data[:300])})
+    job = client.post("/v1/collections/grow/build").json()
+    for _ in range(200):
+        if client.get(job["location"]).json()["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.05)
+
+    def rows():
+        state = client.get("/v1/collections/grow").json()["index_state"]
+        return state["indexed_rows"], state["delta_rows"]
+
+    assert rows() == (300, 0)
+    client.put("/v1/collections/grow/points", json={"ids": list(range(300, 340)), "vectors_b64": b64(data[300:340])})
+    assert rows() == (340, 0)
+    client.put("/v1/collections/grow/points", json={"ids": list(range(340, 600)), "vectors_b64": b64(data[340:600])})
+    assert rows() == (340, 260)
+    for i in (0, 320, 599):
+        assert nearest(client, "grow", data[i], k=1, consistency="strong")["ids"] == [i]
