@@ -66,7 +66,8 @@ class SearchAnswer:
 
 class CollectionManager:
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, dsn: str | None = None, max_batch: int = 64,
-                 batch_window_s: float = 0.0, inline_search_s: float = 0.0, observe: Callable[[str, str, float, bool], None] | None = None,
+                 batch_window_s: float = 0.0, inline_search_s: float = 0.0,
+                 observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None) -> None:
         self.store = CollectionStore(pool)
@@ -290,39 +291,36 @@ class CollectionManager:
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
-        c, (commit, r) = await self._with_collection(name, lambda c: self._own_write(c, self.store.upsert(c, points)))
-        try:
-            await self._apply_own(c, commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids,
-                                                     points.vectors))
-        finally:
-            if r is not None:
-                r.end_own_write()
+        commit = await self._write(name, lambda c: self.store.upsert(c, points), lambda c, commit: (
+            commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids, points.vectors)))
         return commit.seq
 
     async def delete(self, name: str, ids: np.ndarray) -> tuple[int, int]:
         """Returns how many points existed, and the change seq after which they are gone."""
-        c, ((gone, commit), r) = await self._with_collection(name, lambda c: self._own_write(c, self.store.delete(c, ids)))
-        try:
-            if commit.seq > commit.prev:
-                await self._apply_own(c, commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
-                                                         np.empty((0, c.dim), np.float32)))
-        finally:
-            if r is not None:
-                r.end_own_write()
+        def deleted(c: Collection, result: tuple[np.ndarray, Commit]) -> tuple[Commit, Changes]:
+            gone, commit = result
+            return commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64), np.empty((0, c.dim), np.float32))
+
+        gone, commit = await self._write(name, lambda c: self.store.delete(c, ids), deleted)
         return len(gone), commit.seq
 
-    async def _own_write(self, c: Collection, write: Awaitable[T]) -> tuple[T, Replica | None]:
-        """Run a write, its replica told that a commit of its own is on the way (see Replica.notified); the
-        caller ends it once the write is applied. On failure it is ended here."""
+    async def _write(self, name: str, write: Callable[[Collection], Awaitable[T]],
+                     changes: Callable[[Collection, T], tuple[Commit, Changes]]) -> T:
+        """Commit a write, then apply it to this process's replica from the request's data. Meanwhile the replica
+        knows a commit of its own is on the way, so its notification starts no read-back (Replica.notified)."""
+        c = await self.collection(name)
         r = self.by_id.get(c.id)
         if r is not None:
             r.begin_own_write()
         try:
-            return await write, r
-        except BaseException:
+            c, result = await self._with_collection(name, write)
+            commit, change = changes(c, result)
+            if commit.seq > commit.prev:
+                await self._apply_own(c, commit, change)
+            return result
+        finally:
             if r is not None:
                 r.end_own_write()
-            raise
 
     async def _apply_own(self, c: Collection, commit: Commit, changes: Changes) -> None:
         """This process's replica takes its own committed write before the ack. If that fails, the write is still

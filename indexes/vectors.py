@@ -56,14 +56,12 @@ def from_base64(text: str, dim: int, field: str) -> np.ndarray:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInput("is not valid base64", field=field) from None
-    if len(raw) % (4 * dim):
-        raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors", field=field)
-    return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
+    return from_raw(raw, dim, field, allow_empty=True)
 
 
-def from_raw(raw: bytes, dim: int, field: str) -> np.ndarray:
+def from_raw(raw: bytes, dim: int, field: str, allow_empty: bool = False) -> np.ndarray:
     """Little-endian float32 values, row after row, as sent (application/octet-stream): no parsing at all."""
-    if not raw or len(raw) % (4 * dim):
+    if (not raw and not allow_empty) or len(raw) % (4 * dim):
         raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors", field=field)
     return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
 

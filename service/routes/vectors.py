@@ -251,7 +251,7 @@ async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
               else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
     points = make_points(body.ids, matrix, body.payloads)
     seq = await vectors.upsert(name, points)
-    return orjson.dumps({"upserted": len(points.ids), "deleted": None, "seq": seq})
+    return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
 
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
