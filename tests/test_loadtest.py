@@ -18,7 +18,7 @@ import pytest
 
 from conftest import fresh_database
 from loadtests import datasets, runner
-from loadtests.client import local_service
+from loadtests.processes import local_service
 from loadtests.ssb_params import GENERATORS, random_params, random_sql
 from loadtests.sweep import latency_bucket, percentiles
 from loadtests.workloads import LEVELS, read_your_writes

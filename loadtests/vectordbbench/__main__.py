@@ -17,12 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from loadtests.processes import embedded_postgres, local_service
+
 from . import dataset as ds
 from . import offline, summary
-from .services import REPO, PgvectorServer, SwitchyardServer, ensure_vector_extension
+from .services import REPO, ensure_vector_extension, switchyard_command
 
 
 def _ints(text: str) -> list[int]:
@@ -123,37 +126,32 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="switchyard-vdbb-"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     task_label = "switchyard-" + time.strftime("%Y%m%d-%H%M%S")
-    switchyard = pgvector = None
     try:
-        print(f"data set -> {scratch / 'dataset'}", flush=True)
-        data = prepare_dataset(args, scratch / "dataset")
-        url = args.url
-        if args.start_service:
-            switchyard = SwitchyardServer(scratch / "switchyard", out / "logs" / "switchyard-serve.log")
-            url = switchyard.start()
-            print(f"switchyard serve at {url}", flush=True)
-        dsn = args.pgvector_dsn
-        if dsn is None:
-            pgvector = PgvectorServer(scratch / "pgvector")
-            dsn = pgvector.start()
-            print(f"embedded PostgreSQL for pgvector at {dsn}", flush=True)
-        ensure_vector_extension(dsn)
-        plan = {
-            "task_label": task_label, "dataset": data.to_dict(), "k": args.k, "concurrencies": args.concurrency,
-            "duration": args.duration, "insert_batch_size": args.insert_batch_size,
-            "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
-            "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
-                           "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key},
-            "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
-        }
-        plan_file = scratch / "plan.json"
-        plan_file.write_text(json.dumps(plan, indent=2))
-        exit_code = run_vectordbbench(plan_file, plan, out, scratch)
+        with ExitStack() as stack:
+            print(f"data set -> {scratch / 'dataset'}", flush=True)
+            data = prepare_dataset(args, scratch / "dataset")
+            url = args.url
+            if args.start_service:
+                url = stack.enter_context(local_service(1, scratch / "switchyard", out / "logs" / "switchyard-serve.log",
+                                                        command=switchyard_command()))
+                print(f"switchyard serve at {url}", flush=True)
+            dsn = args.pgvector_dsn
+            if dsn is None:
+                dsn = stack.enter_context(embedded_postgres(scratch / "pgvector"))
+                print(f"embedded PostgreSQL for pgvector at {dsn}", flush=True)
+            ensure_vector_extension(dsn)
+            plan = {
+                "task_label": task_label, "dataset": data.to_dict(), "k": args.k, "concurrencies": args.concurrency,
+                "duration": args.duration, "insert_batch_size": args.insert_batch_size,
+                "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
+                "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
+                               "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key},
+                "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
+            }
+            plan_file = scratch / "plan.json"
+            plan_file.write_text(json.dumps(plan, indent=2))
+            exit_code = run_vectordbbench(plan_file, plan, out, scratch)
     finally:
-        if switchyard is not None:
-            switchyard.stop()
-        if pgvector is not None:
-            pgvector.stop()
         if not args.keep_data:
             shutil.rmtree(scratch, ignore_errors=True)
 
