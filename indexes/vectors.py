@@ -50,13 +50,32 @@ def check_finite(matrix: np.ndarray, field: str) -> None:
         raise InvalidInput("vector values must be within +-1e15", field=field)
 
 
-def from_base64(text: str, dim: int, field: str) -> np.ndarray:
-    """Little-endian float32 values, row after row, base64-encoded."""
+def unshaped_matrix(values: object, field: str) -> np.ndarray:
+    """A finite float32 matrix from nested lists, checked as far as it can be before the dimension is known."""
     try:
-        raw = base64.b64decode(text, validate=True)
+        matrix = np.asarray(values, dtype=np.float32)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"must be a list of equal-length lists of numbers ({exc})", field=field) from None
+    if matrix.ndim != 2:
+        raise InvalidInput("must be a list of vectors", field=field)
+    check_finite(matrix, field)
+    return matrix
+
+
+def fit_matrix(values: np.ndarray | bytes, dim: int, field: str) -> np.ndarray:
+    """An unshaped matrix, or raw float32 bytes, checked against the collection's dimension."""
+    if isinstance(values, bytes):
+        return from_raw(values, dim, field, allow_empty=field != "body")
+    if values.shape[1] != dim:
+        raise InvalidInput(f"vectors have dimension {values.shape[1]}, the collection has {dim}", field=field)
+    return np.ascontiguousarray(values)
+
+
+def decode_base64(text: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInput("is not valid base64", field=field) from None
-    return from_raw(raw, dim, field, allow_empty=True)
 
 
 def from_raw(raw: bytes, dim: int, field: str, allow_empty: bool = False) -> np.ndarray:
@@ -94,11 +113,16 @@ def encode_payloads(payloads: list[object] | None, n: int) -> list[bytes | None]
     return out if any(p is not None for p in out) else None
 
 
-def make_points(ids: object, vectors: np.ndarray, payloads: list[object] | None) -> Points:
+def make_points(ids: np.ndarray, vectors: np.ndarray, payloads: list[object] | None) -> Points:
+    return checked_points(ids, vectors, encode_payloads(payloads, len(ids)))
+
+
+def checked_points(ids: object, vectors: np.ndarray, payloads: list[bytes | None] | None) -> Points:
+    """Points from ids, a checked matrix and payloads already encoded (encode_payloads)."""
     id_array = check_ids(ids)
     if len(id_array) != len(vectors):
         raise InvalidInput(f"{len(id_array)} ids for {len(vectors)} vectors", field="ids")
-    return Points(id_array, vectors, encode_payloads(payloads, len(id_array)))
+    return Points(id_array, vectors, payloads)
 
 
 def from_arrow_ipc(data: bytes, dim: int) -> Points:

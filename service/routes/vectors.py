@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
+import numpy as np
 import orjson
 
 from fastapi import Path, Query, Request, Response
@@ -12,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from indexes.manager import MAX_K
-from indexes.vectors import as_matrix, check_ids, from_arrow_ipc, from_base64, from_raw, make_points
+from indexes.vectors import (as_matrix, check_ids, checked_points, decode_base64, encode_payloads, fit_matrix,
+                             from_arrow_ipc, unshaped_matrix)
 
 from ..deps import RuntimeDep, domain, v1_router
 
@@ -242,16 +245,37 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
     return Response(await run_upsert(runtime, name, await request.body()), media_type="application/json")
 
 
-async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
-    """A JSON upsert: parse, store (acknowledged after COMMIT), answer. Shared with the hot lane."""
-    vectors = domain(runtime, "vectors")
+@dataclass(frozen=True)
+class ParsedUpsert:
+    """A JSON upsert checked as far as it can be without its collection (a front process does this part)."""
+    ids: list[int]
+    vectors: np.ndarray | bytes  # a float32 matrix from JSON lists, or the decoded base64 bytes
+    field: str
+    payloads: list[bytes | None] | None
+
+
+def parse_upsert(raw: bytes) -> ParsedUpsert:
     body = parse_json(UpsertPoints, raw)
+    if body.vectors is not None:
+        vectors: np.ndarray | bytes = unshaped_matrix(body.vectors, "vectors")
+    else:
+        vectors = decode_base64(body.vectors_b64, "vectors_b64")
+    return ParsedUpsert(body.ids, vectors, "vectors" if body.vectors is not None else "vectors_b64",
+                        encode_payloads(body.payloads, len(body.ids)))
+
+
+async def answer_upsert(runtime: Any, name: str, parsed: ParsedUpsert) -> bytes:
+    """Store a parsed upsert (acknowledged after COMMIT) and answer it."""
+    vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
-    matrix = (as_matrix(body.vectors, c.dim, "vectors") if body.vectors is not None
-              else from_base64(body.vectors_b64, c.dim, "vectors_b64"))
-    points = make_points(body.ids, matrix, body.payloads)
+    points = checked_points(parsed.ids, fit_matrix(parsed.vectors, c.dim, parsed.field), parsed.payloads)
     seq = await vectors.upsert(name, points)
     return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
+
+
+async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
+    """A JSON upsert: parse, store, answer. Shared with the hot lane."""
+    return await answer_upsert(runtime, name, parse_upsert(raw))
 
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
@@ -260,26 +284,36 @@ async def delete_points(name: CollectionName, body: DeletePoints, runtime: Runti
     return WriteOut(deleted=deleted, seq=seq)
 
 
-async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
-                     query_string: str = "") -> bytes:
-    """Parse a search body, search, and return the JSON answer. Shared by the route below and the hot lane
-    (service/fastlane.py), which calls it without FastAPI's per-request machinery."""
-    vectors = domain(runtime, "vectors")
+@dataclass(frozen=True)
+class ParsedSearch:
+    """A search checked as far as it can be without its collection (a front process does this part)."""
+    options: SearchOptions
+    queries: np.ndarray | bytes  # a float32 matrix from JSON lists, or raw float32 bytes (sent or base64-decoded)
+    field: str
+    single: bool  # answer one list, not a list per query
+
+
+def parse_search(raw: bytes, content_type: str = "application/json", query_string: str = "") -> ParsedSearch:
     if content_type == RAW_VECTORS:
-        body, batch = raw_search_options(query_string)
-        c = await vectors.collection(name)
-        queries = from_raw(raw, c.dim, "body")
-        single = len(queries) == 1 and not batch
-    else:
-        body = parse_json(SearchRequest, raw)
-        c = await vectors.collection(name)
-        single = body.vector is not None
-        if body.vector is not None:
-            queries = as_matrix([body.vector], c.dim, "vector")
-        elif body.vectors is not None:
-            queries = as_matrix(body.vectors, c.dim, "vectors")
-        else:
-            queries = from_base64(body.vectors_b64, c.dim, "vectors_b64")
+        options, batch = raw_search_options(query_string)
+        return ParsedSearch(options, raw, "body", single=not batch)
+    body = parse_json(SearchRequest, raw)
+    options = SearchOptions.model_construct(**{f: getattr(body, f) for f in SearchOptions.model_fields})
+    if body.vector is not None:
+        return ParsedSearch(options, unshaped_matrix([body.vector], "vector"), "vector", single=True)
+    if body.vectors is not None:
+        return ParsedSearch(options, unshaped_matrix(body.vectors, "vectors"), "vectors", single=False)
+    return ParsedSearch(options, decode_base64(body.vectors_b64, "vectors_b64"), "vectors_b64", single=False)
+
+
+async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
+    """Run a parsed search and return its JSON answer."""
+    vectors = domain(runtime, "vectors")
+    c = await vectors.collection(name)
+    queries = fit_matrix(parsed.queries, c.dim, parsed.field)
+    # A raw body is one query unless it says batch=true, which it can only tell once the dimension is known.
+    single = parsed.single and (parsed.field != "body" or len(queries) == 1)
+    body = parsed.options
     consistency = body.consistency or vectors.consistency.default
     answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
                                   single=single, consistency=consistency, seq=body.seq)
@@ -289,6 +323,14 @@ async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "a
     return orjson.dumps({"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
                          "fallback": answer.fallback, "consistency": consistency,
                          "watermark": answer.result.watermark})
+
+
+async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
+                     query_string: str = "") -> bytes:
+    """Parse a search body, search, and return the JSON answer. Shared by the route below and the hot lane
+    (service/fastlane.py), which calls it without FastAPI's per-request machinery; a front process calls the two
+    halves on either side of its hop to the engine process (service/front.py)."""
+    return await answer_search(runtime, name, parse_search(raw, content_type, query_string))
 
 
 @router.post(
