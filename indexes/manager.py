@@ -36,11 +36,10 @@ from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .store import Collection, CollectionStore, Commit
-from .vectors import Points
+from .vectors import MAX_K, Points
 
 log = logging.getLogger("switchyard.vectors")
 
-MAX_K = 1000
 ENGINE_KIND = {"gpu": "cuvs", "cpu": "faiss"}
 Progress = Callable[[int, int | None, str], None]
 T = TypeVar("T")

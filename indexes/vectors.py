@@ -15,6 +15,7 @@ import orjson
 from .errors import InvalidInput
 
 MAX_ID = 2**63 - 1
+MAX_K = 1000  # most neighbours one search may ask for
 
 
 @dataclass(frozen=True)

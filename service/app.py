@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from . import __version__
 from .errors import install_error_handlers
 from . import access_log
-from .fastlane import HotLane
+from .fastlane import LocalLane
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
 from .routes import engines, jobs, olap, ops, spatial, vectors
@@ -38,9 +38,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.access_log or settings.access_log_sample:
             access_log.start()
         await runtime.start()
+        link = None
+        if settings.engine_socket is not None:  # the engine process of `switchyard serve` with front processes
+            from .engine_host import engine_server
+
+            link = engine_server(runtime, settings.engine_socket)
+            await link.start()
         try:
             yield
         finally:
+            if link is not None:
+                await link.stop()
             await runtime.stop()
             access_log.stop()
 
@@ -55,4 +63,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.access_log)
-    return HotLane(app, runtime)  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app
+    return LocalLane(app, settings, runtime)  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app

@@ -6,7 +6,12 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -17,7 +22,7 @@ from .settings import Settings
 def _settings(args: argparse.Namespace) -> Settings:
     # Command-line options override the environment; they go through the environment so that every
     # Uvicorn worker process builds the same Settings.
-    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("data_dir", "DATA_DIR"),
+    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("fronts", "FRONTS"), ("data_dir", "DATA_DIR"),
                         ("database_url", "DATABASE_URL"), ("log_level", "LOG_LEVEL")):
         value = getattr(args, option, None)
         if value is not None:
@@ -33,12 +38,54 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = _settings(args)
-    uvicorn.run(
-        "service.app:create_app", factory=True, host=settings.host, port=settings.port, workers=settings.workers,
-        log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
-        access_log=False,  # service/access_log.py logs requests off the event loop instead
-    )
+    common = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
+                  access_log=False)  # service/access_log.py logs requests off the event loop instead
+    fronts = settings.front_processes
+    if fronts == 0:  # one process serving HTTP itself, or full replicas
+        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
+                    workers=settings.workers, **common)
+        return 0
+    # The engine process (this one) listens on unix sockets in a private directory with a short path (socket
+    # names are limited to about 100 bytes); the fronts, a child process tree, listen on the port.
+    sockets = Path(tempfile.mkdtemp(prefix="switchyard-"))
+    os.environ["SWITCHYARD_ENGINE_SOCKET"] = str(sockets / "engine.sock")
+    os.environ["SWITCHYARD_ENGINE_HTTP"] = http_socket = str(sockets / "engine-http.sock")
+    front = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "service.front:create_front", "--factory", "--host", settings.host,
+         "--port", str(settings.port), "--workers", str(fronts), "--log-level", settings.log_level,
+         "--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20"],
+        preexec_fn=_exit_with_parent)
+    stopping = threading.Event()
+    threading.Thread(target=_stop_when_fronts_exit, args=(front, stopping), daemon=True).start()
+    try:
+        uvicorn.run("service.app:create_app", factory=True, uds=http_socket, **common)
+    finally:
+        stopping.set()
+        front.terminate()
+        try:
+            front.wait(30)
+        except subprocess.TimeoutExpired:
+            front.kill()
+        shutil.rmtree(sockets, ignore_errors=True)
     return 0
+
+
+def _exit_with_parent() -> None:
+    """In the front processes' supervisor, before it starts: SIGTERM when the engine process dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop_when_fronts_exit(front: subprocess.Popen, stopping: threading.Event) -> None:
+    """The engine is no use without its fronts (the port may be taken, or they crashed): stop it too."""
+    code = front.wait()
+    if not stopping.is_set():
+        logging.getLogger("switchyard").error("the front processes exited (code %s); stopping the engine", code)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -180,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP service (Uvicorn)")
     serve.add_argument("--host", help="interface to listen on (SWITCHYARD_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (SWITCHYARD_PORT, default 8000)")
-    serve.add_argument("--workers", type=int, help="Uvicorn worker processes (SWITCHYARD_WORKERS, default 1)")
+    serve.add_argument("--workers", type=int, help=(
+        "full replicas, each with its own indexes and no fronts (SWITCHYARD_WORKERS, default 1)"))
+    serve.add_argument("--fronts", type=int, help=(
+        "HTTP front processes before the one engine process (SWITCHYARD_FRONTS; default: one per core on 4 or "
+        "more cores, none on fewer)"))
     serve.set_defaults(run=_serve)
 
     migrate = sub.add_parser("migrate", help="apply pending database migrations and exit")

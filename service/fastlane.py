@@ -25,7 +25,8 @@ from indexes.errors import VectorError
 
 from .access_log import log_request
 from .errors import ProblemError
-from .routes.vectors import RAW_VECTORS, run_search, run_upsert
+from .vector_requests import RAW_VECTORS
+from .settings import Settings
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes
@@ -35,10 +36,11 @@ HEADERS = [(b"content-type", JSON)]
 
 
 class HotLane:
-    def __init__(self, app: ASGIApp, runtime: object) -> None:
+    """Picks out hot requests for `answer`; the app it wraps answers everything else, and any hot request that
+    fails (replayed to it)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.runtime = runtime
-        settings = runtime.settings
         self.max_body = settings.max_body_bytes
         self.sample = settings.access_log_sample
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
@@ -82,23 +84,50 @@ class HotLane:
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
-        try:
-            if search:
-                answer = await run_search(self.runtime, match.group(1), raw, media.decode(),
-                                          scope["query_string"].decode("latin-1"))
-            else:
-                answer = await run_upsert(self.runtime, match.group(1), raw)
-        except (ProblemError, VectorError, RequestValidationError, ValueError):
+        answer = await self.answer(search, match.group(1), raw, media.decode(), scope["query_string"].decode("latin-1"),
+                                   start)
+        if answer is None:
             await self.app(scope, _replay(raw), send)  # the full app formats the error (and counts it)
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*HEADERS, (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
-        elapsed = time.perf_counter() - start
-        template = (SEARCH_ROUTE if search else POINTS_ROUTE).path
-        self.runtime.metrics.observe_request(template, scope["method"], 200, elapsed)
         if self.sample and random.random() < self.sample:
-            log_request(scope, 200, elapsed, sampled=True)
+            log_request(scope, 200, time.perf_counter() - start, sampled=True)
+
+    async def answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
+                     start: float) -> bytes | None:
+        """The JSON answer, or None when the request fails (the full app then answers it)."""
+        raise NotImplementedError
+
+
+class LocalLane(HotLane):
+    """The hot lane of a process that holds the engines: parse and answer here."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, runtime: object) -> None:
+        from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
+
+        super().__init__(app, settings)
+        self.runtime = runtime
+        self.search, self.upsert = run_search, run_upsert
+
+    async def answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
+                     start: float) -> bytes | None:
+        try:
+            if search:
+                answer = await self.search(self.runtime, name, raw, media, query_string)
+            else:
+                answer = await self.upsert(self.runtime, name, raw)
+        except (ProblemError, VectorError, RequestValidationError, ValueError):
+            return None
+        observe_hot(self.runtime.metrics, search, time.perf_counter() - start)
+        return answer
+
+
+def observe_hot(metrics: object, search: bool, seconds: float) -> None:
+    """Count a hot request under its full route's labels."""
+    template = (SEARCH_ROUTE if search else POINTS_ROUTE).path
+    metrics.observe_request(template, "POST" if search else "PUT", 200, seconds)
 
 
 def _replay(body: bytes) -> Receive:

@@ -22,7 +22,16 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(default=None, description="If set, every /v1 route needs 'Authorization: Bearer <key>'.")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
-    workers: int = Field(default=1, ge=1, description="Uvicorn workers; each holds its own resident indexes.")
+    workers: int = Field(default=1, ge=1, description=(
+        "Full replicas: Uvicorn workers that each hold their own resident indexes (no front processes then)."))
+    fronts: int | None = Field(default=None, ge=0, le=256, description=(
+        "HTTP front processes before the one engine process (README: Process layout). Default: one per core on "
+        "machines with 4 or more, none (the engine process serves HTTP itself) on fewer, where the hop between "
+        "processes costs more than it frees."))
+    engine_socket: Path | None = Field(default=None, description=(
+        "Set by `switchyard serve`: the engine process's unix socket for parsed searches and upserts."))
+    engine_http: Path | None = Field(default=None, description=(
+        "Set by `switchyard serve`: the engine process's HTTP unix socket, where front processes pass requests."))
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(default=True, description=(
         "Log every request (logger switchyard.access, written by a background thread) except the hot routes."))
@@ -84,6 +93,16 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         return path.expanduser().resolve() if path is not None else None
+
+    @property
+    def front_processes(self) -> int:
+        """How many front processes `serve` starts: none for full replicas (workers > 1)."""
+        if self.workers > 1:
+            return 0
+        if self.fronts is not None:
+            return self.fronts
+        cores = os.cpu_count() or 1
+        return cores if cores >= 4 else 0
 
     @property
     def engine_threads(self) -> int:

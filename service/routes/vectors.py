@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qsl
 
-import numpy as np
 import orjson
 
 from fastapi import Path, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.manager import MAX_K
-from indexes.vectors import (as_matrix, check_ids, checked_points, decode_base64, encode_payloads, fit_matrix,
-                             from_arrow_ipc, unshaped_matrix)
+from indexes.vectors import MAX_K, as_matrix, check_ids, checked_points, fit_matrix, from_arrow_ipc
 
 from ..deps import RuntimeDep, domain, v1_router
+from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
+                               parse_search, parse_upsert)
 
 router = v1_router(tags=["vectors"])
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
-RAW_VECTORS = "application/octet-stream"
 CollectionName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="Collection name.")]
-Scalar = str | int | float | bool | None
-
 
 
 class IndexSpec(BaseModel):
@@ -74,20 +67,6 @@ def _collection_out(c: Any, **extra: Any) -> CollectionOut:
                          pgvector_index=c.pgvector_index, **extra)
 
 
-class UpsertPoints(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ids: list[int] = Field(min_length=1, max_length=100_000)
-    vectors: list[list[float]] | None = Field(default=None, description="One float list per id.")
-    vectors_b64: str | None = Field(default=None, description="All vectors as base64 of little-endian float32, row after row.")
-    payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
-
-    @model_validator(mode="after")
-    def _one_encoding(self) -> "UpsertPoints":
-        if (self.vectors is None) == (self.vectors_b64 is None):
-            raise ValueError("give exactly one of 'vectors' and 'vectors_b64'")
-        return self
-
-
 class WriteOut(BaseModel):
     upserted: int | None = None
     deleted: int | None = None
@@ -99,63 +78,6 @@ class WriteOut(BaseModel):
 class DeletePoints(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ids: list[int] = Field(min_length=1, max_length=100_000)
-
-
-class SearchOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    k: int = Field(default=10, ge=1, le=MAX_K)
-    engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
-    params: dict[str, int | float] | None = Field(default=None, description=(
-        "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
-        "cagra {itopk_size, search_width}; pgvector {ef_search, probes}."))
-    filter: dict[str, Scalar] | None = Field(default=None, description="Payload equality filter: every key must match.")
-    consistency: Literal["strong", "session", "bounded", "eventually"] | None = Field(default=None, description=(
-        "What the resident replica must have applied first: `strong` every commit before this search, `session` "
-        "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
-        "nothing. pgvector always reads the latest commit."))
-    seq: int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
-
-
-class SearchRequest(SearchOptions):
-    vector: list[float] | None = Field(default=None, description="One query vector.")
-    vectors: list[list[float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
-    vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
-
-    @model_validator(mode="after")
-    def _one_query(self) -> "SearchRequest":
-        given = [x for x in (self.vector, self.vectors, self.vectors_b64) if x is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one of 'vector', 'vectors' and 'vectors_b64'")
-        return self
-
-
-RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq"}
-
-
-def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
-    """Options of a raw float32 search from its query string: k, engine, consistency, seq, `batch=true` (answer
-    lists even for one vector); any other name is a search parameter (`ef=64`). Returns (options, batch)."""
-    fields: dict[str, Any] = {}
-    params: dict[str, float] = {}
-    batch = False
-    for name, value in parse_qsl(query_string, keep_blank_values=True):
-        if name in RAW_QUERY_FIELDS:
-            fields[name] = value
-        elif name == "batch":
-            batch = value.lower() in ("1", "true", "yes")
-        else:
-            try:
-                number = float(value)
-            except ValueError:
-                raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
-                                               "msg": "a search parameter must be a number"}]) from None
-            params[name] = int(number) if number.is_integer() else number
-    if params:
-        fields["params"] = params
-    try:
-        return SearchOptions.model_validate(fields), batch
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
 class SearchOut(BaseModel):
@@ -184,13 +106,6 @@ def json_body(model: type[BaseModel], more: dict[str, Any] | None = None) -> dic
     """OpenAPI request body for routes that parse their body themselves (see parse_json)."""
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": model.model_json_schema()}, **(more or {})}}}
-
-
-def parse_json(model: type[BaseModel], raw: bytes) -> Any:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:  # the same 422 problem FastAPI gives for bodies it parses itself
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 class JobAccepted(BaseModel):
@@ -245,25 +160,6 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
     return Response(await run_upsert(runtime, name, await request.body()), media_type="application/json")
 
 
-@dataclass(frozen=True)
-class ParsedUpsert:
-    """A JSON upsert checked as far as it can be without its collection (a front process does this part)."""
-    ids: list[int]
-    vectors: np.ndarray | bytes  # a float32 matrix from JSON lists, or the decoded base64 bytes
-    field: str
-    payloads: list[bytes | None] | None
-
-
-def parse_upsert(raw: bytes) -> ParsedUpsert:
-    body = parse_json(UpsertPoints, raw)
-    if body.vectors is not None:
-        vectors: np.ndarray | bytes = unshaped_matrix(body.vectors, "vectors")
-    else:
-        vectors = decode_base64(body.vectors_b64, "vectors_b64")
-    return ParsedUpsert(body.ids, vectors, "vectors" if body.vectors is not None else "vectors_b64",
-                        encode_payloads(body.payloads, len(body.ids)))
-
-
 async def answer_upsert(runtime: Any, name: str, parsed: ParsedUpsert) -> bytes:
     """Store a parsed upsert (acknowledged after COMMIT) and answer it."""
     vectors = domain(runtime, "vectors")
@@ -282,28 +178,6 @@ async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
 async def delete_points(name: CollectionName, body: DeletePoints, runtime: RuntimeDep) -> WriteOut:
     deleted, seq = await domain(runtime, "vectors").delete(name, check_ids(body.ids))
     return WriteOut(deleted=deleted, seq=seq)
-
-
-@dataclass(frozen=True)
-class ParsedSearch:
-    """A search checked as far as it can be without its collection (a front process does this part)."""
-    options: SearchOptions
-    queries: np.ndarray | bytes  # a float32 matrix from JSON lists, or raw float32 bytes (sent or base64-decoded)
-    field: str
-    single: bool  # answer one list, not a list per query
-
-
-def parse_search(raw: bytes, content_type: str = "application/json", query_string: str = "") -> ParsedSearch:
-    if content_type == RAW_VECTORS:
-        options, batch = raw_search_options(query_string)
-        return ParsedSearch(options, raw, "body", single=not batch)
-    body = parse_json(SearchRequest, raw)
-    options = SearchOptions.model_construct(**{f: getattr(body, f) for f in SearchOptions.model_fields})
-    if body.vector is not None:
-        return ParsedSearch(options, unshaped_matrix([body.vector], "vector"), "vector", single=True)
-    if body.vectors is not None:
-        return ParsedSearch(options, unshaped_matrix(body.vectors, "vectors"), "vectors", single=False)
-    return ParsedSearch(options, decode_base64(body.vectors_b64, "vectors_b64"), "vectors_b64", single=False)
 
 
 async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
