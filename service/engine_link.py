@@ -70,10 +70,18 @@ Handler = Callable[..., Awaitable[bytes]]
 
 
 class _EngineSide(FrameProtocol):
-    def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task]) -> None:
+    def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task], links: set[_EngineSide]) -> None:
         super().__init__()
         self.handlers = handlers
         self.tasks = tasks
+        self.links = links
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.links.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.links.discard(self)
 
     def received(self, message: Any) -> None:
         rid, operation, args = message
@@ -97,16 +105,20 @@ class EngineServer:
         self.handlers = handlers
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._links: set[_EngineSide] = set()
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _EngineSide(self.handlers, self._tasks), str(self.path))
+        self._server = await loop.create_unix_server(lambda: _EngineSide(self.handlers, self._tasks, self._links),
+                                                     str(self.path))
         os.chmod(self.path, 0o600)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            for link in list(self._links):  # the fronts see the engine go, and fail what they wait for
+                link.transport.close()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)

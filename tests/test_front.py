@@ -1,0 +1,192 @@
+"""The front/engine process layout: `switchyard serve --fronts 2` answers exactly as one process does.
+
+One engine process holds the data; two front processes parse searches and upserts and pass everything else
+through. Checked against a numpy oracle, with errors, auth, concurrency, metrics and process memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from helpers import assert_problem
+from loadtests.processes import local_service
+from service.database import EmbeddedPostgres
+from service.engine_link import EngineClient, EngineGone, EngineServer
+from vector_data import b64, clustered, oracle
+
+DIM = 16
+KEY = "front-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fronted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fronted")
+    with local_service(1, folder / "data", folder / "serve.log",
+                       env={"SWITCHYARD_FRONTS": "2", "SWITCHYARD_API_KEY": KEY}) as url:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            yield client
+
+
+def service_processes(client: httpx.Client) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The engine process and its front processes, found from the port's listener."""
+    port = client.base_url.port
+    listener = next(c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN")
+    process = psutil.Process(listener)
+    while "service.cli" not in " ".join(process.cmdline()):
+        process = process.parent()
+    tree = [(p, " ".join(p.cmdline())) for p in process.children(recursive=True)]
+    workers = [p for p, command in tree if "spawn_main" in command]  # uvicorn's workers, when more than one
+    return process, workers or [p for p, command in tree if "service.front" in command]
+
+
+def test_answers_match_the_oracle_through_every_encoding(fronted):
+    data = clustered(300, DIM, seed=11)
+    assert fronted.post("/v1/collections", json={"name": "f1", "dim": DIM}).status_code == 201
+    # half as JSON lists, half as base64, through the fronts' hot lane; payloads ride along
+    r = fronted.put("/v1/collections/f1/points", json={"ids": list(range(150)), "vectors": data[:150].tolist(),
+                                                       "payloads": [{"i": i} for i in range(150)]})
+    assert r.status_code == 200, r.text
+    r = fronted.put("/v1/collections/f1/points", json={"ids": list(range(150, 300)), "vectors_b64": b64(data[150:])})
+    assert r.json()["upserted"] == 150
+    seq = r.json()["seq"]
+    queries = clustered(5, DIM, seed=12)
+    truth, distances = oracle(data, queries, 7, "l2")
+    for i, q in enumerate(queries):
+        r = fronted.post("/v1/collections/f1/search", json={"vector": q.tolist(), "k": 7, "consistency": "session",
+                                                            "seq": seq})
+        assert r.status_code == 200, r.text
+        assert r.json()["ids"] == truth[i].tolist()
+        assert np.allclose(r.json()["distances"], distances[i], atol=1e-4)
+    batch = fronted.post("/v1/collections/f1/search", json={"vectors_b64": b64(queries), "k": 7})
+    assert batch.json()["ids"] == truth.tolist()
+    raw = fronted.post("/v1/collections/f1/search?k=7", content=queries[0].astype("<f4").tobytes(),
+                       headers={"Content-Type": "application/octet-stream"})
+    assert raw.json()["ids"] == truth[0].tolist()
+    filtered = fronted.post("/v1/collections/f1/search", json={"vector": queries[0].tolist(), "k": 3,
+                                                               "filter": {"i": int(truth[0][1])}})
+    assert filtered.json()["ids"] == [int(truth[0][1])]
+
+
+def test_errors_are_the_engines_own(fronted):
+    assert fronted.post("/v1/collections", json={"name": "f2", "dim": DIM}).status_code == 201
+    assert_problem(fronted.post("/v1/collections/f2/search", json={"vector": [1.0, 2.0]}), 422, "validation-error",
+                   "vector")
+    assert_problem(fronted.post("/v1/collections/none/search", json={"vector": [0.0] * DIM}), 404, "not-found")
+    assert_problem(fronted.post("/v1/collections/f2/search", json={"vector": [0.0] * DIM, "k": 0}), 422,
+                   "validation-error", "k")
+    assert_problem(fronted.put("/v1/collections/f2/points", json={"ids": [1, 1], "vectors": [[0.0] * DIM] * 2}),
+                   422, "validation-error", "ids")
+    raw = fronted.post("/v1/collections/f2/search", content=b"\x00" * 10,
+                       headers={"Content-Type": "application/octet-stream"})
+    assert_problem(raw, 422, "validation-error", "body")
+    no_key = httpx.post(f"{fronted.base_url}/v1/collections/f2/search", json={"vector": [0.0] * DIM})
+    assert_problem(no_key, 401, "unauthorized")
+    # nothing of the rejected writes was stored
+    assert fronted.get("/v1/collections/f2").json()["count"] == 0
+
+
+def test_concurrent_clients_share_one_engine(fronted):
+    data = clustered(400, DIM, seed=21)
+    assert fronted.post("/v1/collections", json={"name": "f3", "dim": DIM}).status_code == 201
+    seq = fronted.put("/v1/collections/f3/points", json={"ids": list(range(400)), "vectors": data.tolist()}).json()["seq"]
+    queries = clustered(64, DIM, seed=22)
+    truth, _ = oracle(data, queries, 5, "l2")
+
+    def search(i: int) -> list[int]:
+        r = fronted.post("/v1/collections/f3/search", json={"vector": queries[i].tolist(), "k": 5,
+                                                            "consistency": "session", "seq": seq})
+        assert r.status_code == 200, r.text
+        return r.json()["ids"]
+
+    with ThreadPoolExecutor(16) as pool:
+        found = list(pool.map(search, range(len(queries))))
+    assert found == truth.tolist()
+    replicas = fronted.get("/v1/collections/f3").json()["replication"]["replicas"]
+    assert len(replicas) == 1, replicas  # one resident copy, whatever the number of fronts
+    metrics = fronted.get("/metrics").text
+    line = next(l for l in metrics.splitlines() if l.startswith("switchyard_http_requests_total")
+                and 'route="/v1/collections/{name}/search"' in l and 'status="200"' in l)
+    assert float(line.rsplit(" ", 1)[1]) >= len(queries)
+
+
+def test_fronts_hold_no_data(fronted):
+    engine, fronts = service_processes(fronted)
+    assert len(fronts) == 2
+    before = [p.memory_info().rss for p in fronts]
+    data = clustered(20_000, 128, seed=31)
+    assert fronted.post("/v1/collections", json={"name": "f4", "dim": 128}).status_code == 201
+    engine_before = engine.memory_info().rss
+    for start in range(0, len(data), 2_000):
+        r = fronted.put("/v1/collections/f4/points", json={"ids": list(range(start, start + 2_000)),
+                                                           "vectors_b64": b64(data[start:start + 2_000])})
+        assert r.status_code == 200, r.text
+    after = [p.memory_info().rss for p in fronts]
+    # 20,000 x 128 float32 is 10 MB: the engine holds it, a front's memory stays where it was
+    assert engine.memory_info().rss - engine_before > 5e6
+    assert all(a - b < 5e6 for a, b in zip(after, before)), (before, after)
+
+
+async def _echo_server(path: Path) -> EngineServer:
+    async def echo(value: bytes, delay: float) -> bytes:
+        await asyncio.sleep(delay)
+        return value
+
+    async def fail() -> bytes:
+        raise ValueError("bad")
+
+    server = EngineServer(path, {"echo": echo, "fail": fail})
+    await server.start()
+    return server
+
+
+def test_engine_link_answers_out_of_order_and_reports_failures(tmp_path):
+    async def run() -> None:
+        server = await _echo_server(tmp_path / "e.sock")
+        client = EngineClient(tmp_path / "e.sock")
+        try:
+            slow = asyncio.create_task(client.call("echo", b"slow", 0.2))
+            fast = await client.call("echo", b"fast", 0.0)
+            assert fast == b"fast" and not slow.done()  # answers come back as they finish
+            assert await slow == b"slow"
+            big = np.arange(1_000_000, dtype=np.float32).tobytes()
+            assert await client.call("echo", big, 0.0) == big
+            assert await client.call("fail") is None  # a failure: the front replays through the full app
+            pending = asyncio.create_task(client.call("echo", b"late", 5.0))
+            await asyncio.sleep(0.05)
+            await server.stop()
+            with pytest.raises(EngineGone):
+                await pending
+            with pytest.raises(EngineGone):
+                await client.call("echo", b"x", 0.0)
+            server = await _echo_server(tmp_path / "e.sock")  # the engine is back: the client reconnects
+            assert await client.call("echo", b"again", 0.0) == b"again"
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+
+
+def test_fronts_stop_with_the_engine(tmp_path):
+    with local_service(1, tmp_path / "data", tmp_path / "serve.log", env={"SWITCHYARD_FRONTS": "1"}) as url:
+        with httpx.Client(base_url=url) as client:
+            engine, fronts = service_processes(client)
+        assert len(fronts) == 1
+        engine.send_signal(signal.SIGKILL)  # no clean shutdown: the fronts must not outlive it
+        deadline = time.monotonic() + 20
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in fronts):
+            assert time.monotonic() < deadline, "front processes outlived the engine"
+            time.sleep(0.2)
+    orphan = EmbeddedPostgres(tmp_path / "data" / "postgres")  # the killed engine's server: stop it
+    orphan.start()
+    orphan.stop()
