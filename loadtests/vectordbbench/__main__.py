@@ -62,6 +62,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--m", type=int, default=16)
     run.add_argument("--ef-construction", type=int, default=64)
     run.add_argument("--ef-search", type=int, default=64)
+    run.add_argument("--switchyard-ef-search", type=int, help=(
+        "Switchyard's search ef when it should differ from pgvector's (default --ef-search): the two HNSW "
+        "implementations reach different recall at the same ef, so a like-for-like run can match recall instead"))
+    run.add_argument("--switchyard-env", action="append", default=[], metavar="NAME=VALUE",
+                     help="a setting of the started service, e.g. SWITCHYARD_FRONTS=2 (with --start-service)")
     run.add_argument("--engine", choices=["auto", "cpu", "pgvector"], default="auto", help="Switchyard's search engine")
     run.add_argument("--switchyard-pgvector-index", choices=["hnsw", "none"], default="hnsw",
                      help="the pgvector index Switchyard keeps for fallback (built in its load time; default hnsw)")
@@ -132,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             data = prepare_dataset(args, scratch / "dataset")
             url = args.url
             if args.start_service:
+                env = dict(item.split("=", 1) for item in args.switchyard_env)
                 url = stack.enter_context(local_service(1, scratch / "switchyard", out / "logs" / "switchyard-serve.log",
-                                                        command=switchyard_command()))
+                                                        env=env, command=switchyard_command()))
                 print(f"switchyard serve at {url}", flush=True)
             dsn = args.pgvector_dsn
             if dsn is None:
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 "duration": args.duration, "insert_batch_size": args.insert_batch_size,
                 "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
                 "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
+                               "ef_search": args.switchyard_ef_search or args.ef_search, "env": args.switchyard_env,
                                "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key},
                 "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
             }

@@ -163,6 +163,10 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         "",
     ]
+    switchyard = plan.get("switchyard", {})
+    if switchyard.get("ef_search", hnsw["ef_search"]) != hnsw["ef_search"] or switchyard.get("env"):
+        lines += [f"Switchyard searched with ef={switchyard.get('ef_search', hnsw['ef_search'])}"
+                  + (f", service settings {', '.join(switchyard['env'])}" if switchyard.get("env") else "") + ".", ""]
     for name, entry in report["cases"].items():
         concs = plan["concurrencies"]
         lines += [f"## {name}", "",

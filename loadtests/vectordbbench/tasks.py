@@ -60,7 +60,7 @@ def build_tasks(plan: dict) -> list[TaskConfig]:
                              collection_name=plan["switchyard"]["collection_name"],
                              api_key=plan["switchyard"].get("api_key")),
             lambda: SwitchyardHNSWConfig(m=hnsw["m"], ef_construction=hnsw["ef_construction"],
-                                         ef_search=hnsw["ef_search"], engine=plan["switchyard"]["engine"],
+                                         ef_search=plan["switchyard"].get("ef_search", hnsw["ef_search"]), engine=plan["switchyard"]["engine"],
                                          pgvector_index=plan["switchyard"]["pgvector_index"]),
         ),
         DB.PgVector: (
