@@ -35,7 +35,8 @@ from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, Invalid
 from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
-from .store import Collection, CollectionStore, Commit
+from .group_commit import GroupCommit
+from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
 from .vectors import MAX_K, Points
 
 log = logging.getLogger("switchyard.vectors")
@@ -76,6 +77,7 @@ class CollectionManager:
         self.executors: dict[str, ThreadPoolExecutor] = {}  # searches and change applies
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
         self.resident: dict[str, Replica] = {}
+        self.write_groups: dict[str, GroupCommit] = {}  # concurrent small upserts, one transaction each group
         self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
         self.batchers: dict[str, MicroBatcher] = {}
@@ -193,6 +195,7 @@ class CollectionManager:
 
     def _forget(self, name: str) -> None:
         """Drop this process's cached definition and replica of a collection (dropped here or elsewhere)."""
+        self.write_groups.pop(name, None)
         self.catalog.pop(name, None)
         r = self.resident.pop(name, None)
         if r is not None:
@@ -290,6 +293,14 @@ class CollectionManager:
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
                                field="vectors")
+        if len(points.ids) > SMALL_WRITE_ROWS:
+            return await self._upsert_now(name, points)
+        group = self.write_groups.get(name)
+        if group is None:
+            group = self.write_groups[name] = GroupCommit(lambda merged: self._upsert_now(name, merged), SMALL_WRITE_ROWS)
+        return await group.upsert(points)
+
+    async def _upsert_now(self, name: str, points: Points) -> int:
         commit = await self._write(name, lambda c: self.store.upsert(c, points), lambda c, commit: (
             commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids, points.vectors)))
         return commit.seq
@@ -377,7 +388,8 @@ class CollectionManager:
 
     async def _rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
         """Rebuild now, through the collection's one rebuild slot: a rebuild already running that started before
-        this call is waited for, then another runs (it may be a background one that started meanwhile)."""
+        this call is waited for, then another runs (it may be a background one that started meanwhile) unless
+        the one waited for left nothing to compact."""
         asked = time.monotonic()
         while True:
             task = r.rebuild_task
@@ -389,6 +401,8 @@ class CollectionManager:
                 await asyncio.shield(task)
                 return
             await asyncio.gather(task, return_exceptions=True)
+            if r.index.compact:  # the rebuild that was running already covers every row (a bulk load's)
+                return
 
     def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
         async def rebuild() -> None:

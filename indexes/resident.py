@@ -191,6 +191,12 @@ class ResidentCollection:
     def config_for(self, n_rows: int) -> IndexConfig:
         return IndexConfig(resolve_type(self.index_type, n_rows), self.metric, self.dim, self.build_params)
 
+    @property
+    def compact(self) -> bool:
+        """A rebuild would change nothing: no dead rows, and every row in an index of the type `auto` picks."""
+        return (self.n_dead == 0 and self.delta_rows == 0 and self.index is not None
+                and self.index.config.index_type == self.config_for(self.count).index_type)
+
     def needs_rebuild(self) -> bool:
         """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type. Called on
         the event loop, so it takes no lock (it must never wait for a search): a heuristic over a few counters."""

@@ -1,0 +1,94 @@
+"""Group commit: concurrent small upserts share transactions, answer as if run one after another, and are
+acknowledged only once committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from helpers import wait_ready
+from indexes.group_commit import GroupCommit, merge
+from indexes.vectors import Points
+from vector_data import clustered
+
+
+def points(ids: list[int], value: float, payload: bytes | None = None) -> Points:
+    vectors = np.full((len(ids), 2), value, np.float32)
+    return Points(np.array(ids, np.int64), vectors, None if payload is None else [payload] * len(ids))
+
+
+def test_merge_keeps_the_last_version_of_each_id_in_arrival_order():
+    merged = merge([points([1, 2], 1.0), points([3, 1], 2.0, b'{"a":1}'), points([2], 3.0)])
+    assert merged.ids.tolist() == [3, 1, 2]
+    assert merged.vectors[:, 0].tolist() == [2.0, 2.0, 3.0]
+    assert merged.payloads == [b'{"a":1}', b'{"a":1}', None]
+    alone = points([5], 1.0)
+    assert merge([alone]) is alone
+
+
+def test_concurrent_upserts_share_a_write_and_failures_stay_their_own():
+    writes: list[list[int]] = []
+
+    async def write(p: Points) -> int:
+        await asyncio.sleep(0.01)  # the transaction: others queue meanwhile
+        if 666 in p.ids:
+            raise ValueError("bad row")
+        writes.append(p.ids.tolist())
+        return len(writes)
+
+    async def run() -> None:
+        group = GroupCommit(write, max_rows=5)
+        first = asyncio.create_task(group.upsert(points([0], 0.0)))
+        await asyncio.sleep(0)  # the first goes alone
+        rest = [asyncio.create_task(group.upsert(points([i], 0.0))) for i in range(1, 8)]
+        seqs = await asyncio.gather(first, *rest)
+        assert writes == [[0], [1, 2, 3, 4, 5], [6, 7]]  # at most max_rows rows a group, in arrival order
+        assert seqs == [1, 2, 2, 2, 2, 2, 3, 3]  # every request acknowledged with its group's commit
+        writes.clear()
+        good = asyncio.create_task(group.upsert(points([10], 0.0)))
+        await asyncio.sleep(0)
+        grouped = [asyncio.create_task(group.upsert(points([i], 0.0))) for i in (11, 666, 12)]
+        results = await asyncio.gather(good, *grouped, return_exceptions=True)
+        assert isinstance(results[2], ValueError)  # only the request with the bad row fails
+        assert [r for i, r in enumerate(results) if i != 2] == [1, 2, 3]
+        assert writes == [[10], [11], [12]]  # the failed group was retried one request at a time
+
+    asyncio.run(run())
+
+
+def test_service_groups_concurrent_upserts_and_stores_each_acknowledged_vector(client):
+    wait_ready(client)
+    dim = 8
+    assert client.post("/v1/collections", json={"name": "gc", "dim": dim}).status_code == 201
+    data = clustered(48, dim, seed=3)
+    answers: dict[int, dict] = {}
+    barrier = threading.Barrier(len(data))
+
+    def upsert(i: int) -> None:
+        barrier.wait()
+        r = client.put("/v1/collections/gc/points", json={"ids": [i], "vectors": [data[i].tolist()],
+                                                          "payloads": [{"i": i}]})
+        assert r.status_code == 200, r.text
+        answers[i] = r.json()
+
+    threads = [threading.Thread(target=upsert, args=(i,)) for i in range(len(data))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    group = client.app.state.switchyard.vectors.write_groups["gc"]
+    assert group.requests == len(data)
+    assert group.groups < len(data)  # some upserts shared a transaction
+    for i, answer in answers.items():  # read your write at the seq the ack gave, vector and payload
+        r = client.post("/v1/collections/gc/search", json={"vector": data[i].tolist(), "k": 1,
+                                                           "consistency": "session", "seq": answer["seq"],
+                                                           "filter": {"i": i}})
+        assert r.json()["ids"] == [i] and r.json()["distances"][0] == pytest.approx(0, abs=1e-2)
+    for engine in ("cpu", "pgvector"):
+        r = client.post("/v1/collections/gc/search", json={"vectors": data.tolist(), "k": 1, "engine": engine,
+                                                           "consistency": "strong"})
+        assert [ids[0] for ids in r.json()["ids"]] == list(range(len(data)))
+    assert client.get("/v1/collections/gc").json()["count"] == len(data)
