@@ -78,6 +78,7 @@ class CollectionManager:
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
         self.resident: dict[str, Replica] = {}
         self.write_groups: dict[str, GroupCommit] = {}  # concurrent small upserts, one transaction each group
+        self.fallback_builds: set[str] = set()  # collections whose pgvector index is being built in the background
         self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
         self.batchers: dict[str, MicroBatcher] = {}
@@ -226,7 +227,8 @@ class CollectionManager:
         if r is not None:
             engines.insert(0, r.index.backend.name)
             state = r.state()
-        state["pgvector_index"] = await pgvector_search.has_index(self.pool, c)
+        state["pgvector_index"] = "building" if name in self.fallback_builds else await pgvector_search.has_index(
+            self.pool, c)
         own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
         replication = await reports.gather(self.store, self.follower, c, own, verify)
         return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
@@ -348,7 +350,8 @@ class CollectionManager:
             return
         self._maybe_rebuild(r)
 
-    async def bulk_upsert(self, name: str, points: Points, progress: Progress, chunk: int = 20_000) -> dict[str, Any]:
+    async def bulk_upsert(self, name: str, points: Points, progress: Progress, chunk: int = 20_000,
+                          fallback: str = "background") -> dict[str, Any]:
         """A large load in committed chunks (each chunk acknowledged once committed), then index builds."""
         total = len(points.ids)
         done = 0
@@ -365,11 +368,15 @@ class CollectionManager:
         finally:
             if r is not None:
                 r.bulk_loading -= 1
-        built = await self.build(name, lambda _done, _total, message: progress(done, total, message))
+        built = await self.build(name, lambda _done, _total, message: progress(done, total, message), fallback)
         return {"upserted": done, **built}
 
-    async def build(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
-        """Compact and rebuild the resident index, and create the pgvector index if it is missing."""
+    async def build(self, name: str, progress: Progress | None = None, fallback: str = "background") -> dict[str, Any]:
+        """Compact and rebuild the resident index, and create the pgvector index if it is missing.
+
+        While a resident index serves, pgvector's is only the fallback: with `fallback="background"` it is built
+        after this returns, CONCURRENTLY (writes go on), and describe() says "building" meanwhile; "wait" builds
+        it before returning, as it always is when pgvector is the serving engine."""
         c = await self.collection(name)
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
@@ -379,12 +386,27 @@ class CollectionManager:
             await self._rebuild(r, lambda message: say(0, None, message))
             out["resident_build_s"] = round(time.perf_counter() - started, 3)
             out["resident_index"] = r.index.index.config.index_type if r.index.index is not None else None
-        if not await pgvector_search.has_index(self.pool, c):
-            say(0, None, "building the pgvector index")
-            started = time.perf_counter()
-            out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
-            out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
+        if name in self.fallback_builds or await pgvector_search.has_index(self.pool, c):
+            return out
+        if fallback == "background" and r is not None and r.loaded and r.index.index is not None:
+            out["pgvector_index"] = "building"
+            self.fallback_builds.add(name)
+            self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
+            return out
+        say(0, None, "building the pgvector index")
+        started = time.perf_counter()
+        out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
+        out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
         return out
+
+    async def _build_fallback(self, c: Collection) -> None:
+        started = time.perf_counter()
+        try:
+            await pgvector_search.build_index(self.pool, c, await self.store.count(c), concurrently=True)
+            log.info("collection %s: pgvector index built in the background in %.1f s", c.name,
+                     time.perf_counter() - started)
+        finally:
+            self.fallback_builds.discard(c.name)
 
     async def _rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
         """Rebuild now, through the collection's one rebuild slot: a rebuild already running that started before

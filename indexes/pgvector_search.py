@@ -49,8 +49,11 @@ def check_search_params(params: dict[str, Any] | None) -> dict[str, int]:
     return out
 
 
-async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int) -> str | None:
-    """Create the collection's pgvector index if it does not exist yet; returns its kind, or None."""
+async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrently: bool = False) -> str | None:
+    """Create the collection's pgvector index if it does not exist yet; returns its kind, or None.
+
+    `concurrently`: CREATE INDEX CONCURRENTLY, which lets writes go on meanwhile (a plain build holds them
+    for its whole length) at the price of a second pass over the table."""
     spec = c.pgvector_index or {"type": "hnsw", **INDEX_DEFAULTS["hnsw"]}
     kind = spec.get("type", "hnsw")
     if kind == "none":
@@ -64,16 +67,23 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int) -> str | N
     async with pool.acquire() as conn:
         # Builds go faster with more memory for the graph; this is local to the session.
         await conn.execute("SET maintenance_work_mem = '1GB'")
+        if await conn.fetchval(INVALID_INDEX, name):
+            await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
         await conn.execute(
-            f"CREATE INDEX IF NOT EXISTS {name} ON {c.table} USING {kind} (embedding {OPCLASSES[c.metric]}) "
-            f"WITH ({with_})"
+            f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS {name} ON {c.table} "
+            f"USING {kind} (embedding {OPCLASSES[c.metric]}) WITH ({with_})"
         )
         await conn.execute(f"ANALYZE {c.table}")
     return kind
 
 
+INVALID_INDEX = "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)"
+
+
 async def has_index(pool: asyncpg.Pool, c: Collection) -> bool:
-    return await pool.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{c.table}_ann")
+    """The index exists and is valid (a concurrent build under way, or one that failed, leaves an invalid one)."""
+    return bool(await pool.fetchval("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)",
+                                    f"{c.table}_ann"))
 
 
 async def search(pool: asyncpg.Pool, c: Collection, queries: np.ndarray, k: int, params: dict[str, int],

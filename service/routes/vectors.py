@@ -18,6 +18,9 @@ from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRe
 router = v1_router(tags=["vectors"])
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+FallbackBuild = Annotated[Literal["background", "wait"], Query(description=(
+    "When the collection has a resident index, its pgvector index (the fallback) is built after the job ends, "
+    "CONCURRENTLY, so writes go on (`background`), or before it ends (`wait`). Without one it is always waited for."))]
 CollectionName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$", description="Collection name.")]
 
 
@@ -148,12 +151,14 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
     openapi_extra=json_body(UpsertPoints, {ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
         "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")}}),
 )
-async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep) -> Any:
+async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep,
+                        pgvector: FallbackBuild = "background") -> Any:
     vectors = domain(runtime, "vectors")
     if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
         c = await vectors.collection(name)
         points = from_arrow_ipc(await request.body(), c.dim)
-        job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, points, progress))
+        job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(
+            name, points, progress, fallback=pgvector))
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
@@ -233,10 +238,11 @@ async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep)
 
 @router.post("/collections/{name}/build", status_code=202, summary="Rebuild (compact) the resident index and "
              "create the pgvector index, as a job")
-async def build(name: CollectionName, runtime: RuntimeDep, response: Response) -> JobAccepted:
+async def build(name: CollectionName, runtime: RuntimeDep, response: Response,
+                pgvector: FallbackBuild = "background") -> JobAccepted:
     vectors = domain(runtime, "vectors")
     await vectors.collection(name)  # 404 now rather than in the job
-    job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress))
+    job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress, fallback=pgvector))
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobAccepted(job=job.id, state=job.state, location=f"/v1/jobs/{job.id}")
 

@@ -1,10 +1,11 @@
-"""Group commit: concurrent small upserts share transactions, answer as if run one after another, and are
-acknowledged only once committed."""
+"""The write path's throughput features: group commit (concurrent small upserts share transactions, answer as if
+run one after another, acknowledged only once committed) and pgvector's fallback index built in the background."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,3 +93,28 @@ def test_service_groups_concurrent_upserts_and_stores_each_acknowledged_vector(c
                                                            "consistency": "strong"})
         assert [ids[0] for ids in r.json()["ids"]] == list(range(len(data)))
     assert client.get("/v1/collections/gc").json()["count"] == len(data)
+
+
+def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(client):
+    wait_ready(client)
+    dim = 8
+    assert client.post("/v1/collections", json={"name": "fb", "dim": dim, "index": {"type": "hnsw"}}).status_code == 201
+    data = clustered(3000, dim, seed=4)
+    assert client.put("/v1/collections/fb/points", json={"ids": list(range(3000)), "vectors": data.tolist()}).status_code == 200
+    job = client.post("/v1/collections/fb/build").json()
+    deadline = time.monotonic() + 60
+    while (state := client.get(job["location"]).json())["state"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert state["state"] == "succeeded", state
+    assert state["result"]["resident_index"] == "hnsw"
+    assert state["result"]["pgvector_index"] == "building" and "pgvector_build_s" not in state["result"]
+    # the job did not wait for pgvector's index; a write meanwhile is not held up by it
+    assert client.put("/v1/collections/fb/points", json={"ids": [5000], "vectors": [data[0].tolist()]}).status_code == 200
+    while client.get("/v1/collections/fb").json()["index_state"]["pgvector_index"] != True:  # noqa: E712
+        assert time.monotonic() < deadline, "the background pgvector index never became valid"
+        time.sleep(0.1)
+    r = client.post("/v1/collections/fb/search", json={"vector": data[7].tolist(), "k": 1, "engine": "pgvector"})
+    assert r.json()["ids"] == [7]
+    waited = client.post("/v1/collections/fb/build?pgvector=wait").json()  # nothing missing now: no pgvector step
+    assert waited["state"] in ("queued", "running", "succeeded")
