@@ -73,6 +73,22 @@ def _service_pids(service: Service) -> set[int]:
     return {root.pid, *(c.pid for c in root.children(recursive=True) if "postgres" not in c.name())}
 
 
+def process_memory(pids: set[int]) -> list[dict[str, Any]]:
+    """RSS of each of the service's processes, with its role (the engine, a front, or the fronts' supervisor)."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            process = psutil.Process(pid)
+            command, rss = " ".join(process.cmdline()), process.memory_info().rss
+        except psutil.Error:
+            continue
+        role = ("engine" if "service.cli" in command else "front" if "spawn_main" in command
+                else "fronts' supervisor" if "service.front" in command else "resource tracker"
+                if "resource_tracker" in command else command[:60])
+        out.append({"pid": pid, "role": role, "rss_mb": round(rss / 2**20, 1)})
+    return out
+
+
 def _postgres_pids(service: Service) -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"}
 
@@ -180,8 +196,7 @@ def run_set(n: int, dim: int, args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  upsert (json, 1 vector): {result['upsert']}", flush=True)
                 print("  QPS vs clients (JSON single-vector searches):", flush=True)
                 result["clients"] = qps_vs_clients(service, name, bodies(queries, "json"), args.clients, args.duration)
-            result["rss_mb"] = {p: round(psutil.Process(p).memory_info().rss / 2**20, 1)
-                                for p in _service_pids(service) if psutil.pid_exists(p)}
+            result["rss_mb"] = process_memory(_service_pids(service))
         finally:
             service.stop()
     faiss_us = result["faiss_in_process"]["cpu_us_per_search"]

@@ -44,14 +44,18 @@ class Rest:
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        return self.send(method, path, data, self.headers)
+
+    def send(self, method: str, path: str, data: bytes | None, headers: dict[str, str]) -> Any:
+        """One request with a body already encoded; the JSON answer."""
         try:
             conn = self._connection()
-            conn.request(method, path, data, self.headers)
+            conn.request(method, path, data, headers)
             response = conn.getresponse()
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
             # The server closed an idle keep-alive connection: once more on a new one.
             conn = self._connection(fresh=True)
-            conn.request(method, path, data, self.headers)
+            conn.request(method, path, data, headers)
             response = conn.getresponse()
         payload = response.read()
         if response.status >= 300:
