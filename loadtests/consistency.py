@@ -112,6 +112,9 @@ class History:
         last = [w for w in known if w.complete >= latest_invoke]
         if any(w.seq is None for w in last) and len({_effect(w, id_) for w in last}) > 1:
             return State("ambiguous")  # overlapping writes without a seq to order them
+        top = max(w.seq for w in last)
+        if len({_effect(w, id_) for w in last if w.seq == top}) > 1:
+            return State("ambiguous")  # one group commit carried both: the order they reached the server decided
         w = max(last, key=lambda w: (w.seq if w.seq is not None else -1, w.kind == "upsert"))
         kind, token = _effect(w, id_)
         return State(kind, token)

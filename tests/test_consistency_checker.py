@@ -63,6 +63,10 @@ def test_concurrency_leaves_outcomes_open():
     assert kinds(ops + [search(1, 4, 5, query=10, found=1, distance=2.0)]) == []  # token 10 is not the latest
     assert kinds([upsert(1, 0, 3, 9, token=11), delete(1, 1, 2, 7), search(1, 4, 5, query=11, found=None)]) == [
         "lost-write"]
+    # Overlapping upserts that one group commit carried share a seq: the server's order of arrival decided.
+    grouped = [upsert(1, 0, 3, 9, token=11), upsert(1, 1, 2, 9, token=10)]
+    assert kinds(grouped + [search(1, 4, 5, query=10, found=1)]) == []
+    assert kinds(grouped + [search(1, 4, 5, query=11, found=1, distance=2.0)]) == []  # holding token 10: no stale vector
 
 
 def test_levels_are_judged_by_their_own_promise():
