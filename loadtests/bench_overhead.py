@@ -10,7 +10,9 @@ ef_construction=64) bulk-loaded as an Arrow job, and the same FAISS HNSW built i
   encoding in turn (JSON floats, base64, raw float32): CPU of the service's processes per search, from /proc
   (user + system, every thread; with several workers all of them), and the same for single-vector upserts (the
   PostgreSQL server's CPU reported apart);
-- QPS and latency for 1-64 closed-loop clients (threads here, on the same cores as the server: said in the JSON).
+- QPS and latency for 1-64 closed-loop clients (threads here, on the same cores as the server: said in the JSON),
+  and single-vector upserts per second for 1-16 clients (concurrent small writes share transactions: group commit).
+Pass `--env SWITCHYARD_FRONTS=2` for the front/engine layout (each process's RSS is recorded with its role).
 Writes JSON and a PNG under loadtests/results/overhead/.
 """
 
@@ -133,8 +135,8 @@ def per_request_cpu(service: Service, path: str, requests: list[tuple[bytes, str
             "wall_us_per_request": round(elapsed / n * 1e6, 1), "requests": n}
 
 
-def qps_vs_clients(service: Service, name: str, requests: list[tuple[bytes, str]], clients: list[int],
-                   duration_s: float) -> list[dict[str, Any]]:
+def qps_vs_clients(service: Service, path: str, requests: list[tuple[bytes, str]], clients: list[int],
+                   duration_s: float, method: str = "POST") -> list[dict[str, Any]]:
     out = []
     for n in clients:
         def make(c: int) -> Callable[[int], int]:
@@ -142,11 +144,11 @@ def qps_vs_clients(service: Service, name: str, requests: list[tuple[bytes, str]
 
             def call(i: int) -> int:
                 body, ctype = requests[i % len(requests)]
-                conn.request("POST", f"/v1/collections/{name}/search", body, {"Content-Type": ctype})
+                conn.request(method, path, body, {"Content-Type": ctype})
                 response = conn.getresponse()
                 response.read()
                 if response.status != 200:
-                    raise RuntimeError(f"search: {response.status}")
+                    raise RuntimeError(f"{method} {path}: {response.status}")
                 return 1
 
             call.close = conn.close  # type: ignore[attr-defined]
@@ -195,7 +197,14 @@ def run_set(n: int, dim: int, args: argparse.Namespace) -> dict[str, Any]:
                 result["upsert"] = per_request_cpu(service, f"/v1/collections/{name}/points", upserts, method="PUT")
                 print(f"  upsert (json, 1 vector): {result['upsert']}", flush=True)
                 print("  QPS vs clients (JSON single-vector searches):", flush=True)
-                result["clients"] = qps_vs_clients(service, name, bodies(queries, "json"), args.clients, args.duration)
+                result["clients"] = qps_vs_clients(service, f"/v1/collections/{name}/search", bodies(queries, "json"),
+                                                   args.clients, args.duration)
+                # Concurrent single-vector upserts (new ids, so each is a real insert): what group commit is for.
+                print("  upserts per second vs clients (JSON, 1 vector each):", flush=True)
+                fresh = [(orjson.dumps({"ids": [20_000_000 + i], "vectors": [v.tolist()]}), "application/json")
+                         for i, v in enumerate(rng.standard_normal((50_000, dim)).astype(np.float32))]
+                result["upsert_clients"] = qps_vs_clients(service, f"/v1/collections/{name}/points", fresh,
+                                                          args.upsert_clients, args.duration, method="PUT")
             result["rss_mb"] = process_memory(_service_pids(service))
         finally:
             service.stop()
@@ -238,12 +247,14 @@ def main() -> None:
     parser.add_argument("--upserts", type=int, default=500)
     parser.add_argument("--encodings", default="json,b64,raw", help="search body encodings to measure")
     parser.add_argument("--clients", default="1,2,4,8,16,32,64")
+    parser.add_argument("--upsert-clients", default="1,4,16", help="clients for the upsert QPS runs")
     parser.add_argument("--duration", type=float, default=5)
     parser.add_argument("--workers", type=int, default=1, help="SWITCHYARD_WORKERS of the service")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="more service settings")
     args = parser.parse_args()
     args.encodings = args.encodings.split(",")
     args.clients = [int(c) for c in args.clients.split(",")]
+    args.upsert_clients = [int(c) for c in args.upsert_clients.split(",")]
     print(f"machine load before: {wait_for_quiet():.2f} cores busy", flush=True)
     sets = [run_set(*map(int, s.split("x")), args) for s in args.sets.split(",")]
     report = {"what": "server CPU per request vs in-process FAISS; QPS vs clients", "k": K, "ef": EF, "m": M,
