@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import pickle
 import struct
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-log = logging.getLogger("switchyard.engine")
 LENGTH = struct.Struct("!I")
 
 
