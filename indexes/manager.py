@@ -79,6 +79,7 @@ class CollectionManager:
         self.resident: dict[str, Replica] = {}
         self.write_groups: dict[str, GroupCommit] = {}  # concurrent small upserts, one transaction each group
         self.fallback_builds: set[str] = set()  # collections whose pgvector index is being built in the background
+        self._creating: set[str] = set()  # collections this process is creating: it registers their replicas
         self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
         self.batchers: dict[str, MicroBatcher] = {}
@@ -173,7 +174,11 @@ class CollectionManager:
             raise InvalidInput(f"must be one of {', '.join(INDEX_TYPES)}", field="index.type")
         params = check_params("build", index_type, index_params, "index.params")
         pg_index = pgvector_search.check_index(pgvector_index)
-        c = await self.store.create(name, dim, metric, index_type, params, pg_index)
+        self._creating.add(name)  # its own catalog notification may arrive first: that sync leaves it to us
+        try:
+            c = await self.store.create(name, dim, metric, index_type, params, pg_index)
+        finally:
+            self._creating.discard(name)
         self.catalog[name] = c
         if self.resident_kind is not None and c.id not in self.by_id:
             r = self._new_replica(c)
@@ -280,7 +285,7 @@ class CollectionManager:
                 self._forget(r.collection.name)
                 self.snapshots.remove(r.collection.id)
         for cid, c in current.items():
-            if cid not in self.by_id:
+            if cid not in self.by_id and c.name not in self._creating:
                 stale = self.catalog.get(c.name)
                 if stale is not None and stale.id != cid:
                     self._forget(c.name)

@@ -7,7 +7,8 @@ again. This pure ASGI layer answers well-formed, authorised requests of a declar
 directly, through the same functions the routes use (routes.vectors.run_search / run_upsert), and records the
 same metrics. Anything else, and any request that fails, goes through the full app, so every error (401, 413,
 422, 404, 503 ...) is produced by one code path, exactly as without the hot lane. Hot requests are access-logged
-only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE).
+only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE). LocalLane answers in this process; a front process's lane
+(service/front.py) parses here and lets the engine process answer.
 """
 
 from __future__ import annotations
