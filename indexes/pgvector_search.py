@@ -67,7 +67,7 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
     async with pool.acquire() as conn:
         # Builds go faster with more memory for the graph; this is local to the session.
         await conn.execute("SET maintenance_work_mem = '1GB'")
-        if await conn.fetchval(INVALID_INDEX, name):
+        if await conn.fetchval(INDEX_VALID, name) is False:
             await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
         await conn.execute(
             f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS {name} ON {c.table} "
@@ -77,13 +77,12 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
     return kind
 
 
-INVALID_INDEX = "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)"
+INDEX_VALID = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)"  # NULL: no such index
 
 
 async def has_index(pool: asyncpg.Pool, c: Collection) -> bool:
     """The index exists and is valid (a concurrent build under way, or one that failed, leaves an invalid one)."""
-    return bool(await pool.fetchval("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)",
-                                    f"{c.table}_ann"))
+    return bool(await pool.fetchval(INDEX_VALID, f"{c.table}_ann"))
 
 
 async def search(pool: asyncpg.Pool, c: Collection, queries: np.ndarray, k: int, params: dict[str, int],

@@ -26,19 +26,8 @@ class Points:
 
 
 def as_matrix(values: object, dim: int, field: str) -> np.ndarray:
-    """A (n, dim) finite float32 matrix from nested lists or an array."""
-    try:
-        matrix = np.asarray(values, dtype=np.float32)
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"must be a list of equal-length lists of numbers ({exc})", field=field) from None
-    if matrix.ndim == 1 and matrix.size == dim:
-        matrix = matrix.reshape(1, dim)
-    if matrix.ndim != 2:
-        raise InvalidInput("must be a list of vectors", field=field)
-    if matrix.shape[1] != dim:
-        raise InvalidInput(f"vectors have dimension {matrix.shape[1]}, the collection has {dim}", field=field)
-    check_finite(matrix, field)
-    return np.ascontiguousarray(matrix)
+    """A (n, dim) finite float32 matrix from nested lists or an array (one vector may come flat)."""
+    return fit_matrix(unshaped_matrix(values, field, one_of=dim), dim, field)
 
 
 def check_finite(matrix: np.ndarray, field: str) -> None:
@@ -51,12 +40,15 @@ def check_finite(matrix: np.ndarray, field: str) -> None:
         raise InvalidInput("vector values must be within +-1e15", field=field)
 
 
-def unshaped_matrix(values: object, field: str) -> np.ndarray:
-    """A finite float32 matrix from nested lists, checked as far as it can be before the dimension is known."""
+def unshaped_matrix(values: object, field: str, one_of: int | None = None) -> np.ndarray:
+    """A finite float32 matrix from nested lists, checked as far as it can be before the dimension is known
+    (`one_of`: a flat list of that many numbers is one vector)."""
     try:
         matrix = np.asarray(values, dtype=np.float32)
     except (ValueError, TypeError) as exc:
         raise InvalidInput(f"must be a list of equal-length lists of numbers ({exc})", field=field) from None
+    if matrix.ndim == 1 and one_of is not None and matrix.size == one_of:
+        matrix = matrix.reshape(1, one_of)
     if matrix.ndim != 2:
         raise InvalidInput("must be a list of vectors", field=field)
     check_finite(matrix, field)

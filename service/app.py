@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from . import __version__
 from .errors import install_error_handlers
 from . import access_log
-from .fastlane import LocalLane
+from .fastlane import HotLane, local_answer
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
 from .routes import engines, jobs, olap, ops, spatial, vectors
@@ -63,4 +63,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.access_log)
-    return LocalLane(app, settings, runtime)  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app
+    return HotLane(app, settings, local_answer(runtime))  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
-from .engine_link import EngineServer
+from .engine_link import EngineServer, Handler
 from .fastlane import observe_hot
 from .routes.vectors import answer_search, answer_upsert
-from .vector_requests import ParsedSearch, ParsedUpsert
 from .runtime import Runtime
 
 
 def engine_server(runtime: Runtime, path: Path) -> EngineServer:
-    async def search(name: str, parsed: ParsedSearch, front_s: float) -> bytes:
-        start = time.perf_counter()
-        answer = await answer_search(runtime, name, parsed)
-        observe_hot(runtime.metrics, True, front_s + time.perf_counter() - start)
-        return answer
+    def counted(answer: Callable[[Any, str, Any], Awaitable[bytes]], search: bool) -> Handler:
+        """Answer a parsed request, counted in the metrics with the time the front spent on it."""
+        async def handle(name: str, parsed: Any, front_s: float) -> bytes:
+            start = time.perf_counter()
+            body = await answer(runtime, name, parsed)
+            observe_hot(runtime.metrics, search, front_s + time.perf_counter() - start)
+            return body
 
-    async def upsert(name: str, parsed: ParsedUpsert, front_s: float) -> bytes:
-        start = time.perf_counter()
-        answer = await answer_upsert(runtime, name, parsed)
-        observe_hot(runtime.metrics, False, front_s + time.perf_counter() - start)
-        return answer
+        return handle
 
-    return EngineServer(path, {"search": search, "upsert": upsert})
+    return EngineServer(path, {"search": counted(answer_search, True), "upsert": counted(answer_upsert, False)})

@@ -34,11 +34,12 @@ def frame(message: object) -> bytes:
 
 
 class FrameProtocol(asyncio.Protocol):
-    """Cuts the byte stream into frames and hands each to `received` (a protocol, not streams: the hop is on
-    every hot request, and StreamReader's two awaits per frame cost more than this loop)."""
+    """Cuts the byte stream into frames and hands each message to `received` (a protocol, not streams: the hop
+    is on every hot request, and StreamReader's two awaits per frame cost more than this loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, received: Callable[[Any], None]) -> None:
         self.transport: asyncio.Transport | None = None
+        self.received = received
         self._buffer = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -56,9 +57,6 @@ class FrameProtocol(asyncio.Protocol):
             del buffer[:end]
             self.received(message)
 
-    def received(self, message: Any) -> None:
-        raise NotImplementedError
-
     def send(self, message: object) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame(message))
@@ -69,7 +67,7 @@ Handler = Callable[..., Awaitable[bytes]]
 
 class _EngineSide(FrameProtocol):
     def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task], links: set[_EngineSide]) -> None:
-        super().__init__()
+        super().__init__(self._request)
         self.handlers = handlers
         self.tasks = tasks
         self.links = links
@@ -81,7 +79,7 @@ class _EngineSide(FrameProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.links.discard(self)
 
-    def received(self, message: Any) -> None:
+    def _request(self, message: Any) -> None:
         rid, operation, args = message
         task = asyncio.ensure_future(self._answer(rid, operation, args))
         self.tasks.add(task)
@@ -126,11 +124,11 @@ class EngineServer:
 
 class _FrontSide(FrameProtocol):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(self._answered)
         self.pending: dict[int, asyncio.Future] = {}
         self.lost = False
 
-    def received(self, message: Any) -> None:
+    def _answered(self, message: Any) -> None:
         rid, answer = message
         future = self.pending.get(rid)
         if future is not None and not future.done():

@@ -7,7 +7,7 @@ again. This pure ASGI layer answers well-formed, authorised requests of a declar
 directly, through the same functions the routes use (routes.vectors.run_search / run_upsert), and records the
 same metrics. Anything else, and any request that fails, goes through the full app, so every error (401, 413,
 422, 404, 503 ...) is produced by one code path, exactly as without the hot lane. Hot requests are access-logged
-only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE). LocalLane answers in this process; a front process's lane
+only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE). local_answer answers in this process; a front process's lane
 (service/front.py) parses here and lets the engine process answer.
 """
 
@@ -18,6 +18,7 @@ import random
 import re
 import time
 from types import SimpleNamespace
+from typing import Awaitable, Callable
 
 from fastapi.exceptions import RequestValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,12 +37,20 @@ JSON = b"application/json"
 HEADERS = [(b"content-type", JSON)]
 
 
+# A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
+# or None when the request fails (the full app then answers it).
+Answer = Callable[[bool, str, bytes, str, str, float], Awaitable["bytes | None"]]
+# What parsing or answering a bad request raises: the full app formats each as its problem+json.
+REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
+
+
 class HotLane:
     """Picks out hot requests for `answer`; the app it wraps answers everything else, and any hot request that
     fails (replayed to it)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, answer: Answer) -> None:
         self.app = app
+        self.answer = answer
         self.max_body = settings.max_body_bytes
         self.sample = settings.access_log_sample
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
@@ -96,33 +105,23 @@ class HotLane:
         if self.sample and random.random() < self.sample:
             log_request(scope, 200, time.perf_counter() - start, sampled=True)
 
-    async def answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
-                     start: float) -> bytes | None:
-        """The JSON answer, or None when the request fails (the full app then answers it)."""
-        raise NotImplementedError
 
+def local_answer(runtime: object) -> Answer:
+    """Hot requests of a process that holds the engines: parsed and answered here."""
+    from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
 
-class LocalLane(HotLane):
-    """The hot lane of a process that holds the engines: parse and answer here."""
-
-    def __init__(self, app: ASGIApp, settings: Settings, runtime: object) -> None:
-        from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
-
-        super().__init__(app, settings)
-        self.runtime = runtime
-        self.search, self.upsert = run_search, run_upsert
-
-    async def answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
-                     start: float) -> bytes | None:
+    async def answer(search: bool, name: str, raw: bytes, media: str, query_string: str, start: float) -> bytes | None:
         try:
             if search:
-                answer = await self.search(self.runtime, name, raw, media, query_string)
+                body = await run_search(runtime, name, raw, media, query_string)
             else:
-                answer = await self.upsert(self.runtime, name, raw)
-        except (ProblemError, VectorError, RequestValidationError, ValueError):
+                body = await run_upsert(runtime, name, raw)
+        except REQUEST_ERRORS:
             return None
-        observe_hot(self.runtime.metrics, search, time.perf_counter() - start)
-        return answer
+        observe_hot(runtime.metrics, search, time.perf_counter() - start)
+        return body
+
+    return answer
 
 
 def observe_hot(metrics: object, search: bool, seconds: float) -> None:

@@ -14,15 +14,12 @@ from __future__ import annotations
 import time
 
 import httpx
-from fastapi.exceptions import RequestValidationError
 from starlette.types import Receive, Scope, Send
-
-from indexes.errors import VectorError
 
 from . import access_log
 from .engine_link import EngineClient, EngineGone
-from .errors import ProblemError, problem_response
-from .fastlane import HotLane
+from .errors import problem_response
+from .fastlane import REQUEST_ERRORS, HotLane
 from .vector_requests import parse_search, parse_upsert
 from .settings import Settings
 
@@ -79,7 +76,7 @@ class Front(HotLane):
     def __init__(self, settings: Settings) -> None:
         if settings.engine_http is None or settings.engine_socket is None:
             raise RuntimeError("a front process needs SWITCHYARD_ENGINE_HTTP and SWITCHYARD_ENGINE_SOCKET")
-        super().__init__(EngineProxy(str(settings.engine_http)), settings)
+        super().__init__(EngineProxy(str(settings.engine_http)), settings, self._answer)
         self.engine = EngineClient(settings.engine_socket)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,11 +99,11 @@ class Front(HotLane):
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
-                     start: float) -> bytes | None:
+    async def _answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
+                      start: float) -> bytes | None:
         try:
             parsed = parse_search(raw, media, query_string) if search else parse_upsert(raw)
-        except (ProblemError, VectorError, RequestValidationError, ValueError):
+        except REQUEST_ERRORS:
             return None  # the engine's full app answers the replay with the exact problem
         try:
             # The engine counts the request in its metrics, adding the time spent here.
