@@ -7,6 +7,7 @@ deletes, the exact delta and distance conversion live in indexes/resident.py, sh
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,6 +70,26 @@ def check_params(kind: str, index_type: str, given: dict[str, Any] | None, field
             raise InvalidInput(f"must be a number from {low:g} to {high:g}", field=f"{field}.{name}")
         out[name] = value if name == "refine_ratio" else int(value)
     return out
+
+
+def search_params(index_type: str, given: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """check_params for a search, as sorted (name, value) pairs (hashable: a micro-batching key), remembered per
+    parameter set: clients send the same few sets over and over, and checking them again cost microseconds per
+    search. Booleans bypass the memory (True == 1 as a key) and are refused by check_params."""
+    items = tuple(sorted(given.items())) if given else ()
+    if not any(isinstance(value, bool) for _, value in items):
+        try:
+            return _checked_search(index_type, items)
+        except TypeError:  # an unhashable value, which check_params refuses below
+            pass
+    return _check_search(index_type, items)
+
+
+def _check_search(index_type: str, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(check_params("search", index_type, dict(items), "params").items()))
+
+
+_checked_search = functools.lru_cache(maxsize=1024)(_check_search)
 
 
 def default_n_lists(n_rows: int) -> int:

@@ -53,6 +53,9 @@ class FaissIndex:
         self.config = config
         self.index = index
         self.threads = threads
+        # Unfiltered searches' parameter objects, per (k, params): FAISS only reads them, and making one cost
+        # more than a small search. Bounded: cleared when full.
+        self._unfiltered: dict[tuple, tuple[Any, int]] = {}
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None) -> "FaissIndex":
@@ -113,12 +116,18 @@ class FaissIndex:
 
     def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
                keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        selector = None
         bitmap = None  # a local: alive while FAISS reads it, and searches running side by side have their own
         if keep is not None:
             bitmap = np.packbits(keep[: self.size], bitorder="little")
-            selector = faiss.IDSelectorBitmap(bitmap)
-        search_params, kk = self._search_parameters(k, params, selector)
+            search_params, kk = self._search_parameters(k, params, faiss.IDSelectorBitmap(bitmap))
+        else:
+            key = (k, *sorted(params.items()))
+            cached = self._unfiltered.get(key)
+            if cached is None:
+                if len(self._unfiltered) >= 256:
+                    self._unfiltered.clear()
+                cached = self._unfiltered[key] = self._search_parameters(k, params, None)
+            search_params, kk = cached
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         _use_threads(len(queries), self.threads)
         if search_params is None:

@@ -28,7 +28,7 @@ import asyncpg
 import numpy as np
 
 from . import pgvector_search, reports, snapshots
-from .ann import INDEX_TYPES, check_params, resolve_type
+from .ann import INDEX_TYPES, check_params, resolve_type, search_params
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
@@ -529,12 +529,13 @@ class CollectionManager:
         index = r.index
         index_type = index.index.config.index_type if index.index is not None else resolve_type(
             r.collection.index_type, index.count)
-        checked = check_params("search", index_type, params, "params")
+        checked_items = search_params(index_type, params)
+        checked = dict(checked_items)
         if payload_filter:
             allowed = await self.store.ids_matching(r.collection, payload_filter)
             return await r.run(index.search, queries, k, checked, allowed)
         if single and len(queries) == 1:
-            key = (r.collection.name, k, tuple(sorted(checked.items())))
+            key = (r.collection.name, k, checked_items)
             ids, distances, watermark = await self.batchers[self._kind_of(r)].submit(key, queries[0])
             return SearchResult([ids], [distances], watermark)
         return await r.run(index.search, queries, k, checked, None)

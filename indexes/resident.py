@@ -270,12 +270,12 @@ class ResidentCollection:
                 scores, rows = self._exact_subset(q, k, np.flatnonzero(keep))
             else:
                 scores, rows = self._search_rows(q, k, params, keep)
-            ids = np.where(rows >= 0, self._ids[np.clip(rows, 0, self.n_rows - 1)], -1)
+            ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
         return _shape(ids, from_engine(np, scores, self.metric), watermark)
 
     def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         scores, local = exact_search(np, self._vectors[rows], q, k, self.metric)
-        return scores, np.where(local >= 0, rows[np.clip(local, 0, len(rows) - 1)], -1)
+        return scores, np.where(local >= 0, rows.take(local, mode="clip"), -1)
 
     def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any],
                      keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ from .errors import InvalidInput
 
 MAX_ID = 2**63 - 1
 MAX_K = 1000  # most neighbours one search may ask for
+MAX_VALUE = 1e15  # largest magnitude of a vector value (squared distances stay finite in float32)
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,15 @@ def as_matrix(values: object, dim: int, field: str) -> np.ndarray:
 
 
 def check_finite(matrix: np.ndarray, field: str) -> None:
+    # One pass for the common case: NaN fails the comparison too. Then, only for a bad matrix, which value.
+    if not matrix.size or float(np.abs(matrix).max()) <= MAX_VALUE:
+        return
     finite = np.isfinite(matrix)
     if not finite.all():
         row, col = map(int, np.argwhere(~finite)[0])
         raise InvalidInput(f"vector {row} has a non-finite value (NaN or Inf) at position {col}", field=f"{field}[{row}]")
     # float32 overflow: a finite float64 beyond 3.4e38 became inf above; values near it would overflow squared distances.
-    if matrix.size and float(np.abs(matrix).max()) > 1e15:
-        raise InvalidInput("vector values must be within +-1e15", field=field)
+    raise InvalidInput("vector values must be within +-1e15", field=field)
 
 
 def unshaped_matrix(values: object, field: str, one_of: int | None = None) -> np.ndarray:

@@ -59,6 +59,7 @@ class Metrics:
         )
 
         self._http_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._engine_children: dict[tuple[str, str, str, bool], tuple[Counter, Histogram]] = {}
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         """Count and time one HTTP request; label children are looked up once per label set (the hot lane's
@@ -83,8 +84,14 @@ class Metrics:
             self.observe(domain, engine, operation, time.perf_counter() - start, ok)
 
     def observe(self, domain: str, engine: str, operation: str, seconds: float, ok: bool) -> None:
-        self.engine_queries.labels(domain, engine, operation, "ok" if ok else "error").inc()
-        self.engine_latency.labels(domain, engine, operation).observe(seconds)
+        key = (domain, engine, operation, ok)
+        children = self._engine_children.get(key)
+        if children is None:
+            children = self._engine_children[key] = (
+                self.engine_queries.labels(domain, engine, operation, "ok" if ok else "error"),
+                self.engine_latency.labels(domain, engine, operation))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,7 @@ parses and answers in one go (routes/vectors.py). Light on purpose: front proces
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl
@@ -51,9 +52,12 @@ class SearchRequest(SearchOptions):
 RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq"}
 
 
+@functools.lru_cache(maxsize=1024)
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
     """Options of a raw float32 search from its query string: k, engine, consistency, seq, `batch=true` (answer
-    lists even for one vector); any other name is a search parameter (`ef=64`). Returns (options, batch)."""
+    lists even for one vector); any other name is a search parameter (`ef=64`). Returns (options, batch).
+    Remembered per query string (a client sends the same one with every vector); callers must not change the
+    options they get. Errors are not remembered: a bad query string is parsed, and refused, every time."""
     fields: dict[str, Any] = {}
     params: dict[str, float] = {}
     batch = False
