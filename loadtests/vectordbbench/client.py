@@ -68,7 +68,7 @@ class Switchyard(VectorDB):
     @contextmanager
     def init(self) -> Generator[None, None, None]:
         self.api = Rest(self.db_config["url"], self.db_config.get("api_key"), self.db_config.get("timeout_s", 3600))
-        self._raw_headers = {**self.api.headers, "Content-Type": "application/octet-stream"}
+        self._raw_headers = self.api.raw_headers
         try:
             yield
         finally:
