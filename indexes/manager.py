@@ -516,8 +516,11 @@ class CollectionManager:
                 self.observe(served, "search", time.perf_counter() - started, False)
                 if position + 1 == len(order):
                     raise EngineFailed(f"engine {choice} failed: {type(exc).__name__}: {exc}") from exc
-                log.warning("engine %s failed on %s, falling back: %s", choice, c.name, exc)
-                fallback = f"{choice} failed ({type(exc).__name__}: {exc}); served by {order[position + 1]}"
+                # The exception's text goes to the log, under an id the answer carries: never to clients.
+                error_id = uuid.uuid4().hex[:16]
+                log.warning("engine %s failed on %s (error id %s), falling back to %s", choice, c.name, error_id,
+                            order[position + 1], exc_info=exc)
+                fallback = f"the {served} engine failed (error id {error_id}); served by {order[position + 1]}"
                 continue
             took = time.perf_counter() - started
             self.observe(served, "search", took, True)

@@ -16,6 +16,8 @@ from .errors import InvalidInput
 
 MAX_ID = 2**63 - 1
 MAX_K = 1000  # most neighbours one search may ask for
+MAX_QUERIES = 10_000  # most query vectors in one search request, whatever their encoding
+MAX_RESULTS = 1_000_000  # most (query, neighbour) pairs one search may answer: queries x k
 MAX_VALUE = 1e15  # largest magnitude of a vector value (squared distances stay finite in float32)
 
 
@@ -29,6 +31,15 @@ class Points:
 def as_matrix(values: object, dim: int, field: str) -> np.ndarray:
     """A (n, dim) finite float32 matrix from nested lists or an array (one vector may come flat)."""
     return fit_matrix(unshaped_matrix(values, field, one_of=dim), dim, field)
+
+
+def check_batch(n_queries: int, k: int, field: str) -> None:
+    """Bound one search's work and answer size (200,000 queries at k=100 once built a 493 MB answer)."""
+    if n_queries > MAX_QUERIES:
+        raise InvalidInput(f"holds {n_queries:,} query vectors; at most {MAX_QUERIES:,} per request", field=field)
+    if n_queries * k > MAX_RESULTS:
+        raise InvalidInput(f"{n_queries:,} queries x k={k} asks for {n_queries * k:,} results; at most "
+                           f"{MAX_RESULTS:,} per request (send fewer queries or a smaller k)", field=field)
 
 
 def check_finite(matrix: np.ndarray, field: str) -> None:

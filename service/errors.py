@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from .database import database_unavailable
+
 log = logging.getLogger("switchyard.errors")
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
@@ -155,6 +157,29 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     return 503, "engine-failed", "Engine failed", {"Retry-After": "1"}
 
 
+def _log_failure(request: Request, exc: Exception, what: str = "engine failure") -> str:
+    error_id = uuid.uuid4().hex[:16]
+    log.error("%s %s on %s %s", what, error_id, request.method, request.url.path, exc_info=exc)
+    return error_id
+
+
+def _database_problem(request: Request, exc: Exception) -> Response:
+    """PostgreSQL is gone (killed, restarting, unreachable): 503 with Retry-After, never 500. Nothing was
+    acknowledged, so a retry is safe (writes are upserts and deletes by id)."""
+    runtime = getattr(request.app.state, "switchyard", None)
+    supervisor = getattr(runtime, "database", None)
+    retry_after = 2
+    if supervisor is not None:
+        supervisor.poke()
+        retry_after = supervisor.retry_after_s()
+    log.warning("database unavailable on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return problem_response(
+        503, "database-unavailable", "Database unavailable",
+        "PostgreSQL, the system of record, cannot be reached right now (it may be restarting); nothing was "
+        "changed by this request: retry after the time in Retry-After", instance=request.url.path,
+        headers={"Retry-After": str(retry_after)})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from indexes.errors import VectorError
     from olap.importer import SsbImportError
@@ -164,7 +189,14 @@ def install_error_handlers(app: FastAPI) -> None:
     from olap.sqlguard import SqlRejected
 
     async def _domain(request: Request, exc: Exception) -> Response:
+        if database_unavailable(exc):
+            return _database_problem(request, exc)
         status, slug, title, headers = _domain_problem(exc)
+        if slug == "engine-failed":  # the text is a library's exception: log it, give the client a stable message
+            error_id = _log_failure(request, exc)
+            return problem_response(status, slug, title, f"the engine failed on this request; quote error id "
+                                    f"{error_id} when reporting it", instance=request.url.path,
+                                    headers=headers or None, error_id=error_id)
         detail = getattr(exc, "detail", None) or str(exc)
         return problem_response(status, slug, title, detail, instance=request.url.path,
                                 field=getattr(exc, "field", None), headers=headers or None)
@@ -198,9 +230,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
+        if database_unavailable(exc):
+            return _database_problem(request, exc)
         # Never echo exception text: it can leak internals. Log it under an id the client can quote.
-        error_id = uuid.uuid4().hex[:16]
-        log.exception("internal error %s on %s %s", error_id, request.method, request.url.path)
+        error_id = _log_failure(request, exc, "internal error")
         return problem_response(
             500, "internal-error", "Internal server error",
             f"the server failed to handle this request; quote error id {error_id} when reporting it",

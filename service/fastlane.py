@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Awaitable, Callable
 
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from indexes.errors import VectorError
@@ -94,8 +95,12 @@ class HotLane:
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
-        answer = await self.answer(search, match.group(1), raw, media.decode(), scope["query_string"].decode("latin-1"),
-                                   start)
+        try:
+            answer = await self.answer(search, match.group(1), raw, media.decode(),
+                                       scope["query_string"].decode("latin-1"), start)
+        except Exception as exc:  # noqa: BLE001 - past the point where a replay is safe: the app's handler answers
+            await self._answer_failure(scope, receive, send, exc)
+            return
         if answer is None:
             await self.app(scope, _replay(raw), send)  # the full app formats the error (and counts it)
             return
@@ -104,6 +109,18 @@ class HotLane:
         await send({"type": "http.response.body", "body": answer})
         if self.sample and random.random() < self.sample:
             log_request(scope, 200, time.perf_counter() - start, sampled=True)
+
+
+    async def _answer_failure(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+        """Answer as the full app's exception handlers do (problem+json; 503 for a database that is gone; 500 with
+        an error id for the unexpected), without running the request again: a write may have reached PostgreSQL
+        before it failed."""
+        handlers = getattr(self.app, "exception_handlers", {})
+        handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
+        if handler is None:
+            raise exc
+        response = await handler(Request({**scope, "app": self.app}), exc)
+        await response(scope, receive, send)
 
 
 def local_answer(runtime: object) -> Answer:

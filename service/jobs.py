@@ -22,6 +22,27 @@ Progress = Callable[[int, int | None, str], None]
 FLUSH_EVERY_S = 0.5
 
 
+def failure_message(job: "Job", exc: Exception) -> str:
+    """What a failed job tells its client: the reason when it is one of ours (bad input found while loading), else
+    a stable message with an error id; a library's exception text goes only to the log."""
+    from indexes.errors import EngineFailed, VectorError
+    from olap.importer import SsbImportError
+    from olap.queries import QueryParamError
+    from spatial.geoarrow import GeometryError
+
+    from .database import database_unavailable
+
+    if isinstance(exc, (VectorError, SsbImportError, QueryParamError, GeometryError)) \
+            and not isinstance(exc, EngineFailed):
+        log.warning("job %s (%s) failed: %s", job.id, job.kind, exc)
+        return str(getattr(exc, "detail", exc))
+    error_id = uuid.uuid4().hex[:16]
+    log.error("job %s (%s) failed (error id %s)", job.id, job.kind, error_id, exc_info=exc)
+    if database_unavailable(exc):
+        return f"PostgreSQL became unavailable while the job ran; nothing past its last commit was kept (error id {error_id})"
+    return f"the job failed; quote error id {error_id} when reporting it (the service's log has the cause)"
+
+
 @dataclass
 class Job:
     id: str
@@ -89,8 +110,7 @@ class JobRunner:
             job.state, job.message = "failed", "cancelled: the service is stopping"
             raise
         except Exception as exc:  # noqa: BLE001 - recorded on the job, which is what the client watches
-            log.exception("job %s (%s) failed", job.id, job.kind)
-            job.state, job.message = "failed", f"{type(exc).__name__}: {getattr(exc, 'detail', exc)}"
+            job.state, job.message = "failed", failure_message(job, exc)
         finally:
             job.updated_at = time.time()
             try:

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastapi import HTTPException
 
 from .errors import problem_response
+
+
+# The routes that take bulk loads, with the media type that makes a body one: only these get the bulk limit.
+# Going by route, not by the Content-Type alone: an Arrow content type on any other route once lifted its limit.
+BULK_ROUTES = (
+    ("PUT", re.compile(r"^/v1/collections/[^/]+/points$"), b"application/vnd.apache.arrow.stream"),
+)
+
+
+def is_bulk(method: str, path: str, content_type: bytes) -> bool:
+    media = content_type.split(b";")[0].strip().lower()
+    return any(method == m and pattern.match(path) and media == bulk_media for m, pattern, bulk_media in BULK_ROUTES)
 
 
 class BodySizeLimitMiddleware:
@@ -32,8 +46,8 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
-        # Bulk loads (Arrow IPC streams) have their own, larger limit.
-        bulk = headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/vnd.apache.arrow.stream"
+        # Bulk loads (Arrow IPC streams to a collection's points) have their own, larger limit.
+        bulk = is_bulk(scope["method"], scope["path"], headers.get(b"content-type", b""))
         limit = self.max_bulk_bytes if bulk else self.max_body_bytes
         try:
             declared = int(headers.get(b"content-length", b"-1"))
@@ -52,7 +66,8 @@ class BodySizeLimitMiddleware:
                 received += len(message.get("body", b""))
                 if received > limit:
                     # An HTTPException, because FastAPI re-raises those from body parsing (others become 400).
-                    raise HTTPException(413, f"the body exceeds the limit of {limit} bytes (SWITCHYARD_MAX_BODY_BYTES)")
+                    setting = "SWITCHYARD_MAX_BULK_BYTES" if bulk else "SWITCHYARD_MAX_BODY_BYTES"
+                    raise HTTPException(413, f"the body exceeds the limit of {limit} bytes ({setting})")
             return message
 
         await self.app(scope, counting_receive, send)

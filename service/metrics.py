@@ -50,6 +50,14 @@ class Metrics:
             ["domain", "engine", "kind"], registry=self.registry,
         )
 
+        self.database_up = Gauge("switchyard_database_up", "1 while PostgreSQL answers.", registry=self.registry)
+        self.database_reconnects = Counter(
+            "switchyard_database_reconnects_total", "Times PostgreSQL answered again after being unreachable.",
+            registry=self.registry)
+        self.database_restarts = Counter(
+            "switchyard_database_restarts_total", "Restarts of the embedded PostgreSQL after it died.",
+            registry=self.registry)
+
         self.replication_lag = Histogram(
             "switchyard_replication_lag_seconds",
             "From a commit in PostgreSQL to its change applied in this process's resident replica "

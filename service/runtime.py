@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import asyncpg
 
-from .database import EmbeddedPostgres, connect, open_pool, server_facts
+from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
 from olap.manager import OlapManager
@@ -26,6 +26,7 @@ from .jobs import JobRunner
 from .metrics import Metrics, ReplicationTrace
 from .migrate import apply_migrations, load_migrations
 from .settings import Settings
+from .supervisor import DatabaseSupervisor
 
 log = logging.getLogger("switchyard")
 
@@ -41,6 +42,7 @@ class Runtime:
         self.embedded: EmbeddedPostgres | None = None
         self.dsn: str | None = None
         self.pool: asyncpg.Pool | None = None
+        self.database: DatabaseSupervisor | None = None
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None
         self.olap: OlapManager | None = None
@@ -48,6 +50,7 @@ class Runtime:
         self.postgres_version: str | None = None
         self.latest_migration = max((m.version for m in load_migrations()), default=0)
         self._engines_task: asyncio.Task[None] | None = None
+        self._restarts_counted = 0
         self.trace: ReplicationTrace | None = None
 
     async def start(self) -> None:
@@ -70,6 +73,12 @@ class Runtime:
             self.pool = await open_pool(
                 self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s
             )
+            self.database = DatabaseSupervisor(
+                self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.db_command_timeout_s),
+                interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
+                max_restarts=s.db_max_restarts, on_change=self._database_changed)
+            self.database.start()
+            self.metrics.database_up.set(1)
             self.registry.probe(self.postgres_version, extensions)
             self.jobs = JobRunner(self.pool)
             if interrupted := await self.jobs.recover():
@@ -97,6 +106,14 @@ class Runtime:
             self.phase = "failed"
             await self._release()
             raise
+
+    def _database_changed(self, up: bool) -> None:
+        self.metrics.database_up.set(1 if up else 0)
+        if up:
+            self.metrics.database_reconnects.inc()
+        restarts = self.database.restarts if self.database is not None else 0
+        self.metrics.database_restarts.inc(max(0, restarts - self._restarts_counted))
+        self._restarts_counted = restarts
 
     def _applied(self, collection_id: int, seq: int, committed_at: float | None) -> None:
         """A replica here applied a commit: its lag (when the commit time is known) and the trace, if asked for."""
@@ -131,6 +148,8 @@ class Runtime:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self.database is not None:
+            await self.database.stop()  # no restarts of a server that is being stopped
         if self.jobs is not None:
             await self.jobs.stop()
             self.jobs = None
@@ -150,6 +169,7 @@ class Runtime:
         if self.pool is not None:
             await self.pool.close()
             self.pool = None
+            self.database = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
             self.embedded = None
@@ -158,6 +178,11 @@ class Runtime:
         """Ready when the database answers, every migration is applied and the engines are loaded."""
         checks: dict[str, Any] = {"phase": self.phase}
         if self.phase != "running" or self.pool is None:
+            return False, checks
+        if self.database is not None and not self.database.up:
+            checks["database"] = self.database.describe()
+            checks["migrations"] = "unknown"
+            checks["engines"] = "ok" if self.registry.ready else "loading"
             return False, checks
         try:
             async with asyncio.timeout(self.settings.readiness_timeout_s):

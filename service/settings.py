@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     db_pool_max: int = Field(default=10, ge=1)
     db_connect_timeout_s: float = Field(default=30.0, gt=0)
     db_command_timeout_s: float = Field(default=300.0, gt=0)
+    db_check_interval_s: float = Field(default=1.0, gt=0, le=60, description=(
+        "How often the service checks that PostgreSQL answers (at once when a request saw it gone)."))
+    db_max_restarts: int = Field(default=10, ge=0, le=1000, description=(
+        "Restarts in a row of a dead embedded PostgreSQL before the service stops trying (0: never restart it)."))
     readiness_timeout_s: float = Field(default=2.0, gt=0, description="How long /readyz waits for the database.")
     ssb_import_dir: Path | None = Field(default=None, description=(
         "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))

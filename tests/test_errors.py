@@ -90,3 +90,28 @@ def test_internal_error_is_500_problem_without_leaking(echo_client):
     assert len(body["error_id"]) == 16 and body["error_id"] in body["detail"]
     # The process is still serving.
     assert echo_client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/echo"), ("POST", "/v1/collections/c/search"),
+                                          ("PUT", "/v1/spatial/layers/x"), ("POST", "/v1/collections/c/points/delete")])
+def test_a_bulk_content_type_lifts_no_limit_outside_bulk_routes(make_client, method, path):
+    client = make_client(raise_server_exceptions=False, max_body_bytes=4096, max_bulk_bytes=1 << 20)
+    r = client.request(method, path, content=b"\0" * 10_000,
+                       headers={"content-type": "application/vnd.apache.arrow.stream"})
+    assert_problem(r, 413, "payload-too-large")
+
+
+def test_bulk_routes_take_the_bulk_limit(make_client):
+    from helpers import wait_ready
+
+    client = make_client(raise_server_exceptions=False, max_body_bytes=4096, max_bulk_bytes=1 << 20)
+    wait_ready(client)
+    client.post("/v1/collections", json={"name": "bulky", "dim": 4})
+    # Over the body limit, within the bulk one: past the size check (not Arrow, so refused as a bad stream).
+    r = client.put("/v1/collections/bulky/points", content=b"\0" * 10_000,
+                   headers={"content-type": "application/vnd.apache.arrow.stream"})
+    assert r.status_code == 422, r.text
+    r = client.put("/v1/collections/bulky/points", content=b"\0" * (2 << 20),
+                   headers={"content-type": "application/vnd.apache.arrow.stream"})
+    body = assert_problem(r, 413, "payload-too-large")
+    assert "SWITCHYARD_MAX_BULK_BYTES" in body["detail"]

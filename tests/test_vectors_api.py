@@ -239,6 +239,29 @@ def test_bad_raw_searches_are_422_naming_the_field(client, col, query, body, fie
     assert state(client, col) == before
 
 
+@pytest.mark.parametrize("encoding", ["raw", "b64", "json"])
+@pytest.mark.parametrize("rows, k, limit", [(10_001, 1, "at most 10,000"), (2_000, 501, "at most 1,000,000")])
+def test_search_batches_are_capped_in_every_encoding(client, col, encoding, rows, k, limit):
+    queries = np.zeros((rows, DIM), dtype=np.float32)
+    if encoding == "raw":
+        r = client.post(f"/v1/collections/{col}/search?k={k}&batch=true", content=raw(queries),
+                        headers={"content-type": "application/octet-stream"})
+        field = "body"
+    elif encoding == "b64":
+        r = client.post(f"/v1/collections/{col}/search", json={"vectors_b64": b64(queries), "k": k})
+        field = "vectors_b64"
+    else:
+        r = client.post(f"/v1/collections/{col}/search", json={"vectors": queries.tolist(), "k": k})
+        field = "vectors"
+    if encoding == "json" and rows > 10_000:
+        assert_problem(r, 422, "validation-error", field="vectors")  # the schema's own max_length
+        return
+    body = assert_problem(r, 422, "validation-error", field=field)
+    assert limit in body["detail"]
+    r = client.post(f"/v1/collections/{col}/search", json={"vectors_b64": b64(queries[:100]), "k": 10})
+    assert r.status_code == 200 and len(r.json()["ids"]) == 100  # within the caps
+
+
 def test_hot_routes_keep_auth_limits_and_metrics(make_client):
     key = "s3cret-key-for-tests"
     client = make_client(api_key=key, max_body_bytes=4096)

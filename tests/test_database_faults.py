@@ -1,0 +1,98 @@
+"""PostgreSQL killed under traffic: the service restarts its embedded server and is ready again by itself, answers
+503 database-unavailable with Retry-After meanwhile (never 500), and loses no acknowledged write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from loadtests.processes import local_service
+
+DIM = 8
+
+
+def vector_of(i: int) -> list[float]:
+    return np.random.default_rng(i).standard_normal(DIM).astype(np.float32).tolist()
+
+
+def postmaster_pid(pgdata) -> int:
+    return int((pgdata / "postmaster.pid").read_text().split("\n", 1)[0])
+
+
+@pytest.mark.timeout(240)
+def test_killed_postgres_comes_back_and_no_acknowledged_write_is_lost(tmp_path):
+    data = tmp_path / "data"
+    with local_service(1, data, tmp_path / "serve.log") as url:
+        client = httpx.Client(base_url=url, timeout=30)
+        assert client.post("/v1/collections", json={"name": "faults", "dim": DIM}).status_code == 201
+        stop = threading.Event()
+        acked: list[int] = []
+        answers: list[tuple[str, int, dict]] = []
+        lock = threading.Lock()
+
+        def writer(first: int) -> None:
+            with httpx.Client(base_url=url, timeout=30) as c:
+                i = first
+                while not stop.is_set():
+                    r = c.put("/v1/collections/faults/points", json={"ids": [i], "vectors": [vector_of(i)]})
+                    with lock:
+                        answers.append(("upsert", r.status_code, dict(r.headers)))
+                        if r.status_code == 200:
+                            acked.append(i)
+                    i += 2
+
+        def searcher() -> None:
+            with httpx.Client(base_url=url, timeout=30) as c:
+                while not stop.is_set():
+                    r = c.post("/v1/collections/faults/search", json={"vector": vector_of(0), "k": 3})
+                    with lock:
+                        answers.append(("search", r.status_code, dict(r.headers)))
+
+        threads = [threading.Thread(target=writer, args=(n,)) for n in (0, 1)] + [threading.Thread(target=searcher)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.5)
+            before = len(acked)
+            assert before > 0
+            os.kill(postmaster_pid(data / "postgres"), signal.SIGKILL)
+            killed = time.monotonic()
+            time.sleep(0.3)
+            while client.get("/readyz").status_code != 200:
+                assert time.monotonic() - killed < 30, "not ready again within 30 s of the kill"
+                time.sleep(0.2)
+            ready_after = time.monotonic() - killed
+            acked_when_ready = len(acked)
+            deadline = time.monotonic() + 20
+            while len(acked) < acked_when_ready + 20:  # writes go on after the restart
+                assert time.monotonic() < deadline, "no writes acknowledged after the restart"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        print(f"ready again {ready_after:.1f} s after the kill; {len(acked)} writes acknowledged")
+
+        statuses = {status for _, status, _ in answers}
+        assert statuses <= {200, 503}, f"unexpected statuses {statuses}"
+        for kind, status, headers in answers:
+            if status == 503:
+                assert "retry-after" in headers, kind
+        problem = client.get("/readyz").json()
+        assert problem["checks"]["database"] == "ok"
+
+        # Every acknowledged id is in PostgreSQL (pgvector answers from it) and in the resident index.
+        vectors = [vector_of(i) for i in acked]
+        for engine in ("pgvector", "cpu"):
+            r = client.post("/v1/collections/faults/search", json={"vectors": vectors, "k": 1, "engine": engine,
+                                                                   "consistency": "strong"})
+            assert r.status_code == 200, r.text
+            assert [ids[0] for ids in r.json()["ids"]] == acked, engine
+        metrics = client.get("/metrics").text
+        assert "switchyard_database_reconnects_total 1.0" in metrics
