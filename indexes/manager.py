@@ -568,7 +568,7 @@ class CollectionManager:
             ids, data = await r.run(r.index.live)
         else:
             ids, vectors = await self.store.rows(c)
-            data = prepare(np, vectors, c.metric)
+            data = await asyncio.to_thread(prepare, np, vectors, c.metric)
         if len(ids) == 0:
             raise InvalidInput("the collection is empty", field="collection")
         if queries is None:
@@ -577,7 +577,9 @@ class CollectionManager:
             queries = data[np.sort(picked)]
         if queries.shape[1] != c.dim:
             raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}", field="queries")
-        truth_scores, truth_rows = exact_search(np, data, prepare(np, queries, c.metric), k, c.metric)
+        # Exact search over every row: seconds of CPU for large collections, so off the event loop.
+        truth_scores, truth_rows = await asyncio.to_thread(exact_search, np, data, prepare(np, queries, c.metric), k,
+                                                           c.metric)
         # The same replica state the exact answer came from: no catch-up in between.
         answer = await self.search(name, queries, k, engine, params, consistency="eventually")
         truth_d = from_engine(np, truth_scores, c.metric)

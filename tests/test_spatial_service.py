@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -146,6 +147,24 @@ def test_geoparquet_upload(app):
     app.post("/v1/spatial/layers", json={"name": "sq", "kind": "polygons", "geojson": polys})
     body = app.post("/v1/spatial/joins/point-in-polygon", json={"points": "gp", "polygons": "sq", "mode": "pairs"}).json()
     assert {p[0] for p in body["pairs"]} == {1000 + i for i, _ in oracle_pairs(lon, lat, polys)}
+
+
+def test_a_geoparquet_bomb_is_refused_from_its_metadata(app):
+    from spatial.layers import MAX_UPLOAD_ROWS
+
+    # One repeated point compresses to a few KB however many rows there are.
+    rows = MAX_UPLOAD_ROWS + 1
+    table = pa.table({"geometry": pa.array([shapely.to_wkb(shapely.Point(1, 2))] * rows, pa.binary())})
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    assert len(sink.getvalue()) < 1 << 20
+    started = time.monotonic()
+    r = app.put("/v1/spatial/layers/bomb?kind=points", content=sink.getvalue(),
+                headers={"content-type": "application/vnd.apache.parquet"})
+    body = assert_problem(r, 422, "validation-error", "body")
+    assert f"at most {MAX_UPLOAD_ROWS:,}" in body["detail"]
+    assert time.monotonic() - started < 5  # refused from the metadata, never decoded
+    assert app.get("/v1/spatial/layers").status_code == 200
 
 
 def test_layers_survive_a_restart(make_settings, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import Path, Query, Request, Response
@@ -77,9 +78,12 @@ async def upload_layer(request: Request, runtime: RuntimeDep, name: str = LayerN
     from spatial.geoarrow import polygons_from_shapely
     from spatial.layers import Layer, _ids, points_from_shapes, shapes_from_geoparquet
 
-    geoms, ids = shapes_from_geoparquet(await request.body())
-    geometry = points_from_shapes(geoms, "geometry") if kind == "points" else polygons_from_shapely(geoms, "geometry")
-    layer = Layer(name, kind, _ids(ids, len(geoms)), geometry)
+    def decode(data: bytes) -> Layer:  # CPU work of up to seconds: off the event loop
+        geoms, ids = shapes_from_geoparquet(data)
+        geometry = points_from_shapes(geoms, "geometry") if kind == "points" else polygons_from_shapely(geoms, "geometry")
+        return Layer(name, kind, _ids(ids, len(geoms)), geometry)
+
+    layer = await asyncio.to_thread(decode, await request.body())
     await domain(runtime, "spatial").create(layer)
     return LayerOut(name=name, kind=kind, count=len(layer))
 
