@@ -2,8 +2,9 @@
 
 The statement is parsed by DuckDB's parser (a PostgreSQL dialect) and its syntax tree walked:
 - exactly one statement, and it is a SELECT (WITH ... SELECT included);
-- every table it reads is one of the SSB tables or a CTE of the query itself, unqualified (no schema or catalog,
-  so no pg_catalog, information_schema or attached databases);
+- every table it reads is one of the SSB tables or a CTE of the query itself defined before the read (a CTE's
+  own body cannot vouch for a table of its name), unqualified (no schema or catalog, so no pg_catalog,
+  information_schema or attached databases); no WITH RECURSIVE;
 - no table functions (read_csv, read_parquet, glob, generate_series ...), no functions outside an allowlist of
   plain SQL arithmetic, string, aggregate and window functions (so no pg_read_file, current_setting, set_config,
   getenv ...), and casts only to plain built-in types (no regclass and friends).
@@ -99,11 +100,15 @@ def _walk(node: Any, ctes: set[str]) -> None:
         return
     if not isinstance(node, dict):
         return
-    # CTE names are tables the query defines itself; they are in scope for the whole statement.
+    if node.get("type") == "RECURSIVE_CTE_NODE":
+        raise SqlRejected("recursive queries (WITH RECURSIVE) are not allowed")
+    # CTE names are tables the query defines itself. A CTE's body sees only the CTEs before it: inside
+    # `pg_roles AS (SELECT * FROM pg_roles)` the table read is the catalog's, so a CTE must not vouch for it.
     cte_map = node.get("cte_map")
     if isinstance(cte_map, dict):
         for entry in cte_map.get("map", []):
             if isinstance(entry, dict) and "key" in entry:
+                _walk(entry.get("value"), ctes)
                 ctes = ctes | {str(entry["key"]).lower()}
     kind = node.get("type")
     if kind == "BASE_TABLE":
@@ -115,7 +120,7 @@ def _walk(node: Any, ctes: set[str]) -> None:
     if node.get("class") == "TYPE":
         _check_type(node)
     for key, value in node.items():
-        if key not in ("qualified_name",):
+        if key not in ("qualified_name", "cte_map"):  # the CTE bodies were walked above, each in its own scope
             _walk(value, ctes)
 
 

@@ -187,6 +187,32 @@ def test_adhoc_sql_cannot_read_a_host_file(app, tmp_path, engine, attack):
     assert "CANARY" not in r.text
 
 
+CATALOG_READS = [
+    "WITH pg_roles AS (SELECT * FROM pg_roles) SELECT rolname, rolsuper FROM pg_roles",
+    "WITH pg_settings AS (SELECT * FROM pg_settings) SELECT name, setting FROM pg_settings",
+    "WITH a AS (SELECT 1 AS one), pg_roles AS (SELECT * FROM pg_roles, a) SELECT rolname FROM pg_roles",
+    "WITH x AS (WITH pg_roles AS (SELECT * FROM pg_roles) SELECT * FROM pg_roles) SELECT * FROM x",
+    "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r",
+]
+
+
+@pytest.mark.parametrize("engine", ["cpu", "postgres"])
+@pytest.mark.parametrize("sql", CATALOG_READS)
+def test_a_cte_cannot_vouch_for_a_table_of_its_own_name(app, engine, sql):
+    r = app.post("/v1/olap/sql", json={"sql": sql, "engine": engine})
+    assert_problem(r, 422, "sql-rejected", "sql")
+
+
+def test_ctes_read_earlier_ctes_and_shadow_names(app):
+    sql = ("WITH a AS (SELECT lo_quantity AS q FROM lineorder), pg_roles AS (SELECT q FROM a) "
+           "SELECT count(*) AS n FROM pg_roles")
+    want = app.post("/v1/olap/sql", json={"sql": "SELECT count(*) AS n FROM lineorder", "engine": "cpu"}).json()
+    for engine in ("cpu", "postgres"):
+        r = app.post("/v1/olap/sql", json={"sql": sql, "engine": engine})
+        assert r.status_code == 200, r.text
+        assert r.json()["rows"] == want["rows"], engine
+
+
 def test_second_wall_engines_refuse_file_access_even_without_the_guard(app, tmp_path):
     """Run attacks straight at the engines, past the guard: DuckDB has external access off, PostgreSQL runs
     ad-hoc SQL as an unprivileged role."""
