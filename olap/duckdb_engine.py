@@ -76,6 +76,9 @@ class DuckDBEngine:
             return from_arrow_batches(reader, max_rows)
         except duckdb.InterruptException:
             raise TimeoutError(f"the query ran longer than {timeout_s} s") from None
+        except duckdb.OutOfMemoryException:
+            raise QueryFailed(f"DuckDB: the query needs more memory than its limit ({self.memory_limit or 'default'}); "
+                              "aggregate more or select fewer rows") from None
         except (duckdb.BinderException, duckdb.CatalogException, duckdb.ParserException,
                 duckdb.ConversionException, duckdb.OutOfRangeException, duckdb.InvalidInputException) as exc:
             raise QueryFailed(f"DuckDB: {str(exc).splitlines()[0]}") from None

@@ -42,7 +42,8 @@ class DuckDBEngineHandle(_Handle):
     def make(self) -> Any:
         from .duckdb_engine import DuckDBEngine
 
-        return DuckDBEngine()
+        return DuckDBEngine(threads=self.context.get("cpu_threads"),
+                            memory_limit=self.context.get("duckdb_memory_limit"))
 
 
 class PostgresEngineHandle(_Handle):

@@ -36,7 +36,7 @@ SCALARS = {
     "abs", "round", "floor", "ceil", "ceiling", "sqrt", "power", "pow", "ln", "log", "log10", "log2", "exp", "sign",
     "mod", "greatest", "least", "coalesce", "nullif", "ifnull", "lower", "upper", "length", "char_length",
     "substring", "substr", "trim", "ltrim", "rtrim", "concat", "concat_ws", "replace", "left", "right",
-    "position", "strpos", "starts_with", "ends_with", "contains", "lpad", "rpad", "reverse", "repeat",
+    "position", "strpos", "starts_with", "ends_with", "contains", "reverse",  # no repeat/lpad/rpad: gigabytes
     "date_part", "year", "month", "day", "trunc", "div", "split_part", "regexp_matches", "regexp_replace",
     "regexp_extract", "initcap", "md5", "hash", "least_common_multiple", "gcd", "lcm", "isnan", "isinf",
 }

@@ -126,7 +126,7 @@ class Runtime:
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads,
-                                  vectors=self.vectors, olap=self.olap, spatial=self.spatial)
+                                  duckdb_memory_limit=self.settings.duckdb_memory, vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         if self.vectors is not None:
             await self.vectors.start()
         if self.olap is not None:

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     db_pool_max: int = Field(default=10, ge=1)
     db_connect_timeout_s: float = Field(default=30.0, gt=0)
     db_command_timeout_s: float = Field(default=300.0, gt=0)
+    duckdb_memory_mb: int | None = Field(default=None, ge=64, description=(
+        "DuckDB's memory_limit for SSB queries (default: a quarter of RAM divided among the workers); a query that "
+        "needs more fails with a clear error instead of taking the machine."))
     db_check_interval_s: float = Field(default=1.0, gt=0, le=60, description=(
         "How often the service checks that PostgreSQL answers (at once when a request saw it gone)."))
     db_max_restarts: int = Field(default=10, ge=0, le=1000, description=(
@@ -107,6 +110,13 @@ class Settings(BaseSettings):
             return self.fronts
         cores = os.cpu_count() or 1
         return cores if cores >= 4 else 0
+
+    @property
+    def duckdb_memory(self) -> str:
+        import psutil
+
+        mb = self.duckdb_memory_mb or max(64, psutil.virtual_memory().total // 2**20 // 4 // self.workers)
+        return f"{mb}MB"
 
     @property
     def engine_threads(self) -> int:

@@ -292,3 +292,23 @@ def test_malformed_import_fails_the_job_and_loads_nothing(app):
     assert job["state"] == "failed" and "lineorder.tbl" in job["message"]
     assert not (app.app.state.switchyard.settings.data_dir / "ssb" / "broken").exists()
     assert [d for d in app.get("/v1/olap/ssb/datasets").json() if d["active"]] == before
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT max(length(repeat(c_name, 100000000))) FROM customer",
+    "SELECT lpad(c_name, 1000000000, 'x') FROM customer",
+])
+def test_string_blowups_are_refused(app, sql):
+    for engine in ("cpu", "postgres"):
+        assert_problem(app.post("/v1/olap/sql", json={"sql": sql, "engine": engine}), 422, "sql-rejected", "sql")
+
+
+def test_duckdb_runs_within_its_memory_limit(app):
+    engine = app.app.state.switchyard.olap.engines["cpu"]
+    limit = engine._cursor().execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    threads = engine._cursor().execute("SELECT current_setting('threads')").fetchone()[0]
+    number, unit = limit.split()
+    got_mb = float(number) * {"MiB": 1.048576, "GiB": 1073.741824, "MB": 1, "GB": 1000}[unit]
+    want_mb = int(app.app.state.switchyard.settings.duckdb_memory.removesuffix("MB"))
+    assert abs(got_mb - want_mb) <= 0.05 * want_mb, (limit, want_mb)
+    assert int(threads) == app.app.state.switchyard.settings.engine_threads
