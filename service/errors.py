@@ -164,8 +164,9 @@ def _log_failure(request: Request, exc: Exception, what: str = "engine failure")
 
 
 def _database_problem(request: Request, exc: Exception) -> Response:
-    """PostgreSQL is gone (killed, restarting, unreachable): 503 with Retry-After, never 500. Nothing was
-    acknowledged, so a retry is safe (writes are upserts and deletes by id)."""
+    """PostgreSQL is gone (killed, restarting, unreachable): 503 with Retry-After, never 500. The request was not
+    acknowledged; a write cut off during its COMMIT may still have landed, which a retry makes harmless (writes
+    are upserts and deletes by id)."""
     runtime = getattr(request.app.state, "switchyard", None)
     supervisor = getattr(runtime, "database", None)
     retry_after = 2
@@ -175,8 +176,8 @@ def _database_problem(request: Request, exc: Exception) -> Response:
     log.warning("database unavailable on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
     return problem_response(
         503, "database-unavailable", "Database unavailable",
-        "PostgreSQL, the system of record, cannot be reached right now (it may be restarting); nothing was "
-        "changed by this request: retry after the time in Retry-After", instance=request.url.path,
+        "PostgreSQL, the system of record, cannot be reached right now (it may be restarting); this request "
+        "was not acknowledged: retry it after the time in Retry-After", instance=request.url.path,
         headers={"Retry-After": str(retry_after)})
 
 

@@ -110,7 +110,6 @@ class HotLane:
         if self.sample and random.random() < self.sample:
             log_request(scope, 200, time.perf_counter() - start, sampled=True)
 
-
     async def _answer_failure(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
         """Answer as the full app's exception handlers do (problem+json; 503 for a database that is gone; 500 with
         an error id for the unexpected), without running the request again: a write may have reached PostgreSQL

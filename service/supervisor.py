@@ -108,12 +108,21 @@ class DatabaseSupervisor:
 
     async def _answers(self) -> bool:
         try:
+            holder = await self.pool.acquire(timeout=self.probe_timeout_s)
+        except TimeoutError:
+            return self.up  # every connection busy: no news either way
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            return False
+        try:
             async with asyncio.timeout(self.probe_timeout_s):
-                await self.pool.fetchval("SELECT 1")
+                await holder.fetchval("SELECT 1")
             return True
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             return False
+        finally:
+            await self.pool.release(holder)
 
     async def _restart_embedded(self) -> None:
         if self.restart_attempts >= self.max_restarts:
