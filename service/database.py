@@ -64,6 +64,18 @@ def database_unavailable(exc: BaseException | None) -> bool:
     return False
 
 
+def from_database_client(exc: BaseException | None) -> bool:
+    """Whether an exception (or one it was raised from) came out of asyncpg: after a connection breaks, its
+    errors can be anything (an InternalClientError about protocol states, say), so the service asks whether the
+    database is, or just was, down before calling one a bug."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (asyncpg.PostgresError, asyncpg.InterfaceError)) or _raised_in_asyncpg(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _raised_in_asyncpg(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from .database import database_unavailable
+from .database import database_unavailable, from_database_client
 
 log = logging.getLogger("switchyard.errors")
 
@@ -163,6 +163,14 @@ def _log_failure(request: Request, exc: Exception, what: str = "engine failure")
     return error_id
 
 
+async def _database_down(request: Request, exc: Exception) -> bool:
+    """Whether `exc` is the database being (or having just been) unavailable rather than a bug."""
+    if database_unavailable(exc):
+        return True
+    supervisor = getattr(getattr(request.app.state, "switchyard", None), "database", None)
+    return supervisor is not None and from_database_client(exc) and await supervisor.was_down()
+
+
 def _database_problem(request: Request, exc: Exception) -> Response:
     """PostgreSQL is gone (killed, restarting, unreachable): 503 with Retry-After, never 500. The request was not
     acknowledged; a write cut off during its COMMIT may still have landed, which a retry makes harmless (writes
@@ -190,7 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
     from olap.sqlguard import SqlRejected
 
     async def _domain(request: Request, exc: Exception) -> Response:
-        if database_unavailable(exc):
+        if await _database_down(request, exc):
             return _database_problem(request, exc)
         status, slug, title, headers = _domain_problem(exc)
         if slug == "engine-failed":  # the text is a library's exception: log it, give the client a stable message
@@ -231,7 +239,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
-        if database_unavailable(exc):
+        if await _database_down(request, exc):
             return _database_problem(request, exc)
         # Never echo exception text: it can leak internals. Log it under an id the client can quote.
         error_id = _log_failure(request, exc, "internal error")

@@ -39,6 +39,7 @@ class DatabaseSupervisor:
         self.restarts = 0  # successful restarts of the embedded server
         self.reconnects = 0  # times the database came back
         self.last_error: str | None = None
+        self.recovered_at = -float("inf")  # monotonic
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -65,6 +66,13 @@ class DatabaseSupervisor:
             self.poke()
             return True
         return False
+
+    async def was_down(self, window_s: float = 10.0) -> bool:
+        """Whether the database is down now (checked at once) or came back within `window_s`: a connection that
+        broke in the outage can still fail a request after it."""
+        if self.up:
+            await self.check()
+        return not self.up or time.monotonic() - self.recovered_at < window_s
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state, "restarts": self.restarts, "reconnects": self.reconnects}
@@ -155,6 +163,7 @@ class DatabaseSupervisor:
         down = time.monotonic() - (self.down_since or time.monotonic())
         self.state, self.down_since, self.restart_attempts, self.last_error = "ok", None, 0, None
         self.reconnects += 1
+        self.recovered_at = time.monotonic()
         await self.pool.expire_connections()  # idle connections to the old server are dead: replace them lazily
         log.warning("PostgreSQL is reachable again after %.1f s", down)
         self.on_change(True)
