@@ -163,11 +163,16 @@ def _log_failure(request: Request, exc: Exception, what: str = "engine failure")
     return error_id
 
 
+def _supervisor(request: Request) -> Any:
+    """The runtime's database supervisor (service/supervisor.py), or None before it starts."""
+    return getattr(getattr(request.app.state, "switchyard", None), "database", None)
+
+
 async def _database_down(request: Request, exc: Exception) -> bool:
     """Whether `exc` is the database being (or having just been) unavailable rather than a bug."""
     if database_unavailable(exc):
         return True
-    supervisor = getattr(getattr(request.app.state, "switchyard", None), "database", None)
+    supervisor = _supervisor(request)
     return supervisor is not None and from_database_client(exc) and await supervisor.was_down()
 
 
@@ -175,8 +180,7 @@ def _database_problem(request: Request, exc: Exception) -> Response:
     """PostgreSQL is gone (killed, restarting, unreachable): 503 with Retry-After, never 500. The request was not
     acknowledged; a write cut off during its COMMIT may still have landed, which a retry makes harmless (writes
     are upserts and deletes by id)."""
-    runtime = getattr(request.app.state, "switchyard", None)
-    supervisor = getattr(runtime, "database", None)
+    supervisor = _supervisor(request)
     retry_after = 2
     if supervisor is not None:
         supervisor.poke()

