@@ -69,7 +69,7 @@ class CollectionManager:
                  batch_window_s: float = 0.0, inline_search_s: float = 0.0,
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
-                 on_applied: Applied | None = None) -> None:
+                 on_applied: Applied | None = None, guard: Any = None) -> None:
         self.store = CollectionStore(pool)
         self.pool = pool
         self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)
@@ -84,6 +84,9 @@ class CollectionManager:
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
+        # Admission control (service/admission.py): slot(engine) around each engine call, cooling(engine) to
+        # route around an engine that keeps failing, failed()/succeeded() to tell it how calls went.
+        self.guard = guard
         self.consistency = consistency or Consistency()
         self.policy = policy or RebuildPolicy()
         self.on_applied = on_applied or (lambda collection_id, seq, at: None)
@@ -500,31 +503,38 @@ class CollectionManager:
                         else "the resident index is still loading")
         for position, choice in enumerate(order):
             served = "pgvector" if choice == "pgvector" else ENGINE_KIND[choice]
-            started = time.perf_counter()
-            try:
-                if choice == "pgvector":
-                    pg_params = pgvector_search.check_search_params(params if engine == "pgvector" else None)
-                    result = await pgvector_search.search(self.pool, c, queries, k, pg_params, payload_filter)
-                else:
-                    result = await self._search_resident(r, queries, k, params, payload_filter, single)
-            except (InvalidInput, EngineUnavailable):
-                raise
-            except asyncpg.UndefinedTableError:
-                self._forget(c.name)
-                raise CollectionNotFound(f"no collection named {c.name!r}", field="collection") from None
-            except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
-                self.observe(served, "search", time.perf_counter() - started, False)
-                if position + 1 == len(order):
-                    raise EngineFailed(f"engine {choice} failed: {type(exc).__name__}: {exc}") from exc
-                # The exception's text goes to the log, under an id the answer carries: never to clients.
-                error_id = uuid.uuid4().hex[:16]
-                log.warning("engine %s failed on %s (error id %s), falling back to %s", choice, c.name, error_id,
-                            order[position + 1], exc_info=exc)
-                fallback = f"the {served} engine failed (error id {error_id}); served by {order[position + 1]}"
+            last = position + 1 == len(order)
+            if not last and (why := self.guard.cooling(served)):
+                fallback = f"the {served} engine {why}; served by {order[position + 1]}"
                 continue
-            took = time.perf_counter() - started
-            self.observe(served, "search", took, True)
-            return SearchAnswer(result, served, round(took * 1000, 3), fallback)
+            async with self.guard.slot(served):
+                started = time.perf_counter()
+                try:
+                    if choice == "pgvector":
+                        pg_params = pgvector_search.check_search_params(params if engine == "pgvector" else None)
+                        result = await pgvector_search.search(self.pool, c, queries, k, pg_params, payload_filter)
+                    else:
+                        result = await self._search_resident(r, queries, k, params, payload_filter, single)
+                except (InvalidInput, EngineUnavailable):
+                    raise
+                except asyncpg.UndefinedTableError:
+                    self._forget(c.name)
+                    raise CollectionNotFound(f"no collection named {c.name!r}", field="collection") from None
+                except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
+                    self.observe(served, "search", time.perf_counter() - started, False)
+                    self.guard.failed(served)
+                    if last:
+                        raise EngineFailed(f"engine {choice} failed: {type(exc).__name__}: {exc}") from exc
+                    # The exception's text goes to the log, under an id the answer carries: never to clients.
+                    error_id = uuid.uuid4().hex[:16]
+                    log.warning("engine %s failed on %s (error id %s), falling back to %s", choice, c.name, error_id,
+                                order[position + 1], exc_info=exc)
+                    fallback = f"the {served} engine failed (error id {error_id}); served by {order[position + 1]}"
+                    continue
+                took = time.perf_counter() - started
+                self.guard.succeeded(served)
+                self.observe(served, "search", took, True)
+                return SearchAnswer(result, served, round(took * 1000, 3), fallback)
         raise EngineUnavailable("no engine can serve this collection", field="engine")
 
     async def _search_resident(self, r: Replica, queries: np.ndarray, k: int, params: dict[str, Any] | None,

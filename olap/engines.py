@@ -50,4 +50,4 @@ class PostgresEngineHandle(_Handle):
     def make(self) -> Any:
         from .postgres_engine import PostgresEngine
 
-        return PostgresEngine(self.context["pool"])
+        return PostgresEngine(self.context["pool"], self.context.get("sql_pool") or self.context["pool"])

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,9 @@ class Answer:
 
 
 class OlapManager:
-    def __init__(self, data_dir: Path, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, data_dir: Path, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         self.root = data_dir / "ssb"
+        self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.engines: dict[str, Any] = {}  # kind -> engine
         self.executors: dict[str, ThreadPoolExecutor] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
@@ -172,27 +174,35 @@ class OlapManager:
         fallback = None
         for position, kind in enumerate(order):
             name = ENGINE_NAMES[kind]
-            started = time.perf_counter()
-            try:
-                if timeout_s:
-                    # A second more than the engines' own limits, which stop the query itself.
-                    async with asyncio.timeout(timeout_s + 1):
-                        result = await self._run(kind, method, *args)
-                else:
-                    result = await self._run(kind, method, *args)
-            except (TimeoutError, *user_errors):
-                self.observe(name, operation, time.perf_counter() - started, False)
-                raise
-            except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
-                self.observe(name, operation, time.perf_counter() - started, False)
-                if position + 1 == len(order):
-                    raise
-                log.warning("olap engine %s failed, falling back: %s", name, exc)
-                fallback = f"{name} failed ({type(exc).__name__}: {exc}); served by {ENGINE_NAMES[order[position + 1]]}"
+            last = position + 1 == len(order)
+            if not last and (why := self.guard.cooling(name)):
+                fallback = f"{name} {why}; served by {ENGINE_NAMES[order[position + 1]]}"
                 continue
-            took = time.perf_counter() - started
-            self.observe(name, operation, took, True)
-            return Answer(result, name, round(took * 1000, 3), fallback)
+            async with self.guard.slot(name):
+                started = time.perf_counter()
+                try:
+                    if timeout_s:
+                        # A second more than the engines' own limits, which stop the query itself.
+                        async with asyncio.timeout(timeout_s + 1):
+                            result = await self._run(kind, method, *args)
+                    else:
+                        result = await self._run(kind, method, *args)
+                except (TimeoutError, *user_errors):
+                    self.observe(name, operation, time.perf_counter() - started, False)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
+                    self.observe(name, operation, time.perf_counter() - started, False)
+                    self.guard.failed(name)
+                    if last:
+                        raise
+                    error_id = uuid.uuid4().hex[:16]  # the exception's text goes to the log only
+                    log.warning("olap engine %s failed (error id %s), falling back", name, error_id, exc_info=exc)
+                    fallback = f"{name} failed (error id {error_id}); served by {ENGINE_NAMES[order[position + 1]]}"
+                    continue
+                took = time.perf_counter() - started
+                self.guard.succeeded(name)
+                self.observe(name, operation, took, True)
+                return Answer(result, name, round(took * 1000, 3), fallback)
         raise EngineNotReady("no engine could answer")
 
     async def run_query(self, query_id: str, params: dict[str, Any] | None, engine: str = "auto") -> Answer:

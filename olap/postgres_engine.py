@@ -30,8 +30,9 @@ class PostgresEngine:
     name = "postgres"
     kind = "postgres"
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self.pool = pool
+    def __init__(self, pool: asyncpg.Pool, reader_pool: asyncpg.Pool | None = None) -> None:
+        self.pool = pool  # loads
+        self.reader_pool = reader_pool or pool  # queries: their own pool, never the connections of writes
         self.dataset: str | None = None
         self.rows: dict[str, int] = {}
         self.version: str | None = None
@@ -91,7 +92,7 @@ class PostgresEngine:
     async def _fetch(self, sql: str, max_rows: int | None, timeout_s: float | None, as_reader: bool) -> Result:
         if not self.ready:
             raise RuntimeError("no SSB dataset is loaded in PostgreSQL")
-        async with self.pool.acquire() as conn, conn.transaction(readonly=True):
+        async with self.reader_pool.acquire() as conn, conn.transaction(readonly=True):
             await conn.execute("SET LOCAL search_path = ssb")
             if timeout_s:
                 await conn.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
@@ -107,6 +108,8 @@ class PostgresEngine:
                     records = await cursor.fetch(max_rows + 1)
             except asyncpg.QueryCanceledError:
                 raise TimeoutError(f"the query ran longer than {timeout_s} s") from None
+            except (asyncpg.OperatorInterventionError, asyncpg.PostgresConnectionError):
+                raise  # the server is going away: not the query's fault (503, service/errors.py)
             except asyncpg.PostgresError as exc:
                 raise QueryFailed(f"PostgreSQL: {exc}") from None
         return from_records(columns, records, max_rows)

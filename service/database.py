@@ -12,6 +12,8 @@ from typing import Any
 
 import asyncpg
 
+from .deadlines import remaining
+
 log = logging.getLogger("switchyard.database")
 
 
@@ -219,12 +221,43 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
     await register_vector(conn)
 
 
+class DatabaseBusy(TimeoutError):
+    """Every PostgreSQL connection stayed busy for the pool's acquire timeout: the request was not run."""
+
+
+class Pool(asyncpg.Pool):
+    """asyncpg's pool, whose acquire waits at most `acquire_timeout_s` (asyncpg's own default is forever, so a
+    burst of slow queries would hold every later request), and whose connections take the current request's
+    deadline as their statement_timeout (reset when they go back: asyncpg's release runs RESET ALL)."""
+
+    def __init__(self, *args: Any, acquire_timeout_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, setup=_apply_deadline, **kwargs)
+        self.acquire_timeout_s = acquire_timeout_s
+
+    async def _acquire(self, timeout: float | None) -> Any:
+        timeout = timeout if timeout is not None else self.acquire_timeout_s
+        try:
+            return await super()._acquire(timeout)
+        except TimeoutError:
+            raise DatabaseBusy(f"no PostgreSQL connection came free within {timeout:g} s") from None
+
+
+async def _apply_deadline(conn: asyncpg.Connection) -> None:
+    left = remaining()
+    if left is not None:
+        # At least 1 ms: 0 would mean no limit; a deadline already past fails the statement at once.
+        await conn.execute(f"SET statement_timeout = {max(1, int(left * 1000))}")
+
+
 async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: float,
-                    init: Any = _init_connection) -> asyncpg.Pool:
+                    init: Any = _init_connection, acquire_timeout_s: float | None = None) -> Pool:
     """A pool whose connections speak pgvector's binary format (the vector extension must exist; init=None for
     a pool that does not need it)."""
-    return await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=init,
-                                     **connect_kwargs(command_timeout))
+    pool = Pool(dsn, min_size=min_size, max_size=max_size, init=init, acquire_timeout_s=acquire_timeout_s,
+                max_queries=50_000, max_inactive_connection_lifetime=300.0, loop=None, connection_class=asyncpg.Connection,
+                record_class=asyncpg.Record, **connect_kwargs(command_timeout))
+    await pool
+    return pool
 
 
 def connect_kwargs(command_timeout: float) -> dict[str, Any]:

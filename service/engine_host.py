@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from .admission import PRINCIPAL
+from .deadlines import set_deadline
 from .engine_link import EngineServer, Handler
 from .fastlane import observe_hot
 from .routes.vectors import answer_search, answer_upsert
@@ -13,9 +15,17 @@ from .runtime import Runtime
 
 
 def engine_server(runtime: Runtime, path: Path) -> EngineServer:
+    quota = bool(runtime.settings.quota_requests_per_s)
+
     def counted(answer: Callable[[Any, str, Any], Awaitable[bytes]], search: bool) -> Handler:
         """Answer a parsed request, counted in the metrics with the time the front spent on it."""
-        async def handle(name: str, parsed: Any, front_s: float) -> bytes:
+        async def handle(name: str, parsed: Any, front_s: float, deadline: float | None, principal: str) -> bytes:
+            # Each request runs as its own task here: these hold for it alone. Deadlines are time.monotonic(),
+            # one clock for every process of the machine.
+            set_deadline(deadline)
+            PRINCIPAL.set(principal)
+            if quota:
+                runtime.admission.check_request(principal)
             start = time.perf_counter()
             body = await answer(runtime, name, parsed)
             observe_hot(runtime.metrics, search, front_s + time.perf_counter() - start)

@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from .database import database_unavailable, from_database_client
+from .database import DatabaseBusy, database_unavailable, from_database_client
+from .deadlines import remaining
 
 log = logging.getLogger("switchyard.errors")
 
@@ -193,6 +194,17 @@ def _database_problem(request: Request, exc: Exception) -> Response:
         headers={"Retry-After": str(retry_after)})
 
 
+def _past_deadline(request: Request) -> Response | None:
+    """A request whose deadline (X-Request-Timeout) passed while it ran fails with 504, whatever stopped it (a
+    statement_timeout, an engine's own limit, a cancelled wait)."""
+    left = remaining()
+    if left is None or left > 0:
+        return None
+    return problem_response(504, "deadline-exceeded", "Deadline exceeded", (
+        "the request's deadline passed while it ran; it was stopped (a write is acknowledged only by a 2xx "
+        "answer)"), instance=request.url.path, field="X-Request-Timeout")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from indexes.errors import VectorError
     from olap.importer import SsbImportError
@@ -205,6 +217,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if await _database_down(request, exc):
             return _database_problem(request, exc)
         status, slug, title, headers = _domain_problem(exc)
+        if slug in ("engine-failed", "query-timeout", "query-failed") and (late := _past_deadline(request)):
+            return late
         if slug == "engine-failed":  # the text is a library's exception: log it, give the client a stable message
             error_id = _log_failure(request, exc)
             return problem_response(status, slug, title, f"the engine failed on this request; quote error id "
@@ -241,10 +255,19 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"no route {request.method} {request.url.path}"
         return problem_response(exc.status_code, slug, title, detail, instance=request.url.path, headers=exc.headers)
 
+    @app.exception_handler(DatabaseBusy)
+    async def _busy(request: Request, exc: DatabaseBusy) -> Response:
+        log.warning("database busy on %s %s: %s", request.method, request.url.path, exc)
+        return problem_response(503, "database-busy", "Database busy", (
+            "every PostgreSQL connection stayed busy; this request was not run: retry it after the time in "
+            "Retry-After"), instance=request.url.path, headers={"Retry-After": "1"})
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
         if await _database_down(request, exc):
             return _database_problem(request, exc)
+        if late := _past_deadline(request):
+            return late
         # Never echo exception text: it can leak internals. Log it under an id the client can quote.
         error_id = _log_failure(request, exc, "internal error")
         return problem_response(

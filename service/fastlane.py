@@ -27,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from indexes.errors import VectorError
 
 from .access_log import log_request
+from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
+from .deadlines import set_deadline
 from .errors import ProblemError
 from .vector_requests import RAW_VECTORS
 from .settings import Settings
@@ -36,6 +38,8 @@ SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metr
 POINTS_ROUTE = SimpleNamespace(path="/v1/collections/{name}/points")
 JSON = b"application/json"
 HEADERS = [(b"content-type", JSON)]
+RAW_VECTORS_BYTES = RAW_VECTORS.encode()
+CLIENT_HEADER = b"x-switchyard-client"  # a front process's client address, to the engine process (quotas)
 
 
 # A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
@@ -49,9 +53,12 @@ class HotLane:
     """Picks out hot requests for `answer`; the app it wraps answers everything else, and any hot request that
     fails (replayed to it)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, answer: Answer) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, answer: Answer, admission: Admission | None = None) -> None:
         self.app = app
         self.answer = answer
+        self.admission = admission  # None in a front process: the engine process admits
+        self.quota = bool(settings.quota_requests_per_s)  # a front process names the principal; the engine counts
+        self.default_timeout = settings.request_timeout_s
         self.max_body = settings.max_body_bytes
         self.sample = settings.access_log_sample
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
@@ -61,28 +68,56 @@ class HotLane:
             raise AttributeError(name)
         return getattr(self.app, name)  # app.state, app.openapi(), dependency_overrides ...: the FastAPI app's
 
-    def _accepts(self, headers: list[tuple[bytes, bytes]], search: bool) -> bytes | None:
-        """The media type if this request is ours: authorised, declared length within the limit, a body we parse."""
-        length, media, authorised = -1, JSON, self.key is None
-        for name, value in headers:
+    def _accepts(self, length: int, media: bytes, authorization: bytes | None, search: bool) -> bool:
+        """Whether this request is ours: authorised, declared length within the limit, a body we parse."""
+        if self.key is not None:
+            scheme, _, token = (authorization or b"").partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)):
+                return False
+        if not 0 <= length <= self.max_body:
+            return False
+        return media == JSON or (search and media == RAW_VECTORS_BYTES)
+
+    def _admit(self, scope: Scope, timeout: bytes | None, authorization: bytes | None, forwarded: bytes | None) -> None:
+        """Set the request's deadline and principal for everything it runs; count it against its quota."""
+        seconds = parse_timeout(timeout) if timeout is not None else self.default_timeout
+        if seconds is not None:
+            set_deadline(time.monotonic() + seconds)
+        if self.quota and scope["path"].startswith("/v1/"):
+            client = scope.get("client")
+            if client is None and forwarded:  # from a front process, over the engine's unix socket
+                client = (forwarded.decode("latin-1"), 0)
+            who = principal_of(authorization, client)
+            PRINCIPAL.set(who)
+            if self.admission is not None:
+                self.admission.check_request(who)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length, media, authorization, timeout, forwarded = -1, JSON, None, None, None
+        for name, value in scope["headers"]:
             if name == b"content-length":
                 length = int(value) if value.isdigit() else -1
             elif name == b"content-type":
                 media = value.split(b";")[0].strip().lower()
-            elif name == b"authorization" and self.key is not None:
-                scheme, _, token = value.partition(b" ")
-                authorised = scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
-        if not authorised or not 0 <= length <= self.max_body:
-            return None
-        if media == JSON or (search and media == RAW_VECTORS.encode()):
-            return media
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = HOT.match(scope["path"]) if scope["type"] == "http" else None
+            elif name == b"authorization":
+                authorization = value
+            elif name == TIMEOUT_HEADER:
+                timeout = value
+            elif name == CLIENT_HEADER:
+                forwarded = value
+        if timeout is not None or self.default_timeout is not None or self.quota:
+            try:
+                self._admit(scope, timeout, authorization, forwarded)
+            except ProblemError as exc:  # a bad X-Request-Timeout, or over quota: answered as the app would
+                await self._answer_failure(scope, receive, send, exc)
+                return
+        match = HOT.match(scope["path"])
         search = match is not None and match.group(2) == "search"
         if (match is None or scope["method"] != ("POST" if search else "PUT")
-                or (media := self._accepts(scope["headers"], search)) is None):
+                or not self._accepts(length, media, authorization, search)):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
@@ -132,6 +167,8 @@ def local_answer(runtime: object) -> Answer:
                 body = await run_search(runtime, name, raw, media, query_string)
             else:
                 body = await run_upsert(runtime, name, raw)
+        except (Shed, DeadlineExceeded):
+            raise  # answered as they are: a replay would run the request again
         except REQUEST_ERRORS:
             return None
         observe_hot(runtime.metrics, search, time.perf_counter() - start)

@@ -19,7 +19,9 @@ from starlette.types import Receive, Scope, Send
 from . import access_log
 from .engine_link import EngineClient, EngineGone
 from .errors import problem_response
-from .fastlane import REQUEST_ERRORS, HotLane
+from .admission import PRINCIPAL, principal_of
+from .deadlines import deadline as current_deadline
+from .fastlane import CLIENT_HEADER, REQUEST_ERRORS, HotLane
 from .vector_requests import parse_search, parse_upsert
 from .settings import Settings
 
@@ -37,7 +39,9 @@ class EngineProxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER]
+        if scope.get("client"):
+            headers.append((CLIENT_HEADER, scope["client"][0].encode("latin-1")))
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
 
         async def body():
@@ -107,7 +111,8 @@ class Front(HotLane):
             return None  # the engine's full app answers the replay with the exact problem
         try:
             # The engine counts the request in its metrics, adding the time spent here.
-            return await self.engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start)
+            return await self.engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start,
+                                          current_deadline(), PRINCIPAL.get())
         except EngineGone:
             return None  # the replay answers 503 if the engine is still away
 

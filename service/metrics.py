@@ -9,10 +9,12 @@ import os
 import time
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .access_log import log_request
@@ -66,6 +68,18 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.admitted_total = Counter(
+            "switchyard_admitted_total", "Requests admitted to an engine by admission control.", ["engine"],
+            registry=self.registry)
+        self.shed_total = Counter(
+            "switchyard_shed_total", "Requests refused by admission control, by engine and reason (queue_full, "
+            "queue_wait, deadline, deadline_running, quota, cooling_down; engine 'requests' for the request quota).",
+            ["engine", "reason"], registry=self.registry)
+        self.breaker_open = Gauge(
+            "switchyard_engine_breaker_open", "1 while `auto` routes around an engine that kept failing.", ["engine"],
+            registry=self.registry)
+        self._admitted_children: dict[str, Counter] = {}
+
         self._http_children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         self._engine_children: dict[tuple[str, str, str, bool], tuple[Counter, Histogram]] = {}
 
@@ -101,8 +115,38 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
+    def admitted(self, engine: str) -> None:
+        child = self._admitted_children.get(engine)
+        if child is None:
+            child = self._admitted_children[engine] = self.admitted_total.labels(engine)
+        child.inc()
+
+    def shed(self, engine: str, reason: str) -> None:
+        self.shed_total.labels(engine, reason).inc()
+
+    def watch_gates(self, gates: Callable[[], dict[str, Any]]) -> None:
+        """Report each engine gate's running and queued requests and limit at every scrape."""
+        self.registry.register(_GateCollector(gates))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GateCollector(Collector):
+    def __init__(self, gates: Callable[[], dict[str, Any]]) -> None:
+        self.gates = gates
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queued = GaugeMetricFamily("switchyard_engine_queue_depth", "Requests waiting for an engine slot.",
+                                   labels=["engine"])
+        running = GaugeMetricFamily("switchyard_engine_running", "Requests holding an engine slot.", labels=["engine"])
+        limit = GaugeMetricFamily("switchyard_engine_concurrency_limit", "Engine slots (admission control).",
+                                  labels=["engine"])
+        for name, gate in self.gates().items():
+            queued.add_metric([name], len(gate.waiters))
+            running.add_metric([name], gate.active)
+            limit.add_metric([name], gate.limit)
+        yield from (queued, running, limit)
 
 
 class ReplicationTrace:

@@ -20,6 +20,7 @@ from indexes.resident import RebuildPolicy
 from olap.manager import OlapManager
 from spatial.manager import SpatialManager
 
+from .admission import Admission
 from .devices import probe_cuda
 from .engines import EngineRegistry
 from .jobs import JobRunner
@@ -42,6 +43,9 @@ class Runtime:
         self.embedded: EmbeddedPostgres | None = None
         self.dsn: str | None = None
         self.pool: asyncpg.Pool | None = None
+        self.sql_pool: asyncpg.Pool | None = None  # OLAP reads on PostgreSQL, apart from writes and readiness
+        self.admission = Admission(settings, self.metrics)
+        self.metrics.watch_gates(lambda: self.admission.gates)
         self.database: DatabaseSupervisor | None = None
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None
@@ -70,12 +74,14 @@ class Runtime:
             if applied:
                 log.info("applied %d migration(s): %s", len(applied), ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
             self.pool = await open_pool(
-                self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s
-            )
+                self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s,
+                acquire_timeout_s=s.db_acquire_timeout_s)
+            self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=s.sql_pool_max, init=None,
+                                            command_timeout=s.db_command_timeout_s, acquire_timeout_s=s.db_acquire_timeout_s)
             self.database = DatabaseSupervisor(
                 self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.db_command_timeout_s),
                 metrics=self.metrics, interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
-                max_restarts=s.db_max_restarts)
+                max_restarts=s.db_max_restarts, other_pools=(self.sql_pool,))
             self.database.start()
             self.registry.probe(self.postgres_version, extensions)
             self.jobs = JobRunner(self.pool)
@@ -90,13 +96,13 @@ class Runtime:
                 consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
                                         s.replication_poll_ms / 1000),
                 policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
-                on_applied=self._applied,
+                on_applied=self._applied, guard=self.admission,
             )
             self.spatial = SpatialManager(
-                self.pool, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
+                self.pool, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
             )
             self.olap = OlapManager(
-                s.data_dir, observe=lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok),
+                s.data_dir, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok),
             )
             self._engines_task = asyncio.create_task(self._start_engines(), name="switchyard-engines")
             self.phase = "running"
@@ -114,7 +120,7 @@ class Runtime:
             self.trace.applied(collection_id, seq, now)
 
     async def _start_engines(self) -> None:
-        await self.registry.start(pool=self.pool, data_dir=self.settings.data_dir, metrics=self.metrics,
+        await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir, metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
@@ -157,10 +163,10 @@ class Runtime:
             await self.spatial.stop()
             self.spatial = None
         await self.registry.stop()
-        if self.pool is not None:
-            await self.pool.close()
-            self.pool = None
-            self.database = None
+        for pool in (self.sql_pool, self.pool):
+            if pool is not None:
+                await pool.close()
+        self.pool = self.sql_pool = self.database = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
             self.embedded = None

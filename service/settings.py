@@ -77,6 +77,37 @@ class Settings(BaseSettings):
     db_max_restarts: int = Field(default=10, ge=0, le=1000, description=(
         "Restarts in a row of a dead embedded PostgreSQL before the service stops trying (0: never restart it)."))
     readiness_timeout_s: float = Field(default=2.0, gt=0, description="How long /readyz waits for the database.")
+    db_acquire_timeout_s: float = Field(default=10.0, gt=0, le=600, description=(
+        "How long a request waits for a free PostgreSQL connection before a 503 with Retry-After."))
+    sql_pool_max: int = Field(default=4, ge=1, le=100, description=(
+        "Connections of the separate pool that runs ad-hoc SQL on PostgreSQL (POST /v1/olap/sql with engine "
+        "postgres), so slow queries never hold the connections of writes and readiness."))
+    admission: bool = Field(default=True, description=(
+        "Admission control (README: Overload): per-engine concurrency limits and short queues, 503 past them."))
+    queue_wait_ms: float = Field(default=250.0, ge=0, le=60_000, description=(
+        "The most a request waits in an engine's queue before it is refused with 503 (its deadline may cut it "
+        "shorter)."))
+    queue_depth: int | None = Field(default=None, ge=0, le=100_000, description=(
+        "Requests that may wait per engine (default: twice the engine's concurrency limit)."))
+    request_timeout_s: float | None = Field(default=None, gt=0, le=3600, description=(
+        "Deadline of requests that send no X-Request-Timeout header (default: none)."))
+    quota_requests_per_s: float = Field(default=0.0, ge=0, description=(
+        "Requests per second per API key (or client address without one) on /v1 routes; 0: no quota."))
+    quota_burst: float = Field(default=0.0, ge=0, description="Burst of the request quota (default: 2 seconds' worth).")
+    quota_engine_seconds_per_s: float = Field(default=0.0, ge=0, description=(
+        "Engine-seconds per second per API key or client; 0: no quota."))
+    quota_engine_seconds_burst: float | None = Field(default=None, gt=0, description=(
+        "Burst of the engine-seconds quota (default: 10 seconds' worth)."))
+    breaker_failures: int = Field(default=5, ge=1, le=1000, description=(
+        "Failures in a row after which `auto` routes around a resident engine for the cool-down."))
+    breaker_cooldown_s: float = Field(default=30.0, gt=0, le=3600, description=(
+        "How long a failing resident engine is skipped before one request probes it again."))
+    max_jobs: int = Field(default=2, ge=1, le=64, description=(
+        "Jobs (bulk loads, index builds, SSB generation and import) running at once; more wait queued."))
+    max_queued_jobs: int = Field(default=16, ge=0, le=10_000, description=(
+        "Jobs that may wait for a slot; past them new jobs get 503 with Retry-After."))
+    ops_auth: Literal["open", "key"] = Field(default="open", description=(
+        "'key': /metrics, /readyz and /healthz need the API key too (when one is set)."))
     ssb_import_dir: Path | None = Field(default=None, description=(
         "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))
     gpu: Literal["auto", "off"] = Field(default="auto", description="'off' hides any CUDA device from the engines.")

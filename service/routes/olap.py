@@ -10,6 +10,7 @@ from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 
+from ..deadlines import remaining
 from ..deps import RuntimeDep, domain, v1_router
 from ..errors import BadRequest, NotFound
 from .vectors import JobAccepted
@@ -119,4 +120,6 @@ async def run_query(body: QueryRequest, runtime: RuntimeDep,
 
 @router.post("/olap/sql", summary="Ad-hoc read-only SQL over the SSB tables")
 async def run_sql(body: SqlRequest, runtime: RuntimeDep) -> ResultOut:
-    return _result(await domain(runtime, "olap").run_sql(body.sql, body.engine, body.max_rows, body.timeout_s))
+    left = remaining()  # the request's deadline (X-Request-Timeout) caps the query's own limit
+    timeout_s = body.timeout_s if left is None else max(0.001, min(body.timeout_s, left))
+    return _result(await domain(runtime, "olap").run_sql(body.sql, body.engine, body.max_rows, timeout_s))

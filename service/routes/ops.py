@@ -1,16 +1,24 @@
-"""Operations endpoints, outside /v1 and never behind the API key: probes and metrics."""
+"""Operations endpoints, outside /v1: probes and metrics, open by default, behind the API key with
+SWITCHYARD_OPS_AUTH=key."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
+from ..auth import bearer_scheme, require_api_key
 from ..deps import RuntimeDep
 
-router = APIRouter(tags=["operations"])
+
+async def ops_auth(request: Request, credentials=Depends(bearer_scheme)) -> None:  # noqa: B008 - FastAPI's idiom
+    if request.app.state.switchyard.settings.ops_auth == "key":
+        await require_api_key(request, credentials)
+
+
+router = APIRouter(tags=["operations"], dependencies=[Depends(ops_auth)])
 
 
 @router.get("/healthz", summary="Liveness: the process answers")

@@ -170,7 +170,8 @@ async def answer_upsert(runtime: Any, name: str, parsed: ParsedUpsert) -> bytes:
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
     points = checked_points(parsed.ids, fit_matrix(parsed.vectors, c.dim, parsed.field), parsed.payloads)
-    seq = await vectors.upsert(name, points)
+    async with runtime.admission.slot("writes", bound_run=False):
+        seq = await vectors.upsert(name, points)
     return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
 
 
@@ -181,7 +182,9 @@ async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
 async def delete_points(name: CollectionName, body: DeletePoints, runtime: RuntimeDep) -> WriteOut:
-    deleted, seq = await domain(runtime, "vectors").delete(name, check_ids(body.ids))
+    vectors = domain(runtime, "vectors")
+    async with runtime.admission.slot("writes", bound_run=False):
+        deleted, seq = await vectors.delete(name, check_ids(body.ids))
     return WriteOut(deleted=deleted, seq=seq)
 
 

@@ -1,0 +1,350 @@
+"""Admission control: admit what the engines can serve well, refuse the rest early and say when to come back.
+
+Each engine has a gate: a concurrency limit sized from its worker threads (for resident vector engines, one full
+micro-batch per thread) and a short FIFO queue. A request that finds the queue full, or that waits in it past
+SWITCHYARD_QUEUE_WAIT_MS or its own deadline, is refused with 503 and Retry-After without running; one admitted
+runs. The engines' thread pools are separate per domain and kind, so heavy work (SSB SQL, spatial joins) never
+takes a vector search's thread; jobs (bulk loads, builds, SSB generation) have their own limit (service/jobs.py).
+
+A request's deadline comes from its `X-Request-Timeout` header (seconds) or SWITCHYARD_REQUEST_TIMEOUT_S. It bounds
+the queue wait, the engine call (504 when it passes there) and, through statement_timeout, each PostgreSQL
+statement the request runs (service/database.py).
+
+Per-principal token buckets (the API key, or the client address without one) bound requests per second and
+engine-seconds per second: past them, 429 with Retry-After. A circuit breaker per resident engine: after
+SWITCHYARD_BREAKER_FAILURES failures in a row, `auto` routes around the engine for SWITCHYARD_BREAKER_COOLDOWN_S,
+then lets one request probe it. Domain managers see this module only as an object with slot(), cooling(),
+failed() and succeeded(), so they stay free of service/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import time
+from collections import deque
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from .deadlines import deadline as current_deadline
+from .errors import BadRequest, ProblemError
+
+PRINCIPAL: ContextVar[str] = ContextVar("switchyard_principal", default="anonymous")
+TIMEOUT_HEADER = b"x-request-timeout"
+MAX_TIMEOUT_S = 3600.0
+POSTGRES_ENGINES = frozenset({"pgvector", "postgis", "postgres", "writes"})  # their failures are the database's
+
+
+class Shed(ProblemError):
+    """Refused before running, to keep the service responsive: nothing was done, retry after Retry-After."""
+
+    status, slug, title = 503, "overloaded", "Overloaded"
+
+    def __init__(self, detail: str, retry_after_s: float, **extra: Any) -> None:
+        seconds = max(1, math.ceil(retry_after_s))
+        super().__init__(detail, headers={"Retry-After": str(seconds)}, retry_after_s=seconds, **extra)
+
+
+class QueueDeadline(Shed):
+    slug, title = "deadline-exceeded", "Deadline exceeded"
+
+
+class CoolingDown(Shed):
+    slug, title = "engine-cooling-down", "Engine cooling down"
+
+
+class OverQuota(Shed):
+    status, slug, title = 429, "quota-exceeded", "Quota exceeded"
+
+
+class DeadlineExceeded(ProblemError):
+    """The request ran past its deadline inside an engine; it was stopped and nothing was acknowledged."""
+
+    status, slug, title = 504, "deadline-exceeded", "Deadline exceeded"
+
+
+def parse_timeout(value: bytes | str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails too
+        raise BadRequest(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]", field="X-Request-Timeout")
+    return seconds
+
+
+def principal_of(authorization: bytes | None, client: tuple[str, int] | None) -> str:
+    """Whose quota a request draws on: its bearer token (hashed: never kept in clear) or its address."""
+    if authorization:
+        return "key:" + hashlib.blake2b(authorization, digest_size=8).hexdigest()
+    return "addr:" + (client[0] if client else "unknown")
+
+
+class Gate:
+    """A concurrency limit with a bounded FIFO queue; a freed slot passes straight to the next waiter."""
+
+    def __init__(self, name: str, limit: int, depth: int, max_wait_s: float) -> None:
+        self.name, self.limit, self.depth, self.max_wait_s = name, limit, depth, max_wait_s
+        self.active = 0
+        self.waiters: deque[asyncio.Future] = deque()
+        self.service_s = 0.0  # moving average of the time a request holds a slot: Retry-After's estimate
+
+    def retry_after_s(self) -> float:
+        return (len(self.waiters) + self.active) / self.limit * max(self.service_s, 0.001)
+
+    async def acquire(self, deadline: float | None) -> None:
+        if self.active < self.limit and not self.waiters:
+            self.active += 1
+            return
+        if len(self.waiters) >= self.depth:
+            raise Shed(f"engine {self.name} is at capacity ({self.active} running, {len(self.waiters)} queued); "
+                       "the request was not run", self.retry_after_s(), engine=self.name, reason="queue_full")
+        wait = self.max_wait_s
+        by_deadline = deadline is not None and deadline - time.monotonic() < wait
+        if by_deadline:
+            wait = deadline - time.monotonic()
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            if wait > 0:
+                await asyncio.wait((waiter,), timeout=wait)  # wait() leaves the future alone when it times out
+        except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
+            self._leave(waiter)
+            raise
+        if waiter.done():
+            return  # release() handed its slot over: active already counts it
+        self._leave(waiter)
+        if by_deadline:
+            raise QueueDeadline(f"the request's deadline passed while it waited for engine {self.name}; it was not "
+                                "run", self.retry_after_s(), engine=self.name, reason="deadline")
+        raise Shed(f"engine {self.name} is at capacity: the request waited {self.max_wait_s * 1000:.0f} ms in its "
+                   "queue and was not run", self.retry_after_s(), engine=self.name, reason="queue_wait")
+
+    def _leave(self, waiter: asyncio.Future) -> None:
+        if waiter.done() and not waiter.cancelled():
+            self.release()  # it was handed a slot it will not use
+            return
+        waiter.cancel()
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    def release(self, held_s: float | None = None) -> None:
+        if held_s is not None:
+            self.service_s = held_s if self.service_s == 0 else 0.9 * self.service_s + 0.1 * held_s
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.active -= 1
+
+
+@dataclass
+class TokenBucket:
+    rate: float  # tokens per second
+    burst: float
+    tokens: float
+    at: float = field(default_factory=time.monotonic)
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take `amount` if the bucket holds it: 0; else the seconds until it will (nothing is taken)."""
+        self._refill(now)
+        if self.tokens >= amount:
+            self.tokens -= amount
+            return 0.0
+        return (amount - self.tokens) / self.rate
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take what was spent, known only afterwards (engine-seconds): the balance may go below zero."""
+        self._refill(now)
+        self.tokens -= amount
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the balance is positive again (0: it is)."""
+        self._refill(now)
+        return 0.0 if self.tokens > 0 else (1e-3 - self.tokens) / self.rate
+
+
+@dataclass
+class Breaker:
+    failures: int = 0
+    open_until: float = 0.0  # 0: closed
+    probe_at: float = 0.0  # when the last probe after a cool-down was let through
+
+
+class Admission:
+    """Gates, quotas and breakers of one process (see the module's docstring)."""
+
+    def __init__(self, settings: Any, metrics: Any = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.enabled = settings.admission
+        self.max_wait_s = settings.queue_wait_ms / 1000
+        self.limits = engine_limits(settings)
+        self.gates: dict[str, Gate] = {}
+        self.breakers: dict[str, Breaker] = {}
+        self.requests: dict[str, TokenBucket] = {}
+        self.engine_seconds: dict[str, TokenBucket] = {}
+
+    # -- gates -----------------------------------------------------------------------------------------
+    def gate(self, engine: str) -> Gate:
+        gate = self.gates.get(engine)
+        if gate is None:
+            limit = self.limits.get(engine, 4)
+            depth = self.settings.queue_depth if self.settings.queue_depth is not None else 2 * limit
+            gate = self.gates[engine] = Gate(engine, limit, depth, self.max_wait_s)
+        return gate
+
+    def slot(self, engine: str, bound_run: bool = True) -> "Slot":
+        """`async with admission.slot(engine):` around one engine call. With bound_run=False the deadline bounds
+        only the wait for a slot, not the call: writes are never cut off between their COMMIT and their ack."""
+        return Slot(self, engine, bound_run)
+
+    def shed(self, engine: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.shed(engine, reason)
+
+    # -- quotas ----------------------------------------------------------------------------------------
+    def check_request(self, principal: str) -> None:
+        """Count one request against the principal's request bucket; 429 past it."""
+        rate = self.settings.quota_requests_per_s
+        if not rate:
+            return
+        bucket = self.requests.get(principal)
+        if bucket is None:
+            burst = self.settings.quota_burst or max(1.0, 2 * rate)
+            bucket = self.requests[principal] = TokenBucket(rate, burst, tokens=burst)
+        wait = bucket.take(1.0, time.monotonic())
+        if wait:
+            self.shed("requests", "quota")
+            raise OverQuota(f"more than {rate:g} requests per second for this API key or client", wait, reason="quota")
+
+    def _engine_bucket(self, principal: str) -> TokenBucket | None:
+        rate = self.settings.quota_engine_seconds_per_s
+        if not rate:
+            return None
+        bucket = self.engine_seconds.get(principal)
+        if bucket is None:
+            burst = max(rate, self.settings.quota_engine_seconds_burst or 10 * rate)
+            bucket = self.engine_seconds[principal] = TokenBucket(rate, burst, tokens=burst)
+        return bucket
+
+    # -- breakers --------------------------------------------------------------------------------------
+    def cooling(self, engine: str) -> str | None:
+        """Why `auto` should route around this engine now, or None. After the cool-down one request probes it."""
+        breaker = self.breakers.get(engine)
+        if breaker is None or breaker.open_until == 0.0:
+            return None
+        now = time.monotonic()
+        if now < breaker.open_until or now - breaker.probe_at < self.settings.breaker_cooldown_s:
+            return f"is cooling down after {breaker.failures} failures in a row"
+        breaker.probe_at = now  # this caller is the probe; another may go one cool-down later
+        return None
+
+    def failed(self, engine: str) -> None:
+        if engine in POSTGRES_ENGINES:  # the database supervisor (service/supervisor.py) watches those
+            return
+        breaker = self.breakers.setdefault(engine, Breaker())
+        breaker.failures += 1
+        if breaker.failures >= self.settings.breaker_failures:
+            breaker.open_until = time.monotonic() + self.settings.breaker_cooldown_s
+            if self.metrics is not None:
+                self.metrics.breaker_open.labels(engine).set(1)
+
+    def succeeded(self, engine: str) -> None:
+        breaker = self.breakers.get(engine)
+        if breaker is not None and (breaker.failures or breaker.open_until):
+            self.breakers.pop(engine)
+            if self.metrics is not None:
+                self.metrics.breaker_open.labels(engine).set(0)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {name: {"limit": g.limit, "running": g.active, "queued": len(g.waiters),
+                       "cooling_down_s": round(max(0.0, self.breakers[name].open_until - now), 3)
+                       if name in self.breakers else 0.0} for name, g in sorted(self.gates.items())}
+
+
+class Slot:
+    """One engine call's place in its gate, the engine-seconds it costs, and its deadline."""
+
+    __slots__ = ("admission", "bound_run", "engine", "gate", "started", "timeout")
+
+    def __init__(self, admission: Admission, engine: str, bound_run: bool = True) -> None:
+        self.admission, self.engine, self.bound_run = admission, engine, bound_run
+        self.gate: Gate | None = None
+        self.timeout: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        a = self.admission
+        deadline = current_deadline()
+        if not a.enabled:
+            self.started = time.monotonic()
+            return
+        breaker = a.breakers.get(self.engine)
+        if breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until:
+            a.shed(self.engine, "cooling_down")
+            raise CoolingDown(f"engine {self.engine} failed {breaker.failures} times in a row and is cooling down; "
+                              "the request was not run", breaker.open_until - time.monotonic(), engine=self.engine,
+                              reason="cooling_down")
+        bucket = a._engine_bucket(PRINCIPAL.get())
+        if bucket is not None and (wait := bucket.wait_s(time.monotonic())) > 0:
+            a.shed(self.engine, "quota")
+            raise OverQuota("this API key or client has used its engine-seconds quota "
+                            f"({a.settings.quota_engine_seconds_per_s:g} per second)", wait, reason="quota")
+        if deadline is not None and deadline <= time.monotonic():
+            a.shed(self.engine, "deadline")
+            raise QueueDeadline("the request's deadline passed before it reached an engine; it was not run", 1.0,
+                                engine=self.engine, reason="deadline")
+        gate = a.gate(self.engine)
+        try:
+            await gate.acquire(deadline)
+        except Shed as exc:
+            a.shed(self.engine, exc.extra.get("reason", "queue_full"))
+            raise
+        self.gate = gate
+        self.started = time.monotonic()
+        if a.metrics is not None:
+            a.metrics.admitted(self.engine)
+        if deadline is not None and self.bound_run:
+            self.timeout = asyncio.timeout_at(asyncio.get_running_loop().time() + (deadline - self.started))
+            await self.timeout.__aenter__()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        held = time.monotonic() - self.started
+        expired = False
+        if self.timeout is not None:
+            try:
+                await self.timeout.__aexit__(kind, exc, tb)
+            except TimeoutError:
+                expired = True
+        if self.gate is not None:
+            self.gate.release(held)
+        bucket = self.admission._engine_bucket(PRINCIPAL.get())
+        if bucket is not None:
+            bucket.charge(held, time.monotonic())
+        if expired:
+            self.admission.shed(self.engine, "deadline_running")
+            raise DeadlineExceeded(f"the request's deadline passed while engine {self.engine} ran it; it was "
+                                   "stopped (a write is acknowledged only by a 2xx answer)", field="X-Request-Timeout")
+        return False
+
+
+def engine_limits(settings: Any) -> dict[str, int]:
+    """How many requests each engine runs at once: its worker threads (service/…/manager executors), times one
+    micro-batch for the resident vector engines, whose requests share engine calls."""
+    pool = settings.db_pool_max
+    return {
+        "faiss": 2 * settings.batch_max, "cuvs": settings.batch_max,
+        "pgvector": max(1, pool // 2), "writes": 4 * pool,
+        "duckdb": 4, "cudf": 1, "postgres": max(1, settings.sql_pool_max),
+        "cpu-spatial": 1, "cuda-spatial": 1, "postgis": max(1, pool // 4),
+    }
