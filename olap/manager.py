@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,10 @@ class Answer:
     engine: str
     took_ms: float
     fallback: str | None = None
+
+
+class DatasetInUse(Exception):
+    """The dataset asked to be deleted is the one the engines hold."""
 
 
 class OlapManager:
@@ -99,6 +104,21 @@ class OlapManager:
             meta = json.loads(meta_path.read_text())
             out.append({**meta, "path": str(meta_path.parent), "active": meta_path.parent == self.active})
         return out
+
+    def dataset_path(self, name: str) -> Path | None:
+        path = self.root / name
+        return path if path.parent == self.root and (path / "meta.json").is_file() else None
+
+    async def delete_dataset(self, name: str) -> None:
+        """Remove a dataset from disk; the one the engines hold cannot be removed (DatasetInUse)."""
+        path = self.dataset_path(name)
+        if path is None:
+            raise KeyError(name)
+        async with self._load_lock:
+            if self.active is not None and path.resolve() == self.active.resolve():
+                raise DatasetInUse(f"dataset {name!r} is the one the engines hold; generate, import or activate "
+                                   "another first")
+            await asyncio.to_thread(shutil.rmtree, path)
 
     async def generate(self, scale_factor: float, seed: int, progress: Progress) -> dict[str, Any]:
         from .generate import generate

@@ -125,12 +125,14 @@ _HTTP_SLUGS = {
 def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     """Status, slug, title and headers for the domain packages' errors (they know nothing of HTTP)."""
     from indexes import errors as vec
-    from olap.manager import EngineNotReady
+    from olap.manager import DatasetInUse, EngineNotReady
     from olap.results import QueryFailed
     from olap.sqlguard import SqlRejected
     from spatial.manager import SpatialEngineNotReady
     from spatial.store import LayerExists, LayerNotFound
 
+    if isinstance(exc, DatasetInUse):
+        return 409, "conflict", "Conflict", {}
     if isinstance(exc, LayerNotFound):
         return 404, "not-found", "Not found", {}
     if isinstance(exc, LayerExists):
@@ -205,10 +207,21 @@ def _past_deadline(request: Request) -> Response | None:
         "answer)"), instance=request.url.path, field="X-Request-Timeout")
 
 
+def _disk_full_problem(request: Request, exc: Exception) -> Response | None:
+    from .disk import disk_full
+
+    if not disk_full(exc):
+        return None
+    log.error("disk full on %s %s: %s", request.method, request.url.path, exc)
+    return problem_response(507, "insufficient-storage", "Insufficient storage", (
+        "the disk holding the data directory or PostgreSQL is full; this write was not acknowledged. Reads go "
+        "on; free disk space (delete SSB datasets or collections) and retry"), instance=request.url.path)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from indexes.errors import VectorError
     from olap.importer import SsbImportError
-    from olap.manager import EngineNotReady
+    from olap.manager import DatasetInUse, EngineNotReady
     from olap.queries import QueryParamError
     from olap.results import QueryFailed
     from olap.sqlguard import SqlRejected
@@ -216,6 +229,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _domain(request: Request, exc: Exception) -> Response:
         if await _database_down(request, exc):
             return _database_problem(request, exc)
+        if full := _disk_full_problem(request, exc):
+            return full
         status, slug, title, headers = _domain_problem(exc)
         if slug in ("engine-failed", "query-timeout", "query-failed") and (late := _past_deadline(request)):
             return late
@@ -232,7 +247,7 @@ def install_error_handlers(app: FastAPI) -> None:
     from spatial.manager import SpatialEngineNotReady
     from spatial.store import LayerExists, LayerNotFound
 
-    for domain_error in (VectorError, EngineNotReady, SqlRejected, QueryFailed, QueryParamError, SsbImportError,
+    for domain_error in (VectorError, EngineNotReady, DatasetInUse, SqlRejected, QueryFailed, QueryParamError, SsbImportError,
                          TimeoutError, GeometryError, SpatialEngineNotReady, LayerExists, LayerNotFound):
         app.add_exception_handler(domain_error, _domain)
 
@@ -268,6 +283,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return _database_problem(request, exc)
         if late := _past_deadline(request):
             return late
+        if full := _disk_full_problem(request, exc):
+            return full
         # Never echo exception text: it can leak internals. Log it under an id the client can quote.
         error_id = _log_failure(request, exc, "internal error")
         return problem_response(

@@ -2,6 +2,10 @@
 
 A job's state lives in memory while it runs and in the `jobs` table, so GET /v1/jobs/{id} answers after
 the fact and after a restart; a job that was running when the process died is marked failed at start-up.
+At most `max_running` jobs run at once (they are heavy: disk, memory, every core); up to `max_queued` more wait,
+and past that a new job is refused with 503 and Retry-After. DELETE /v1/jobs/{id} cancels a job: its next
+progress report raises JobCancelled inside the work (worker threads included), which then cleans up as on
+any failure (SSB generation leaves no partial dataset; a bulk load keeps the chunks it committed).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def failure_message(job: "Job", exc: Exception) -> str:
     from spatial.geoarrow import GeometryError
 
     from .database import database_unavailable
+    from .disk import disk_full
 
     if isinstance(exc, (VectorError, SsbImportError, QueryParamError, GeometryError)) \
             and not isinstance(exc, EngineFailed):
@@ -38,9 +43,15 @@ def failure_message(job: "Job", exc: Exception) -> str:
         return str(getattr(exc, "detail", exc))
     error_id = uuid.uuid4().hex[:16]
     log.error("job %s (%s) failed (error id %s)", job.id, job.kind, error_id, exc_info=exc)
+    if disk_full(exc):
+        return f"the disk filled up while the job ran; nothing past its last commit was kept (error id {error_id})"
     if database_unavailable(exc):
         return f"PostgreSQL became unavailable while the job ran; nothing past its last commit was kept (error id {error_id})"
     return f"the job failed; quote error id {error_id} when reporting it (the service's log has the cause)"
+
+
+class JobCancelled(Exception):
+    """Raised inside a job's work, at its next progress report, once a client cancelled it."""
 
 
 @dataclass
@@ -55,6 +66,8 @@ class Job:
     result: dict[str, Any] | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    cancel_requested: bool = False
+    task: asyncio.Task | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "subject": self.subject, "state": self.state, "done": self.done,
@@ -63,10 +76,12 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, max_running: int = 2, max_queued: int = 16) -> None:
         self.pool = pool
-        self.running: dict[str, Job] = {}
+        self.running: dict[str, Job] = {}  # queued or running in this process
         self.tasks: set[asyncio.Task] = set()
+        self.max_queued = max_queued
+        self._slots = asyncio.Semaphore(max_running)
 
     async def recover(self) -> int:
         """Jobs left queued or running by a previous process will never finish: say so."""
@@ -77,15 +92,41 @@ class JobRunner:
         return int(status.split()[-1])
 
     async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> Job:
+        queued = sum(1 for job in self.running.values() if job.state == "queued")
+        if queued >= self.max_queued:
+            from .admission import Shed
+
+            raise Shed(f"{queued} jobs are already waiting for a slot (SWITCHYARD_MAX_QUEUED_JOBS); the job was not "
+                       "started", 10.0, reason="jobs_queued")
         job = Job(str(uuid.uuid4()), kind, subject)
         await self.pool.execute(
             "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind, subject
         )
         self.running[job.id] = job
-        task = asyncio.create_task(self._run(job, work), name=f"job-{kind}-{job.id}")
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        job.task = asyncio.create_task(self._run(job, work), name=f"job-{kind}-{job.id}")
+        self.tasks.add(job.task)
+        job.task.add_done_callback(self.tasks.discard)
         return job
+
+    async def cancel(self, job_id: str) -> dict[str, Any] | None:
+        """Cancel a queued or running job of this process (None if it has none by that id)."""
+        job = self.running.get(job_id)
+        if job is None or job.task is None:
+            return None
+        job.cancel_requested = True
+        job.task.cancel()
+        await asyncio.gather(job.task, return_exceptions=True)
+        return job.as_dict()
+
+    async def delete(self, job_id: str) -> bool:
+        """Forget a finished job; False if there is none (a queued or running one is cancelled first)."""
+        await self.cancel(job_id)
+        try:
+            key = uuid.UUID(job_id)
+        except ValueError:
+            return False
+        status = await self.pool.execute("DELETE FROM jobs WHERE id = $1", key)
+        return status.split()[-1] != "0"
 
     async def _run(self, job: Job, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> None:
         last_flush = 0.0
@@ -94,6 +135,8 @@ class JobRunner:
         def progress(done: int, total: int | None, message: str) -> None:
             """Callable from the event loop or from a worker thread (index builds report from there)."""
             nonlocal last_flush
+            if job.cancel_requested:
+                raise JobCancelled(f"job {job.id} was cancelled")
             job.done, job.message, job.updated_at = done, message, time.time()
             if total is not None:
                 job.total = total
@@ -101,14 +144,18 @@ class JobRunner:
                 last_flush = time.monotonic()
                 loop.call_soon_threadsafe(self._flush_soon, job)
 
-        job.state = "running"
-        await self._flush(job)
         try:
-            job.result = await work(progress)
-            job.state, job.message = "succeeded", job.message or "done"
-        except asyncio.CancelledError:
-            job.state, job.message = "failed", "cancelled: the service is stopping"
-            raise
+            async with self._slots:
+                job.state = "running"
+                await self._flush(job)
+                job.result = await work(progress)
+                job.state, job.message = "succeeded", job.message or "done"
+        except (asyncio.CancelledError, JobCancelled):
+            if job.cancel_requested:
+                job.state, job.message = "cancelled", "cancelled by a client; what it had committed is kept"
+            else:
+                job.state, job.message = "failed", "cancelled: the service is stopping"
+                raise
         except Exception as exc:  # noqa: BLE001 - recorded on the job, which is what the client watches
             job.state, job.message = "failed", failure_message(job, exc)
         finally:
@@ -129,7 +176,7 @@ class JobRunner:
         try:
             await self.pool.execute(
                 "UPDATE jobs SET state = $2, done = $3, total = $4, message = $5, result = $6, updated_at = now() "
-                "WHERE id = $1 AND ($7 OR state NOT IN ('succeeded', 'failed'))", uuid.UUID(job.id), job.state,
+                "WHERE id = $1 AND ($7 OR state NOT IN ('succeeded', 'failed', 'cancelled'))", uuid.UUID(job.id), job.state,
                 job.done, job.total, job.message, orjson.dumps(job.result).decode() if job.result is not None else None,
                 final,
             )

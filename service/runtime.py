@@ -84,7 +84,7 @@ class Runtime:
                 max_restarts=s.db_max_restarts, other_pools=(self.sql_pool,))
             self.database.start()
             self.registry.probe(self.postgres_version, extensions)
-            self.jobs = JobRunner(self.pool)
+            self.jobs = JobRunner(self.pool, s.max_jobs, s.max_queued_jobs)
             if interrupted := await self.jobs.recover():
                 log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
             if s.replication_trace_dir is not None:

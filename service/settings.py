@@ -106,6 +106,11 @@ class Settings(BaseSettings):
         "Jobs (bulk loads, index builds, SSB generation and import) running at once; more wait queued."))
     max_queued_jobs: int = Field(default=16, ge=0, le=10_000, description=(
         "Jobs that may wait for a slot; past them new jobs get 503 with Retry-After."))
+    disk_reserve_mb: int = Field(default=1024, ge=0, description=(
+        "Free disk kept in reserve on the data directory's disk: SSB generation, imports and bulk loads whose "
+        "estimate would eat into it are refused with 507."))
+    ssb_quota_gb: float | None = Field(default=None, gt=0, description=(
+        "Most disk the SSB datasets under <data_dir>/ssb may use (default: no quota, only the reserve)."))
     ops_auth: Literal["open", "key"] = Field(default="open", description=(
         "'key': /metrics, /readyz and /healthz need the API key too (when one is set)."))
     ssb_import_dir: Path | None = Field(default=None, description=(

@@ -1,9 +1,10 @@
-"""GET /v1/jobs/{id}: state and progress of long work (bulk loads, builds, SSB generation)."""
+"""Jobs: state and progress of long work (bulk loads, builds, SSB generation and import); cancel and forget."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fastapi import Response
 from pydantic import BaseModel, Field
 
 from ..deps import RuntimeDep, domain, v1_router
@@ -16,7 +17,7 @@ class JobOut(BaseModel):
     id: str
     kind: str
     subject: str | None
-    state: str = Field(description="queued, running, succeeded or failed")
+    state: str = Field(description="queued, running, succeeded, failed or cancelled")
     done: int
     total: int | None
     message: str | None
@@ -31,3 +32,20 @@ async def get_job(job_id: str, runtime: RuntimeDep) -> JobOut:
     if job is None:
         raise NotFound(f"no job {job_id!r}", field="job_id")
     return JobOut(**job)
+
+
+@router.post("/jobs/{job_id}/cancel", summary="Cancel a queued or running job",
+             responses={404: {"description": "No such job queued or running in this process."}})
+async def cancel_job(job_id: str, runtime: RuntimeDep) -> JobOut:
+    job = await domain(runtime, "jobs").cancel(job_id)
+    if job is None:
+        raise NotFound(f"no queued or running job {job_id!r}", field="job_id")
+    return JobOut(**job)
+
+
+@router.delete("/jobs/{job_id}", status_code=204, summary="Cancel a job if it still runs, and forget it",
+               responses={404: {"description": "No such job."}})
+async def delete_job(job_id: str, runtime: RuntimeDep) -> Response:
+    if not await domain(runtime, "jobs").delete(job_id):
+        raise NotFound(f"no job {job_id!r}", field="job_id")
+    return Response(status_code=204)

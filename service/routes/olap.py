@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 from ..deadlines import remaining
+from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..deps import RuntimeDep, domain, v1_router
 from ..errors import BadRequest, NotFound
 from .vectors import JobAccepted
@@ -71,14 +73,37 @@ def _job(job: Any, response: Response) -> JobAccepted:
     return JobAccepted(job=job.id, state=job.state, location=location)
 
 
+async def _ensure_disk(runtime: Any, manager: Any, need: float, parquet: float, what: str, field: str) -> None:
+    """Refuse a dataset that would eat into the disk reserve or pass the SSB quota (507), before any job starts."""
+    s = runtime.settings
+    ensure_room(s.data_dir, need, s.disk_reserve_mb * 2**20, what, field)
+    if s.ssb_quota_gb is not None:
+        used = await asyncio.to_thread(tree_bytes, manager.root)
+        ensure_quota(used, parquet, s.ssb_quota_gb * 1e9, what, field)
+
+
 @router.get("/olap/ssb/datasets", summary="SSB datasets on disk, and which one the engines hold")
 async def datasets(runtime: RuntimeDep) -> list[dict[str, Any]]:
     return domain(runtime, "olap").datasets()
 
 
+@router.delete("/olap/ssb/datasets/{name}", status_code=204, summary="Delete an SSB dataset from disk",
+               responses={404: {"description": "No such dataset."},
+                          409: {"description": "The dataset is the one the engines hold."}})
+async def delete_dataset(runtime: RuntimeDep, name: str = PathParam(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="The dataset's directory name (see GET datasets).")) -> Response:
+    try:
+        await domain(runtime, "olap").delete_dataset(name)
+    except KeyError:
+        raise NotFound(f"no SSB dataset {name!r}", field="name") from None
+    return Response(status_code=204)
+
+
 @router.post("/olap/ssb/generate", status_code=202, summary="Generate an SSB dataset and load it (a job)")
 async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
     manager = domain(runtime, "olap")
+    await _ensure_disk(runtime, manager, SSB_BYTES_PER_SF * body.scale_factor, PARQUET_BYTES_PER_SF * body.scale_factor,
+                       f"an SSB dataset of scale factor {body.scale_factor:g}", "scale_factor")
     job = await runtime.jobs.start("ssb_generate", f"sf{body.scale_factor:g}",
                                    lambda progress: manager.generate(body.scale_factor, body.seed, progress))
     return _job(job, response)
@@ -96,6 +121,8 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
     missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
     if missing:
         raise BadRequest(f"{source} lacks {', '.join(missing)}", field="path")
+    tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
+    await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
     job = await runtime.jobs.start("ssb_import", body.name, lambda progress: manager.import_tbl(
         source, body.name, body.expected_rows, progress))
     return _job(job, response)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from indexes.vectors import MAX_K, as_matrix, check_batch, check_ids, checked_points, fit_matrix, from_arrow_ipc
 
 from ..deps import RuntimeDep, domain, v1_router
+from ..disk import BULK_BYTES_PER_BYTE, ensure_room
 from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
                                parse_search, parse_upsert)
 
@@ -157,6 +158,9 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
     if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
         c = await vectors.collection(name)
         points = from_arrow_ipc(await request.body(), c.dim)
+        need = BULK_BYTES_PER_BYTE * (points.vectors.nbytes + 8 * len(points.ids))
+        ensure_room(runtime.settings.data_dir, need, runtime.settings.disk_reserve_mb * 2**20,
+                    f"loading {len(points.ids)} points")
         job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(
             name, points, progress, fallback=pgvector))
         location = f"/v1/jobs/{job.id}"
