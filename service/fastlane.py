@@ -59,6 +59,8 @@ class HotLane:
         self.admission = admission  # None in a front process: the engine process admits
         self.quota = bool(settings.quota_requests_per_s)  # a front process names the principal; the engine counts
         self.default_timeout = settings.request_timeout_s
+        self.max_inflight = settings.max_inflight if admission is not None and settings.admission else 0
+        self.inflight = 0
         self.max_body = settings.max_body_bytes
         self.sample = settings.access_log_sample
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
@@ -96,6 +98,22 @@ class HotLane:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not self.max_inflight or not scope["path"].startswith("/v1/"):  # probes and metrics: never refused
+            await self._serve(scope, receive, send)
+            return
+        if self.inflight >= self.max_inflight:
+            self.admission.shed("requests", "inflight")
+            await self._answer_failure(scope, receive, send, Shed(
+                f"the service is serving {self.inflight} requests (SWITCHYARD_MAX_INFLIGHT); this one was not run",
+                1.0, reason="inflight"))
+            return
+        self.inflight += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.inflight -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         length, media, authorization, timeout, forwarded = -1, JSON, None, None, None
         for name, value in scope["headers"]:
             if name == b"content-length":

@@ -338,3 +338,18 @@ def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
     r = client.post("/v1/collections/brk/search", json={**query, "engine": "cpu"})
     assert_problem(r, 503, "engine-cooling-down")
     assert 'switchyard_engine_breaker_open{engine="faiss"} 1.0' in client.get("/metrics").text
+
+
+def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client):
+    client = make_client(raise_server_exceptions=False, max_inflight=4)
+    wait_ready(client)
+    lane = client.app  # the hot lane, outermost
+    lane.inflight = 4  # four requests being served
+    r = client.post("/v1/collections/none/search", content=b"not even json")
+    body = assert_problem(r, 503, "overloaded")
+    assert body["reason"] == "inflight" and r.headers["Retry-After"] == "1"
+    assert client.get("/readyz").status_code == 200  # probes and metrics are never refused
+    assert 'switchyard_shed_total{engine="requests",reason="inflight"} 1.0' in client.get("/metrics").text
+    lane.inflight = 3
+    assert_problem(client.post("/v1/collections/none/search", json={"vector": [1.0], "k": 1}), 404, "not-found")
+    assert lane.inflight == 3
