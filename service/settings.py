@@ -84,8 +84,8 @@ class Settings(BaseSettings):
         "postgres), so slow queries never hold the connections of writes and readiness."))
     admission: bool = Field(default=True, description=(
         "Admission control (README: Overload): per-engine concurrency limits and short queues, 503 past them."))
-    max_inflight: int = Field(default_factory=lambda: 16 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
-        "/v1 requests a process serves at once (default 16 per core); past it a request is answered 503 at once, "
+    max_inflight: int = Field(default_factory=lambda: 64 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
+        "/v1 requests a process serves at once (default 64 per core); past it a request is answered 503 at once, "
         "before any parsing, so admitted requests keep their latency when the event loop itself is the bottleneck "
         "(0: no limit)."))
     queue_wait_ms: float = Field(default=250.0, ge=0, le=60_000, description=(
