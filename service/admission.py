@@ -266,21 +266,16 @@ class Admission:
             if self.metrics is not None:
                 self.metrics.breaker_open.labels(engine).set(0)
 
-    def describe(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {name: {"limit": g.limit, "running": g.active, "queued": len(g.waiters),
-                       "cooling_down_s": round(max(0.0, self.breakers[name].open_until - now), 3)
-                       if name in self.breakers else 0.0} for name, g in sorted(self.gates.items())}
-
 
 class Slot:
     """One engine call's place in its gate, the engine-seconds it costs, and its deadline."""
 
-    __slots__ = ("admission", "bound_run", "engine", "gate", "started", "timeout")
+    __slots__ = ("admission", "bound_run", "bucket", "engine", "gate", "started", "timeout")
 
     def __init__(self, admission: Admission, engine: str, bound_run: bool = True) -> None:
         self.admission, self.engine, self.bound_run = admission, engine, bound_run
         self.gate: Gate | None = None
+        self.bucket: TokenBucket | None = None  # the principal's engine-seconds, charged on exit
         self.timeout: asyncio.Timeout | None = None
 
     async def __aenter__(self) -> None:
@@ -295,7 +290,7 @@ class Slot:
             raise CoolingDown(f"engine {self.engine} failed {breaker.failures} times in a row and is cooling down; "
                               "the request was not run", breaker.open_until - time.monotonic(), engine=self.engine,
                               reason="cooling_down")
-        bucket = a._engine_bucket(PRINCIPAL.get())
+        self.bucket = bucket = a._engine_bucket(PRINCIPAL.get())
         if bucket is not None and (wait := bucket.wait_s(time.monotonic())) > 0:
             a.shed(self.engine, "quota")
             raise OverQuota("this API key or client has used its engine-seconds quota "
@@ -328,9 +323,8 @@ class Slot:
                 expired = True
         if self.gate is not None:
             self.gate.release(held)
-        bucket = self.admission._engine_bucket(PRINCIPAL.get())
-        if bucket is not None:
-            bucket.charge(held, time.monotonic())
+        if self.bucket is not None:
+            self.bucket.charge(held, time.monotonic())
         if expired:
             self.admission.shed(self.engine, "deadline_running")
             raise DeadlineExceeded(f"the request's deadline passed while engine {self.engine} ran it; it was "
@@ -339,7 +333,7 @@ class Slot:
 
 
 def engine_limits(settings: Any) -> dict[str, int]:
-    """How many requests each engine runs at once: its worker threads (service/…/manager executors), times one
+    """How many requests each engine runs at once: its worker threads (the domain managers' executors), times one
     micro-batch for the resident vector engines, whose requests share engine calls."""
     pool = settings.db_pool_max
     return {

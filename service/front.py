@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from . import access_log
 from .engine_link import EngineClient, EngineGone
 from .errors import problem_response
-from .admission import PRINCIPAL, principal_of
+from .admission import PRINCIPAL
 from .deadlines import deadline as current_deadline
 from .fastlane import CLIENT_HEADER, REQUEST_ERRORS, HotLane
 from .vector_requests import parse_search, parse_upsert

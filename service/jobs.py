@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 import asyncpg
 import orjson
 
+from .admission import Shed
+
 log = logging.getLogger("switchyard.jobs")
 
 Progress = Callable[[int, int | None, str], None]
@@ -94,8 +96,6 @@ class JobRunner:
     async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> Job:
         queued = sum(1 for job in self.running.values() if job.state == "queued")
         if queued >= self.max_queued:
-            from .admission import Shed
-
             raise Shed(f"{queued} jobs are already waiting for a slot (SWITCHYARD_MAX_QUEUED_JOBS); the job was not "
                        "started", 10.0, reason="jobs_queued")
         job = Job(str(uuid.uuid4()), kind, subject)
