@@ -157,12 +157,26 @@ def test_sigterm_drains_in_flight_requests_saves_snapshots_and_stops_postgres(tm
     with serving(data_dir, port) as proc:
         wait_ready(port, proc)
         assert httpx.post(f"{base}/v1/collections", json={"name": "drain", "dim": 32}).status_code == 201
-        body = {"ids": list(range(rows)), "vectors": rng.random((rows, 32), dtype=np.float32).round(4).tolist()}
+        import orjson
+
+        body = orjson.dumps({"ids": list(range(rows)), "vectors": rng.random((rows, 32), dtype=np.float32).round(4)},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        in_flight = threading.Event()
+
+        def chunks():
+            step = len(body) // 8
+            for start in range(0, len(body), step):
+                if start:
+                    in_flight.set()  # the first chunk is out: the server has this request's headers
+                yield body[start:start + step]
+
         answers = []
-        sender = threading.Thread(target=lambda: answers.append(
-            httpx.put(f"{base}/v1/collections/drain/points", json=body, timeout=60)))
+        sender = threading.Thread(target=lambda: answers.append(httpx.put(
+            f"{base}/v1/collections/drain/points", content=chunks(), timeout=60,
+            headers={"Content-Type": "application/json", "Content-Length": str(len(body))})))
         sender.start()
-        time.sleep(0.3)  # the upsert is in flight
+        assert in_flight.wait(30)
+        time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         sender.join(60)
         out, _ = proc.communicate(timeout=60)
