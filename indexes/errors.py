@@ -22,6 +22,10 @@ class CollectionExists(VectorError):
     pass
 
 
+class CollectionEmpty(VectorError):
+    """The request needs stored points and the collection has none yet (recall's sample)."""
+
+
 class EngineUnavailable(VectorError):
     """The engine asked for cannot serve this collection now (absent, not loaded, or failed)."""
 

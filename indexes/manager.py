@@ -31,7 +31,7 @@ from . import pgvector_search, reports, snapshots
 from .ann import INDEX_TYPES, check_params, resolve_type, search_params
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
-from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
+from .errors import CollectionEmpty, CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
 from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
@@ -176,7 +176,7 @@ class CollectionManager:
         if index_type not in INDEX_TYPES:
             raise InvalidInput(f"must be one of {', '.join(INDEX_TYPES)}", field="index.type")
         params = check_params("build", index_type, index_params, "index.params")
-        pg_index = pgvector_search.check_index(pgvector_index)
+        pg_index = pgvector_search.check_index(pgvector_index, dim)
         self._creating.add(name)  # its own catalog notification may arrive first: that sync leaves it to us
         try:
             c = await self.store.create(name, dim, metric, index_type, params, pg_index)
@@ -580,7 +580,7 @@ class CollectionManager:
             ids, vectors = await self.store.rows(c)
             data = await asyncio.to_thread(prepare, np, vectors, c.metric)
         if len(ids) == 0:
-            raise InvalidInput("the collection is empty", field="collection")
+            raise CollectionEmpty("the collection is empty: upsert points first", field="collection")
         if queries is None:
             rng = np.random.default_rng(seed)
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)

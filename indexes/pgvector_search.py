@@ -20,12 +20,19 @@ INDEX_DEFAULTS = {"hnsw": {"m": 16, "ef_construction": 64}, "ivfflat": {"lists":
 SEARCH_KNOBS = {"ef_search": ("hnsw.ef_search", 1, 1000), "probes": ("ivfflat.probes", 1, 32768)}
 
 
-def check_index(spec: dict[str, Any] | None) -> dict[str, Any]:
-    """The pgvector index a collection asks for: {"type": "hnsw"|"ivfflat"|"none", ...its parameters}."""
-    spec = dict(spec or {"type": "hnsw"})
-    kind = spec.pop("type", "hnsw")
+PGVECTOR_MAX_INDEXED_DIM = 2000  # pgvector's HNSW and IVFFlat index `vector` columns of at most 2,000 dimensions
+
+
+def check_index(spec: dict[str, Any] | None, dim: int) -> dict[str, Any]:
+    """The pgvector index a collection asks for: {"type": "hnsw"|"ivfflat"|"none", ...its parameters}.
+    Without a type: HNSW, or none above pgvector's dimension limit (searches there scan exactly)."""
+    spec = dict(spec or {})
+    kind = spec.pop("type", None) or ("hnsw" if dim <= PGVECTOR_MAX_INDEXED_DIM else "none")
     if kind not in INDEX_DEFAULTS:
         raise InvalidInput("must be 'hnsw', 'ivfflat' or 'none'", field="pgvector_index.type")
+    if kind != "none" and dim > PGVECTOR_MAX_INDEXED_DIM:
+        raise InvalidInput(f"pgvector indexes at most {PGVECTOR_MAX_INDEXED_DIM} dimensions, this collection has "
+                           f"{dim}: use 'none' (exact scans)", field="pgvector_index.type")
     unknown = sorted(set(spec) - set(INDEX_DEFAULTS[kind]))
     if unknown:
         raise InvalidInput(f"unknown parameter for {kind}", field=f"pgvector_index.{unknown[0]}")
@@ -34,7 +41,13 @@ def check_index(spec: dict[str, Any] | None) -> dict[str, Any]:
         low, high = limits[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
             raise InvalidInput(f"must be an integer from {low} to {high}", field=f"pgvector_index.{name}")
-    return {"type": kind, **INDEX_DEFAULTS[kind], **{k: v for k, v in spec.items() if v is not None}}
+    out = {"type": kind, **INDEX_DEFAULTS[kind], **{k: v for k, v in spec.items() if v is not None}}
+    if kind == "hnsw":
+        if spec.get("ef_construction") is None:
+            out["ef_construction"] = max(out["ef_construction"], 2 * out["m"])
+        elif out["ef_construction"] < 2 * out["m"]:  # pgvector refuses such a build
+            raise InvalidInput(f"must be at least 2 * m ({2 * out['m']})", field="pgvector_index.ef_construction")
+    return out
 
 
 def check_search_params(params: dict[str, Any] | None) -> dict[str, int]:
@@ -56,7 +69,7 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
     for its whole length) at the price of a second pass over the table."""
     spec = c.pgvector_index or {"type": "hnsw", **INDEX_DEFAULTS["hnsw"]}
     kind = spec.get("type", "hnsw")
-    if kind == "none":
+    if kind == "none" or c.dim > PGVECTOR_MAX_INDEXED_DIM:  # the latter: a collection made before the check
         return None
     if kind == "hnsw":
         with_ = f"m = {int(spec['m'])}, ef_construction = {int(spec['ef_construction'])}"

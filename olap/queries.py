@@ -101,8 +101,9 @@ class _YearMonthNum(_Int):
             raise ValueError(f"must be yyyymm with a month 01..12, got {value}")
         return value
 
-    def schema(self) -> dict:
-        return {**super().schema(), "format": "yyyymm"}
+    def schema(self) -> dict:  # every valid yyyymm listed, so the schema refuses month 13 as check() does
+        return {**super().schema(), "format": "yyyymm",
+                "enum": [y * 100 + m for y in range(FIRST_YEAR, LAST_YEAR + 1) for m in range(1, 13)]}
 
 
 class _Text:
@@ -433,6 +434,14 @@ def render_sql(query_id: str, params: Mapping[str, Any] | None = None) -> str:
     query = get_query(query_id)
     values = validate_params(query_id, params)
     return query.sql.format(**{name: sql_literal(v) for name, v in values.items()})
+
+
+def params_schema(query_id: str) -> dict[str, Any]:
+    """JSON Schema of one query's `params` object: its own parameters only, each with its type and domain.
+    What it cannot say: the (low, high) pairs that must be ordered (`Query.ordered`), checked by validate_params."""
+    query = get_query(query_id)
+    return {"type": "object", "additionalProperties": False, "properties": {
+        p.name: {**p.type.schema(), "default": _plain(p.default), "description": p.description} for p in query.params}}
 
 
 def describe() -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from . import __version__
 from .errors import install_error_handlers
-from . import access_log
+from . import access_log, openapi
 from .fastlane import HotLane, local_answer
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
@@ -24,6 +24,9 @@ PostgreSQL (pgvector, PostGIS, heap tables).
 
 Every error is `application/problem+json` (RFC 9457) with `type`, `title`, `status`, `detail` and, for bad
 input, `field`. With `SWITCHYARD_API_KEY` set, every `/v1` route needs `Authorization: Bearer <key>`.
+
+Any `/v1` request may carry `X-Request-Timeout: <seconds>` (at most 3600): a request still queued at its deadline is
+dropped and answered 503 `deadline-exceeded` (not run), one still running is stopped and answered 504.
 """
 
 
@@ -55,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Switchyard", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.switchyard = runtime
     install_error_handlers(app)
+    openapi.install(app, settings)
 
     for module in (ops, engines, vectors, spatial, olap, jobs):
         app.include_router(module.router)

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from .database import DatabaseBusy, database_unavailable, from_database_client
 from .deadlines import remaining
@@ -50,8 +51,16 @@ class BadRequest(ProblemError):
     pass
 
 
+class Unprocessable(ProblemError):
+    status, slug, title = 422, "validation-error", "Invalid request"
+
+
 class Unauthorized(ProblemError):
     status, slug, title = 401, "unauthorized", "Unauthorized"
+
+
+class Forbidden(ProblemError):
+    status, slug, title = 403, "forbidden", "Forbidden"
 
 
 class NotFound(ProblemError):
@@ -143,7 +152,7 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
         return 422, "validation-error", "Invalid request", {}
     if isinstance(exc, vec.CollectionNotFound):
         return 404, "not-found", "Not found", {}
-    if isinstance(exc, vec.CollectionExists):
+    if isinstance(exc, (vec.CollectionExists, vec.CollectionEmpty)):
         return 409, "conflict", "Conflict", {}
     if isinstance(exc, (vec.EngineUnavailable, EngineNotReady)):
         return 409, "engine-unavailable", "Engine unavailable", {}
@@ -218,6 +227,15 @@ def _disk_full_problem(request: Request, exc: Exception) -> Response | None:
         "on; free disk space (delete SSB datasets or collections) and retry"), instance=request.url.path)
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= route.methods
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     from indexes.errors import VectorError
     from olap.importer import SsbImportError
@@ -266,9 +284,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         slug, title = _HTTP_SLUGS.get(exc.status_code, ("http-error", "HTTP error"))
         detail = exc.detail if isinstance(exc.detail, str) else title
+        headers = exc.headers
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # bytes that are not JSON
+            return problem_response(422, "validation-error", "Invalid request", "body: not valid JSON",
+                                    instance=request.url.path, field="body")
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
-        return problem_response(exc.status_code, slug, title, detail, instance=request.url.path, headers=exc.headers)
+        if exc.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return problem_response(exc.status_code, slug, title, detail, instance=request.url.path, headers=headers)
 
     @app.exception_handler(DatabaseBusy)
     async def _busy(request: Request, exc: DatabaseBusy) -> Response:

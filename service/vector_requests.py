@@ -17,13 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from indexes.vectors import MAX_K, decode_base64, encode_payloads, unshaped_matrix
 
+from .jsonnum import Float, Int, IntList
+from .openapi import exactly_one_of
+
 RAW_VECTORS = "application/octet-stream"
 Scalar = str | int | float | bool | None
 
 
 class SearchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    k: int = Field(default=10, ge=1, le=MAX_K)
+    k: Int = Field(default=10, ge=1, le=MAX_K)
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
     params: dict[str, int | float] | None = Field(default=None, description=(
         "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
@@ -33,12 +36,13 @@ class SearchOptions(BaseModel):
         "What the resident replica must have applied first: `strong` every commit before this search, `session` "
         "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
         "nothing. pgvector always reads the latest commit."))
-    seq: int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
+    seq: Int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
 
 
 class SearchRequest(SearchOptions):
-    vector: list[float] | None = Field(default=None, description="One query vector.")
-    vectors: list[list[float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vector",), ("vectors",), ("vectors_b64",)))
+    vector: list[Float] | None = Field(default=None, description="One query vector.")
+    vectors: list[list[Float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
     vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
 
     @model_validator(mode="after")
@@ -82,9 +86,9 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
 
 
 class UpsertPoints(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ids: list[int] = Field(min_length=1, max_length=100_000)
-    vectors: list[list[float]] | None = Field(default=None, description="One float list per id.")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vectors",), ("vectors_b64",)))
+    ids: IntList = Field(min_length=1, max_length=100_000)
+    vectors: list[list[Float]] | None = Field(default=None, description="One float list per id.")
     vectors_b64: str | None = Field(default=None, description="All vectors as base64 of little-endian float32, row after row.")
     payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
 

@@ -7,14 +7,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Path as PathParam
-from fastapi import Response
+from fastapi import Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+
+from olap.queries import QUERIES, params_schema
 
 from ..deadlines import remaining
 from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..deps import RuntimeDep, domain, v1_router
-from ..errors import BadRequest, NotFound
+from ..jsonnum import Float, Int
+from ..errors import Forbidden, NotFound, Unprocessable
+from ..vector_requests import parse_json
 from .vectors import JobAccepted
 
 router = v1_router(tags=["olap"])
@@ -25,8 +29,8 @@ Engine = Literal["auto", "gpu", "cpu", "postgres", "cudf", "duckdb"]
 
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    scale_factor: float = Field(gt=0, le=100, description="SSB scale factor: 1 is 6 million lineorder rows.")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    scale_factor: Float = Field(gt=0, le=100, description="SSB scale factor: 1 is 6 million lineorder rows.")
+    seed: Int = Field(default=0, ge=0, le=2**31 - 1)
 
 
 class ImportRequest(BaseModel):
@@ -47,8 +51,8 @@ class SqlRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sql: str = Field(min_length=1, max_length=20_000, description="One read-only SELECT over the SSB tables.")
     engine: Engine = "auto"
-    max_rows: int = Field(default=1000, ge=1, le=100_000)
-    timeout_s: float = Field(default=30.0, gt=0, le=300)
+    max_rows: Int = Field(default=1000, ge=1, le=100_000)
+    timeout_s: Float = Field(default=30.0, gt=0, le=300)
 
 
 class ResultOut(BaseModel):
@@ -117,10 +121,10 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
     root = runtime.settings.ssb_imports.resolve()
     source = Path(body.path).expanduser().resolve()
     if source != root and root not in source.parents:
-        raise BadRequest(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
+        raise Forbidden(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
     missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
     if missing:
-        raise BadRequest(f"{source} lacks {', '.join(missing)}", field="path")
+        raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
     tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
     await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
     job = await runtime.jobs.start("ssb_import", body.name, lambda progress: manager.import_tbl(
@@ -135,14 +139,29 @@ async def list_queries() -> list[dict[str, Any]]:
     return describe()
 
 
-@router.post("/olap/ssb/queries/{query_id}", summary="Run one SSB query on an engine")
-async def run_query(body: QueryRequest, runtime: RuntimeDep,
-                    query_id: str = PathParam(pattern=r"^[1-4]\.[1-4]$", description="1.1 ... 4.3")) -> ResultOut:
-    from olap.queries import QUERIES
+def _query_route(query_id: str, title: str) -> None:
+    """One operation per SSB query, so the document gives each its own parameters (a generated client gets a
+    typed method per query)."""
+    schema = QueryRequest.model_json_schema()
+    schema["properties"]["params"] = {"anyOf": [params_schema(query_id), {"type": "null"}],
+                                      "description": QueryRequest.model_fields["params"].description}
 
-    if query_id not in QUERIES:
-        raise NotFound(f"no SSB query {query_id}; they are {', '.join(QUERIES)}", field="query_id")
-    return _result(await domain(runtime, "olap").run_query(query_id, body.params, body.engine))
+    async def run_query(request: Request, runtime: RuntimeDep) -> ResultOut:
+        body = parse_json(QueryRequest, await request.body())
+        return _result(await domain(runtime, "olap").run_query(query_id, body.params, body.engine))
+
+    router.add_api_route(f"/olap/ssb/queries/{query_id}", run_query, methods=["POST"], summary=f"SSB Q{query_id}: {title}",
+                         operation_id=f"ssb_query_{query_id.replace('.', '_')}", response_model=ResultOut,
+                         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}})
+
+
+for _query in QUERIES.values():
+    _query_route(_query.id, _query.title)
+
+
+@router.post("/olap/ssb/queries/{query_id}", include_in_schema=False)
+async def unknown_query(query_id: str) -> None:
+    raise NotFound(f"no SSB query {query_id}; they are {', '.join(QUERIES)}", field="query_id")
 
 
 @router.post("/olap/sql", summary="Ad-hoc read-only SQL over the SSB tables")

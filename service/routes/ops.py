@@ -37,6 +37,7 @@ async def readyz(runtime: RuntimeDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response, responses={200: {
+    "description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(runtime: RuntimeDep) -> Response:
     return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from spatial.manager import MAX_PAGE
 
 from ..deps import RuntimeDep, domain, v1_router
+from ..jsonnum import Float, Int, IntList
+from ..openapi import exactly_one_of
 
 router = v1_router(tags=["spatial"])
 
@@ -21,15 +23,16 @@ PARQUET = "application/vnd.apache.parquet"
 
 
 class LayerIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(
+        ("lon", "lat"), ("geojson",), ("wkt",), ("wkb_b64",)))
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
     kind: Literal["points", "polygons"]
-    lon: list[float] | None = Field(default=None, description="Points: longitudes in degrees (-180..180).")
-    lat: list[float] | None = Field(default=None, description="Points: latitudes in degrees (-90..90).")
+    lon: list[Float] | None = Field(default=None, description="Points: longitudes in degrees (-180..180).")
+    lat: list[Float] | None = Field(default=None, description="Points: latitudes in degrees (-90..90).")
     geojson: dict[str, Any] | None = Field(default=None, description="A GeoJSON FeatureCollection.")
     wkt: list[str] | None = None
     wkb_b64: list[str] | None = Field(default=None, description="WKB geometries, base64-encoded.")
-    ids: list[int] | None = Field(default=None, description="One id per feature (default 0..n-1).")
+    ids: IntList | None = Field(default=None, description="One id per feature (default 0..n-1).")
 
 
 class LayerOut(BaseModel):
@@ -45,17 +48,17 @@ class PipRequest(BaseModel):
     mode: Literal["counts", "pairs"] = "counts"
     engine: Engine = "auto"
     cursor: str | None = Field(default=None, description="next_cursor of the previous page of pairs.")
-    page_size: int = Field(default=10_000, ge=1, le=MAX_PAGE, description="Points per page of pairs.")
+    page_size: Int = Field(default=10_000, ge=1, le=MAX_PAGE, description="Points per page of pairs.")
 
 
 class DistanceRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     left: str
     right: str = Field(description="The same layer as left for a self-join (pairs i < j).")
-    radius_m: float = Field(gt=0, le=100_000, description="Great-circle distance in metres (haversine).")
+    radius_m: Float = Field(gt=0, le=100_000, description="Great-circle distance in metres (haversine).")
     engine: Engine = "auto"
     cursor: str | None = None
-    page_size: int = Field(default=10_000, ge=1, le=MAX_PAGE)
+    page_size: Int = Field(default=10_000, ge=1, le=MAX_PAGE)
 
 
 def _answer(answer: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from indexes.vectors import MAX_K, as_matrix, check_batch, check_ids, checked_points, fit_matrix, from_arrow_ipc
 
 from ..deps import RuntimeDep, domain, v1_router
+from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
 from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
                                parse_search, parse_upsert)
@@ -34,18 +35,33 @@ class IndexSpec(BaseModel):
         "cagra {graph_degree, intermediate_graph_degree}."))
 
 
+def _pgvector_index_schema(schema: dict[str, Any]) -> None:
+    """Each index type with only its own parameters, as indexes/pgvector_search.check_index enforces."""
+    props = schema["properties"]
+    kinds = {"hnsw": ("m", "ef_construction"), "ivfflat": ("lists",), "none": ()}
+    params = [name for names in kinds.values() for name in names]  # null counts as absent
+    branches = [{"type": "object", "additionalProperties": False, "required": [] if kind == "hnsw" else ["type"],
+                 "properties": {"type": {"enum": [kind, None] if kind == "hnsw" else [kind]},
+                                **{name: props[name] if name in names else {"type": "null"} for name in params}}}
+                for kind, names in kinds.items()]
+    schema.clear()
+    schema.update({"title": "PgvectorIndexSpec", "oneOf": branches, "description": (
+        "`type` absent: hnsw, or none above 2,000 dimensions (pgvector indexes at most 2,000). HNSW's "
+        "ef_construction defaults to max(64, 2 * m) and must be at least 2 * m.")})
+
+
 class PgvectorIndexSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["hnsw", "ivfflat", "none"] = "hnsw"
-    m: int | None = Field(default=None, ge=2, le=100)
-    ef_construction: int | None = Field(default=None, ge=4, le=1000)
-    lists: int | None = Field(default=None, ge=1, le=32768)
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_pgvector_index_schema)
+    type: Literal["hnsw", "ivfflat", "none"] | None = None
+    m: Int | None = Field(default=None, ge=2, le=100)
+    ef_construction: Int | None = Field(default=None, ge=4, le=1000)
+    lists: Int | None = Field(default=None, ge=1, le=32768)
 
 
 class CreateCollection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-    dim: int = Field(ge=1, le=16000)
+    dim: Int = Field(ge=1, le=16000)
     metric: Literal["l2", "cosine", "inner_product"] = "l2"
     index: IndexSpec = Field(default_factory=IndexSpec)
     pgvector_index: PgvectorIndexSpec = Field(default_factory=PgvectorIndexSpec, description=(
@@ -81,7 +97,7 @@ class WriteOut(BaseModel):
 
 class DeletePoints(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ids: list[int] = Field(min_length=1, max_length=100_000)
+    ids: IntList = Field(min_length=1, max_length=100_000)
 
 
 class SearchOut(BaseModel):
@@ -98,12 +114,12 @@ class SearchOut(BaseModel):
 
 class RecallRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    k: int = Field(default=10, ge=1, le=MAX_K)
+    k: Int = Field(default=10, ge=1, le=MAX_K)
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
     params: dict[str, int | float] | None = None
-    sample: int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
-    queries: list[list[float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
-    seed: int = 0
+    sample: Int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
+    queries: list[list[Float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
+    seed: Int = 0
 
 
 def json_body(model: type[BaseModel], more: dict[str, Any] | None = None) -> dict[str, Any]:
