@@ -228,19 +228,22 @@ class CollectionManager:
     async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
         """The collection, its count, its replica here, and every process's replica (watermark, lag, digest)
         beside PostgreSQL's head (and its content digest when `verify`)."""
-        c = await self.collection(name)
-        r = self.resident.get(name)
-        engines = ["pgvector"]
-        state: dict[str, Any] = {"resident": False}
-        if r is not None:
-            engines.insert(0, r.index.backend.name)
-            state = r.state()
-        state["pgvector_index"] = "building" if name in self.fallback_builds else await pgvector_search.has_index(
-            self.pool, c)
-        own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
-        replication = await reports.gather(self.store, self.follower, c, own, verify)
-        return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
-                "replication": replication}
+        async def described(c: Collection) -> dict[str, Any]:
+            r = self.resident.get(name)
+            engines = ["pgvector"]
+            state: dict[str, Any] = {"resident": False}
+            if r is not None:
+                engines.insert(0, r.index.backend.name)
+                state = r.state()
+            state["pgvector_index"] = "building" if name in self.fallback_builds else await pgvector_search.has_index(
+                self.pool, c)
+            own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
+            replication = await reports.gather(self.store, self.follower, c, own, verify)
+            return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
+                    "replication": replication}
+
+        # Dropped meanwhile (here or by another process): the retry finds it gone (404) or re-created.
+        return (await self._with_collection(name, described))[1]
 
     # -- replication -----------------------------------------------------------------------------------
     # FollowerHandler: called on the event loop by the follower.

@@ -82,12 +82,65 @@ def test_engine_call_metrics_record_outcome_and_latency(client):
     assert 'switchyard_engine_query_duration_seconds_count{domain="vectors",engine="faiss",operation="search"} 2.0' in text
 
 
-def test_openapi_documents_routes_and_bearer_auth(client):
+def test_openapi_documents_routes_and_bearer_auth_only_when_a_key_is_set(client, make_settings):
     assert client.get("/docs").status_code == 200
     spec = client.get("/openapi.json").json()
     assert {"/healthz", "/readyz", "/metrics", "/v1/engines"} <= set(spec["paths"])
-    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert spec["paths"]["/v1/engines"]["get"]["security"] == [{"HTTPBearer": []}]
+    # No key configured: no route may claim to need an Authorization header.
+    assert "securitySchemes" not in spec["components"]
+    assert not [(p, m) for p, ops in spec["paths"].items() for m, op in ops.items() if "security" in op]
+
+    keyed = create_app(make_settings(api_key="k", ops_auth="open")).openapi()
+    assert keyed["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert keyed["paths"]["/v1/engines"]["get"]["security"] == [{"HTTPBearer": []}]
+    assert "401" in keyed["paths"]["/v1/engines"]["get"]["responses"]
+    assert "security" not in keyed["paths"]["/healthz"]["get"]
+    guarded = create_app(make_settings(api_key="k", ops_auth="key")).openapi()
+    assert guarded["paths"]["/healthz"]["get"]["security"] == [{"HTTPBearer": []}]
+
+
+def test_openapi_errors_are_problem_json_and_bodies_say_what_is_accepted(make_settings):
+    import jsonschema_rs
+
+    spec = create_app(make_settings()).openapi()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for code, response in op["responses"].items():
+                if int(code) >= 400 and path != "/readyz":
+                    assert list(response["content"]) == ["application/problem+json"], (method, path, code)
+            if path.startswith("/v1/"):
+                assert {"422", "429", "503", "504"} <= set(op["responses"]), (method, path)
+
+    def body_schema(path: str, method: str = "post") -> jsonschema_rs.Validator:
+        schema = spec["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+        return jsonschema_rs.validator_for({**schema, "components": spec["components"]})
+
+    search = body_schema("/v1/collections/{name}/search")
+    assert search.is_valid({"vector": [0, 1.5]}) and search.is_valid({"vectors": [[0.0]], "vector": None})
+    assert not search.is_valid({}) and not search.is_valid({"vector": [1.0], "vectors": [[1.0]]})
+    assert not search.is_valid({"vector": [True]})
+    upsert = body_schema("/v1/collections/{name}/points", "put")
+    assert upsert.is_valid({"ids": [1], "vectors": [[1.0]]}) and not upsert.is_valid({"ids": [1]})
+    create = body_schema("/v1/collections")
+    assert create.is_valid({"name": "a", "dim": 3, "pgvector_index": {"m": 8}})
+    assert create.is_valid({"name": "a", "dim": 3, "pgvector_index": {"type": "ivfflat", "lists": 4}})
+    assert not create.is_valid({"name": "a", "dim": 3, "pgvector_index": {"type": "none", "m": 8}})
+    q12 = body_schema("/v1/olap/ssb/queries/1.2")
+    assert q12.is_valid({"params": {"yearmonthnum": 199401}}) and not q12.is_valid({"params": {"yearmonthnum": 199413}})
+    assert not q12.is_valid({"params": {"year": 1994}})  # Q1.3's parameter, not Q1.2's
+
+
+def test_every_method_of_a_path_is_in_allow(client):
+    r = client.request("PATCH", "/v1/collections")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "POST"}
+
+
+def test_booleans_are_not_numbers(client):
+    assert client.post("/v1/collections", json={"name": "b", "dim": True}).status_code == 422
+    client.post("/v1/collections", json={"name": "b", "dim": 2})
+    assert client.post("/v1/collections/b/points/delete", json={"ids": [False]}).status_code == 422
+    assert client.post("/v1/collections/b/search", json={"vector": [True, 0]}).status_code == 422
+    assert client.post("/v1/collections/b/search", json={"vector": [1, 0], "k": 2.0}).status_code == 200
 
 
 def test_access_log_lines_come_from_a_background_thread_and_skip_hot_routes(make_settings):

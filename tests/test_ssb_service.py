@@ -123,7 +123,7 @@ def test_listing_gives_sql_and_parameters(app):
 
 
 def test_bad_query_requests(app):
-    assert_problem(app.post("/v1/olap/ssb/queries/5.1", json={}), 422, "validation-error")
+    assert_problem(app.post("/v1/olap/ssb/queries/5.1", json={}), 404, "not-found")  # one route per query
     assert_problem(app.post("/v1/olap/ssb/queries/1.4", json={}), 404, "not-found")
     body = assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"params": {"year": "1993; drop"}}),
                           422, "validation-error")
@@ -271,12 +271,13 @@ def test_import_of_tbl_files_through_the_service(app, oracle):
 
 
 def test_import_refuses_paths_outside_the_import_dir_and_incomplete_dirs(app, tmp_path):
-    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(tmp_path)}), 400, "bad-request", "path")
+    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(tmp_path)}), 403, "forbidden", "path")
     assert "SWITCHYARD_SSB_IMPORT_DIR" in body["detail"]
     imports = app.app.state.switchyard.settings.ssb_imports
     (imports / "partial").mkdir(parents=True, exist_ok=True)
     (imports / "partial" / "part.tbl").write_text("1|x|\n")
-    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(imports / "partial")}), 400, "bad-request", "path")
+    body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(imports / "partial")}), 422,
+                          "validation-error", "path")
     assert "lineorder.tbl" in body["detail"]
 
 
