@@ -39,7 +39,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import kernels
-from .geoarrow import Points, Polygons, check_distance_join, point_range
+from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
 
 K = kernels.compile_core(njit(cache=True))
 _point_in_edges = K.point_in_edges
@@ -409,14 +409,20 @@ def _sort_hits(j, d, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _within(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join):
+def _within_counts(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join):
     m = alon.shape[0]
     counts = np.empty(m, np.int64)
     dummy_j = np.empty(1, np.int64)
     dummy_d = np.empty(1, np.float64)
-    for t in prange(m):  # count
+    for t in prange(m):
         counts[t] = _dwithin_point(start + t, alon[t], alat[t], b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys,
                                    inv_h, n, radius_m, self_join, dummy_j, dummy_d, 0, 0)
+    return counts
+
+
+@njit(parallel=True, cache=True)
+def _within(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join, counts):
+    m = alon.shape[0]
     offsets = np.empty(m + 1, np.int64)  # exclusive scan
     offsets[0] = 0
     for t in range(m):
@@ -512,12 +518,22 @@ class CpuSpatialEngine:
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(i, j, metres) for a[start:stop] and b with haversine distance <= radius_m, sorted by (i, j). With
         self_join (a and b the same points) only i < j."""
+        return self.within_distance_page(a, b, radius_m, start, stop, self_join)[:3]
+
+    def within_distance_page(self, a: Points, b: Points, radius_m: float, start: int | None = 0,
+                             stop: int | None = None, self_join: bool = False, max_pairs: int | None = None
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """within_distance for the leading points of a[start:stop] whose pairs fit max_pairs
+        (geoarrow.pairs_prefix), and the position after the last point it covered."""
         start, stop, radius_m = check_distance_join(a, b, radius_m, start, stop, self_join)
         if stop == start or len(b) == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
+            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64), stop
         with self._lock:
             grid = self.distance_grid(b, radius_m)
             alon = np.ascontiguousarray(a.x[start:stop], dtype=np.float64)
             alat = np.ascontiguousarray(a.y[start:stop], dtype=np.float64)
-            return _within(alon, alat, start, grid.lon, grid.lat, grid.ux, grid.uy, grid.uz, grid.index, grid.keys,
-                           grid.inv_h, grid.n, radius_m, bool(self_join))
+            args = (start, grid.lon, grid.lat, grid.ux, grid.uy, grid.uz, grid.index, grid.keys, grid.inv_h, grid.n,
+                    radius_m, bool(self_join))
+            counts = _within_counts(alon, alat, *args)
+            m = pairs_prefix(np.cumsum(counts), max_pairs)
+            return (*_within(alon[:m], alat[:m], *args, counts[:m]), start + m)

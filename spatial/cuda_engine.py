@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import cuspatial_adapter, kernels
-from .geoarrow import Points, Polygons, check_distance_join, point_range
+from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
 
 OUTSIDE = kernels.OUTSIDE
 MAX_CELLS_PER_AXIS = 1 << 20
@@ -412,9 +412,17 @@ class CudaSpatialEngine:
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(i, j, metres) for a[start:stop] and b with haversine distance <= radius_m, sorted by (i, j). With
         self_join (a and b the same points) only i < j."""
+        return self.within_distance_page(a, b, radius_m, start, stop, self_join)[:3]
+
+    def within_distance_page(self, a: Points, b: Points, radius_m: float, start: int | None = 0,
+                             stop: int | None = None, self_join: bool = False, max_pairs: int | None = None
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """within_distance for the leading points of a[start:stop] whose pairs fit max_pairs
+        (geoarrow.pairs_prefix), and the position after the last point it covered."""
         start, stop, radius_m = check_distance_join(a, b, radius_m, start, stop, self_join)
+        empty = np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
         if stop == start or len(b) == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
+            return (*empty, stop)
         k, xp = _build(), _xp()
         side, n = kernels.grid_side(radius_m, MAX_CELLS_PER_AXIS)
         inv_h = 1.0 / side
@@ -434,12 +442,14 @@ class CudaSpatialEngine:
         self._launch(k.dwithin_count_kernel, m, alon, alat, start, b_lon, b_lat, *b_u, b_index, b_keys, inv_h, n,
                      radius_m, bool(self_join), dummy_j, dummy_d, counts)
         incl = xp.cumsum(counts)
+        m = pairs_prefix(_host(incl), max_pairs)  # one copy of m counts: the pairs past the budget are never written
+        counts, incl, alon, alat = counts[:m], incl[:m], alon[:m], alat[:m]
         total = int(incl[-1])
         if total == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
+            return (*empty, start + m)
         offsets = incl - counts
         out_i, out_j, out_d = xp.empty(total, np.int64), xp.empty(total, np.int64), xp.empty(total, np.float64)
         self._launch(k.dwithin_write_kernel, m, alon, alat, start, b_lon, b_lat, *b_u, b_index, b_keys, inv_h, n,
                      radius_m, bool(self_join), counts, offsets, out_i, out_j, out_d)
         order = xp.lexsort(xp.stack([out_j, out_i]))
-        return _host(out_i[order]), _host(out_j[order]), _host(out_d[order])
+        return _host(out_i[order]), _host(out_j[order]), _host(out_d[order]), start + m

@@ -125,6 +125,16 @@ def point_range(n: int, start: int | None, stop: int | None) -> tuple[int, int]:
     return start, stop
 
 
+def pairs_prefix(cumulative: np.ndarray, max_pairs: int | None) -> int:
+    """How many leading points of a page fit `max_pairs` pairs, given their cumulative pair counts: whole points
+    only, and at least one (a point with more pairs than that is returned whole). Every engine cuts here, so a
+    within-distance page never allocates more than one page of pairs plus one point's."""
+    m = len(cumulative)
+    if max_pairs is None or m == 0 or cumulative[-1] <= max_pairs:
+        return m
+    return max(1, int(np.searchsorted(cumulative, max_pairs, side="right")))
+
+
 def check_distance_join(a: Points, b: Points, radius_m: float, start: int | None, stop: int | None,
                         self_join: bool) -> tuple[int, int, float]:
     """The arguments every engine's within_distance checks the same way: (start, stop, radius_m)."""

@@ -196,12 +196,14 @@ class SpatialManager:
         self_join = left == right
         start = decode_cursor(cursor)
         stop = min(len(a), start + page_size)
-        (i, j, d), name, took, fallback = await self._run(
-            engine, "within_distance", "within_distance", (a.geometry, b.geometry, radius_m, start, stop, self_join),
-            (left, right, radius_m, start, stop, self_join))
+        # At most page_size pairs (or one point's, if it alone has more) are ever computed: the engines count
+        # each point's pairs first and write only the points that fit.
+        (i, j, d, next_start), name, took, fallback = await self._run(
+            engine, "within_distance", "within_distance_page",
+            (a.geometry, b.geometry, radius_m, start, stop, self_join, page_size),
+            (left, right, radius_m, start, stop, self_join, page_size))
         i, j, d = np.asarray(i), np.asarray(j), np.asarray(d)
-        keep, next_start = cut_at_point_boundary(i, page_size, stop)
-        body = {"pairs": np.column_stack([a.ids[i[:keep]], b.ids[j[:keep]]]).tolist(),
-                "distances_m": d[:keep].tolist(),
+        body = {"pairs": np.column_stack([a.ids[i], b.ids[j]]).tolist(),
+                "distances_m": d.tolist(),
                 "next_cursor": encode_cursor(next_start) if next_start < len(a) else None}
         return JoinAnswer(body, name, took, fallback)

@@ -15,6 +15,8 @@ from typing import Any
 import asyncpg
 import numpy as np
 
+from .geoarrow import pairs_prefix
+
 
 class PostgisEngine:
     name = "postgis"
@@ -70,16 +72,30 @@ class PostgisEngine:
 
     async def within_distance(self, left: str, right: str, radius_m: float, start: int, stop: int,
                               self_join: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (await self.within_distance_page(left, right, radius_m, start, stop, self_join))[:3]
+
+    async def within_distance_page(self, left: str, right: str, radius_m: float, start: int, stop: int,
+                                   self_join: bool, max_pairs: int | None = None
+                                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """within_distance for the leading points whose pairs fit max_pairs, and the position after the last
+        point covered. The pairs are counted per point first, so no more than a page's rows are fetched."""
         async with self.pool.acquire() as conn:
             _, a = await self._layer(conn, left)
             _, b = await self._layer(conn, right)
             extra = "AND q.position > p.position" if self_join else ""
-            rows = await conn.fetch(
-                f"SELECT p.position AS i, q.position AS j, ST_Distance(p.geog, q.geog, false) AS d "
-                f"FROM {a} p JOIN {b} q ON ST_DWithin(p.geog, q.geog, $3, false) {extra} "
-                f"WHERE p.position >= $1 AND p.position < $2 ORDER BY 1, 2", start, stop, radius_m)
+            join = (f"FROM {a} p JOIN {b} q ON ST_DWithin(p.geog, q.geog, $3, false) {extra} "
+                    f"WHERE p.position >= $1 AND p.position < $2")
+            if max_pairs is not None:
+                counted = await conn.fetch(f"SELECT p.position AS i, count(*) AS c {join} GROUP BY 1 ORDER BY 1",
+                                           start, stop, radius_m)
+                positions, counts = _columns(counted, "i", "c")
+                kept = pairs_prefix(np.cumsum(counts), max_pairs)
+                if kept < len(positions):
+                    stop = int(positions[kept])  # the first point whose pairs do not fit starts the next page
+            rows = await conn.fetch(f"SELECT p.position AS i, q.position AS j, ST_Distance(p.geog, q.geog, false) AS d "
+                                    f"{join} ORDER BY 1, 2", start, stop, radius_m)
         i, j = _columns(rows, "i", "j")
-        return i, j, np.array([r["d"] for r in rows], dtype=np.float64)
+        return i, j, np.array([r["d"] for r in rows], dtype=np.float64), stop
 
 
 def _columns(rows: list[Any], *names: str) -> tuple[np.ndarray, ...]:

@@ -167,3 +167,9 @@ else:
         sel = (whole[0] >= 40) & (whole[0] < 95)
         for k in range(3):
             np.testing.assert_array_equal(part[k], whole[k][sel])
+        for max_pairs in (1, 37, 400):  # a bounded page: the same whole points as the CPU engine's, same next start
+            got = gpu.within_distance_page(a, a, 800.0, 10, len(a), True, max_pairs)
+            want = cpu.within_distance_page(a, a, 800.0, 10, len(a), True, max_pairs)
+            assert got[3] == want[3] and 10 < got[3] <= len(a)
+            for k in range(3):
+                np.testing.assert_array_equal(got[k], want[k])

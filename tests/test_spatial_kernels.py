@@ -449,6 +449,37 @@ def test_distance_join_equals_brute_force():
     np.testing.assert_allclose(d, bd, rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("max_pairs", [50, 5_000, 100_000])
+def test_bounded_distance_pages_hold_whole_points_within_the_budget(max_pairs):
+    rng = np.random.default_rng(13)
+    pts = clustered_points(rng, 14000)
+    engine = CpuSpatialEngine()
+    whole = engine.within_distance(pts, pts, 2500.0, 0, len(pts), self_join=True)
+    per_point = np.bincount(whole[0], minlength=len(pts))
+    pages, start = [], 0
+    while start < len(pts):
+        stop = min(len(pts), start + 3000)  # as the manager asks: page_size points at most
+        i, j, d, reached = engine.within_distance_page(pts, pts, 2500.0, start, stop, True, max_pairs)
+        assert start < reached <= stop
+        # Only whole points, and no more pairs than the budget unless a single point has more.
+        np.testing.assert_array_equal(np.bincount(i, minlength=len(pts))[start:reached], per_point[start:reached])
+        assert len(i) <= max_pairs or (reached - start == 1)
+        if reached < stop:  # it stopped because the next point would not fit
+            assert len(i) + per_point[reached] > max_pairs
+        pages.append((i, j, d))
+        start = reached
+    for k in range(3):
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in pages]), whole[k])
+
+
+def test_pairs_prefix_keeps_whole_points_and_at_least_one():
+    from spatial.geoarrow import pairs_prefix
+
+    cumulative = np.cumsum([3, 0, 4, 10, 0, 1])
+    assert [pairs_prefix(cumulative, n) for n in (0, 2, 3, 6, 7, 16, 17, 18, None)] == [1, 1, 2, 2, 3, 3, 5, 6, 6]
+    assert pairs_prefix(np.empty(0, np.int64), 5) == 0
+
+
 def test_chunked_distance_join_concatenates_to_the_whole():
     rng = np.random.default_rng(12)
     pts = clustered_points(rng, 14000)
