@@ -242,8 +242,10 @@ def check_service(url: str, ledger: Ledger) -> dict:
                 batch = queries[start:start + 1000]
                 if not batch:
                     break
-                r = http.post("/v1/collections/c/search", json={"vectors": batch, "k": 3, "engine": engine,
-                                                                "consistency": "strong"})
+                # The resident index is HNSW (approximate): a wide search, so a miss means a lost point, not recall.
+                params = {"ef": 512} if engine == "cpu" else None
+                r = http.post("/v1/collections/c/search", json={"vectors": batch, "k": 10, "engine": engine,
+                                                                "params": params, "consistency": "strong"})
                 if r.status_code != 200:
                     problems.append(f"{engine} search answered {r.status_code}: {r.text[:200]}")
                     break
