@@ -58,7 +58,6 @@ WRITES = {"put", "post", "delete"}
 READ_ONLY_POSTS = ("/search", "/recall", "/joins/", "/olap/sql", "/olap/ssb/queries/")
 
 
-
 def install(app: FastAPI, settings: Settings) -> None:
     """Serve the contract at /openapi.json instead of FastAPI's raw document."""
 

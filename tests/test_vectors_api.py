@@ -64,10 +64,27 @@ def test_create_list_get_delete(client):
     ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"ef_search": 5}}}, "index.params.ef_search"),
     ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"m": 1}}}, "index.params.m"),
     ({"name": "x", "dim": 4, "pgvector_index": {"type": "hnsw", "m": 1000}}, "pgvector_index.m"),
+    ({"name": "x", "dim": 4, "pgvector_index": {"m": 40, "ef_construction": 64}}, "pgvector_index.ef_construction"),
+    ({"name": "x", "dim": 2001, "pgvector_index": {"type": "hnsw"}}, "pgvector_index.type"),
+    ({"name": "x", "dim": 4, "pgvector_index": {"type": "none", "m": 8}}, "pgvector_index.m"),
 ])
 def test_bad_collection_definitions_name_the_field(client, body, field):
     assert_problem(client.post("/v1/collections", json=body), 422, "validation-error", field)
     assert "x" not in [c["name"] for c in client.get("/v1/collections").json()]
+
+
+def test_pgvector_index_defaults_follow_the_dimension_and_m(client):
+    wide = client.post("/v1/collections", json={"name": "wide", "dim": 2001})
+    assert wide.status_code == 201 and wide.json()["pgvector_index"] == {"type": "none"}  # pgvector indexes <= 2,000
+    big_m = client.post("/v1/collections", json={"name": "bigm", "dim": 4, "pgvector_index": {"m": 40}})
+    assert big_m.json()["pgvector_index"] == {"type": "hnsw", "m": 40, "ef_construction": 80}
+    client.put("/v1/collections/wide/points", json={"ids": [1], "vectors": [[0.5] * 2001]})
+    job = client.post("/v1/collections/wide/build", params={"pgvector": "wait"}).json()["job"]
+    while (state := client.get(f"/v1/jobs/{job}").json())["state"] in ("queued", "running"):
+        time.sleep(0.05)
+    assert state["state"] == "succeeded", state
+    for name in ("wide", "bigm"):
+        client.delete(f"/v1/collections/{name}")
 
 
 def test_vectors_as_json_base64_and_arrow_agree(client, col):

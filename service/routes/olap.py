@@ -10,14 +10,13 @@ from fastapi import Path as PathParam
 from fastapi import Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-
 from olap.queries import QUERIES, params_schema
 
 from ..deadlines import remaining
 from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..deps import RuntimeDep, domain, v1_router
-from ..jsonnum import Float, Int
 from ..errors import Forbidden, NotFound, Unprocessable
+from ..jsonnum import Float, Int
 from ..vector_requests import parse_json
 from .vectors import JobAccepted
 
