@@ -229,8 +229,7 @@ def check_postgres(database_url: str, ledger: Ledger) -> dict:
 
 def check_service(url: str, ledger: Ledger) -> dict:
     ids = range(WRITERS * IDS_PER_WRITER)
-    present = [i for i in ids if ledger.possible(i) != [Absent] and Absent not in ledger.possible(i)
-               and len(ledger.possible(i)) == 1]
+    present = [i for i in ids if len(ledger.possible(i)) == 1 and ledger.possible(i)[0] is not Absent]
     deleted = {i for i in ids if ledger.possible(i) == [Absent]}
     problems = []
     with httpx.Client(base_url=url, timeout=120) as http:
@@ -258,7 +257,10 @@ def check_service(url: str, ledger: Ledger) -> dict:
                 batch = gone[start:start + 1000]
                 r = http.post("/v1/collections/c/search", json={"vectors": [vector(i, v) for i, v in batch],
                                                                 "k": 10, "engine": engine, "consistency": "strong"})
-                for (i, _), found in zip(batch, r.json()["ids"] if r.status_code == 200 else []):
+                if r.status_code != 200:
+                    problems.append(f"{engine} search answered {r.status_code}: {r.text[:200]}")
+                    break
+                for found in r.json()["ids"]:
                     if deleted & set(found):
                         problems.append(f"{engine}: deleted ids {sorted(deleted & set(found))} returned")
         described = http.get("/v1/collections/c", params={"verify": "true"}).json()

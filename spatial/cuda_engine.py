@@ -442,7 +442,8 @@ class CudaSpatialEngine:
         self._launch(k.dwithin_count_kernel, m, alon, alat, start, b_lon, b_lat, *b_u, b_index, b_keys, inv_h, n,
                      radius_m, bool(self_join), dummy_j, dummy_d, counts)
         incl = xp.cumsum(counts)
-        m = pairs_prefix(_host(incl), max_pairs)  # one copy of m counts: the pairs past the budget are never written
+        if max_pairs is not None:  # one copy of m counts: the pairs past the budget are never written
+            m = pairs_prefix(_host(incl), max_pairs)
         counts, incl, alon, alat = counts[:m], incl[:m], alon[:m], alat[:m]
         total = int(incl[-1])
         if total == 0:
