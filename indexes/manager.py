@@ -22,7 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import asyncpg
 import numpy as np
@@ -361,20 +361,18 @@ class CollectionManager:
             return
         self._maybe_rebuild(r)
 
-    async def bulk_upsert(self, name: str, points: Points, progress: Progress, chunk: int = 20_000,
+    async def bulk_upsert(self, name: str, chunks: Iterator[Points], total: int, progress: Progress,
                           fallback: str = "background") -> dict[str, Any]:
-        """A large load in committed chunks (each chunk acknowledged once committed), then index builds."""
-        total = len(points.ids)
+        """A large load in committed chunks (each chunk acknowledged once committed), then index builds. `chunks`
+        may read a file: it is advanced in a worker thread, one chunk in memory at a time."""
         done = 0
         r = self.resident.get(name)
         if r is not None:
             r.bulk_loading += 1
         try:
-            for start in range(0, total, chunk):
-                end = min(total, start + chunk)
-                payloads = points.payloads[start:end] if points.payloads is not None else None
-                await self.upsert(name, Points(points.ids[start:end], points.vectors[start:end], payloads))
-                done = end
+            while (points := await asyncio.to_thread(next, chunks, None)) is not None:
+                await self.upsert(name, points)
+                done += len(points.ids)
                 progress(done, total, f"stored {done} of {total} points")
         finally:
             if r is not None:

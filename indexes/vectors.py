@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import orjson
@@ -132,19 +134,47 @@ def checked_points(ids: object, vectors: np.ndarray, payloads: list[bytes | None
     return Points(id_array, vectors, payloads)
 
 
-def from_arrow_ipc(data: bytes, dim: int) -> Points:
-    """An Arrow IPC stream with columns id (integer), vector (fixed-size or plain list of float), and
-    optionally payload (JSON text or struct)."""
+def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000) -> Iterator[Points]:
+    """The points of an Arrow IPC stream file, `rows` at a time: columns id (integer), vector (or embedding:
+    fixed-size or plain list of float), and optionally payload (JSON text or struct). The file is memory-mapped,
+    so only one chunk is ever decoded in memory."""
     import pyarrow as pa
 
     try:
-        table = pa.ipc.open_stream(data).read_all()
+        with pa.memory_map(str(path)) as source:
+            reader = pa.ipc.open_stream(source)
+            columns = set(reader.schema.names)
+            vector_column = "vector" if "vector" in columns else "embedding" if "embedding" in columns else None
+            if "id" not in columns or vector_column is None:
+                raise InvalidInput(f"needs columns 'id' and 'vector'; it has {sorted(columns)}", field="body")
+            pending: list[pa.RecordBatch] = []
+            held = 0
+            for batch in reader:
+                while len(batch):
+                    take = batch.slice(0, rows - held)
+                    batch = batch.slice(len(take))
+                    pending.append(take)
+                    held += len(take)
+                    if held == rows:
+                        yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim)
+                        pending, held = [], 0
+            if held:
+                yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise InvalidInput(f"is not a readable Arrow IPC stream ({exc})", field="body") from None
-    columns = set(table.column_names)
-    vector_column = "vector" if "vector" in columns else "embedding" if "embedding" in columns else None
-    if "id" not in columns or vector_column is None:
-        raise InvalidInput(f"needs columns 'id' and 'vector'; it has {sorted(columns)}", field="body")
+
+
+def check_arrow(path: str | Path, dim: int) -> int:
+    """Read a whole Arrow IPC stream file as arrow_chunks will, so that a bad one is refused before anything is
+    written; its number of rows. Ids must be unique across the whole stream, as in any one request."""
+    ids = [points.ids for points in arrow_chunks(path, dim)]
+    check_ids(np.concatenate(ids) if ids else np.empty(0, np.int64))
+    return sum(len(chunk) for chunk in ids)
+
+
+def _arrow_points(table: Any, vector_column: str, dim: int) -> Points:
+    import pyarrow as pa
+
     if table.column("id").null_count or table.column(vector_column).null_count:
         raise InvalidInput("ids and vectors must not be null", field="body")
     ids = table.column("id").to_numpy()
@@ -156,7 +186,7 @@ def from_arrow_ipc(data: bytes, dim: int) -> Points:
         raise InvalidInput(f"vectors must all have dimension {dim}", field=vector_column)
     vectors = as_matrix(flat.reshape(len(vec), dim), dim, vector_column)
     payloads = None
-    if "payload" in columns:
+    if "payload" in table.column_names:
         payloads = []
         for value in table.column("payload").to_pylist():
             if isinstance(value, str):

@@ -5,20 +5,21 @@
 Starts `switchyard serve` on a fresh data directory (embedded PostgreSQL), loads a vector collection and a
 small SSB dataset, then:
 1. unloaded: one client, back to back: the reference p50/p99;
-2. capacity: closed-loop clients, the highest answered rate;
+2. capacity: open-loop steps at doubling rates until answers stop growing, the most answered with 2xx per second;
 3. open-loop phases at 2x and 4x that rate: requests are sent on a fixed schedule whatever the answers, and
-   latency counts from the scheduled send (no coordinated omission).
+   latency counts from the scheduled send (no coordinated omission). The generator is asyncio on one core, with
+   as many connections as requests in flight; it reports its own CPU share and how late it sent.
 The mix: single-vector searches (70%), small upserts (20%), SSB queries on DuckDB (10%). Each phase reports
 throughput, p50/p99 of admitted (2xx) requests, the share shed with 429/503 (and whether each carried
 Retry-After), other errors by kind, and the service's memory (RSS of its processes, PostgreSQL's included) every
-half second. JSON and a PNG go to loadtests/results/soak/.
+half second, with the in-flight limit in force. JSON and a PNG go to loadtests/results/soak/.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import queue
+import asyncio
+import re
 import sys
 import tempfile
 import threading
@@ -34,7 +35,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadtests.benchkit import Service, run_clients, save_json, versions  # noqa: E402
+from loadtests.benchkit import Service, save_json, versions  # noqa: E402
 from loadtests.client import Api  # noqa: E402
 
 DIM = 128
@@ -63,106 +64,177 @@ class Mix:
         return "POST", f"/v1/olap/ssb/queries/{self.queries_ids[i % 4]}", self.ssb[0], "ssb"
 
 
-class Connection:
+class Pool:
+    """Keep-alive HTTP/1.1 connections for the open-loop phases: one per request in flight, as many as needed.
+
+    A few lines of asyncio instead of threads, so that the generator keeps its schedule at thousands of requests
+    per second on a small machine and never caps the requests in flight (a capped sender pool turns an open loop
+    into a closed one: the backlog then waits in the generator, where the service cannot shed it)."""
+
+    IDLE_S = 2.0  # connections idle longer are closed, not reused: the service closes them after 5 s
+
     def __init__(self, port: int) -> None:
         self.port = port
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
 
-    def send(self, method: str, path: str, body: bytes) -> tuple[int, bool]:
-        """(status, had Retry-After); status 0 for a transport error."""
+    async def send(self, method: str, path: str, body: bytes) -> tuple[int | str, bool]:
+        """(status, had Retry-After); for a transport error, its name instead of a status."""
+        writer = None
         try:
-            self.conn.request(method, path, body, {"Content-Type": "application/json"})
-            response = self.conn.getresponse()
-            response.read()
-            return response.status, response.getheader("Retry-After") is not None
-        except (OSError, http.client.HTTPException):
-            self.conn.close()
-            self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-            return 0, False
+            while self.idle:
+                reader, writer, since = self.idle.pop()
+                if time.perf_counter() - since < self.IDLE_S and not reader.at_eof():
+                    break
+                writer.close()
+                writer = None
+            if writer is None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            writer.write(f"{method} {path} HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            status = int(head.split(" ", 2)[1])
+            headers = dict(line.split(":", 1) for line in head.split("\r\n")[1:] if ":" in line)
+            await reader.readexactly(int(headers.get("content-length", "0")))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+            if writer is not None:
+                writer.close()
+            return type(exc).__name__, False
+        if headers.get("connection", "").strip() == "close":
+            writer.close()
+        else:
+            self.idle.append((reader, writer, time.perf_counter()))
+        return status, "retry-after" in headers
+
+    def close(self) -> None:
+        for _, writer, _ in self.idle:
+            writer.close()
 
 
 def closed_loop(port: int, mix: Mix, clients: int, duration_s: float) -> dict[str, Any]:
-    def make(c: int):
-        conn = Connection(port)
+    """`clients` clients, each sending its next request when the last is answered, for duration_s."""
+    results: list[tuple[str, int | str, bool, float]] = []
 
-        def call(i: int) -> int:
-            status, _ = conn.send(*mix.request(i)[:3])
-            return 1 if 200 <= status < 300 else 0
-
-        return call
-
-    return run_clients(clients, duration_s, make)
-
-
-def open_loop(port: int, mix: Mix, rate: float, duration_s: float, senders: int = 96) -> dict[str, Any]:
-    """Send at `rate` per second on a fixed schedule for duration_s; latency from each request's scheduled time."""
-    schedule: queue.Queue = queue.Queue()
-    results: list[tuple[str, int, bool, float]] = []
-    lock = threading.Lock()
-
-    def sender() -> None:
-        conn = Connection(port)
-        while True:
-            item = schedule.get()
-            if item is None:
-                return
-            i, due = item
-            delay = due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+    async def client(pool: Pool, c: int, stop_at: float) -> None:
+        i = c
+        while time.perf_counter() < stop_at:
             method, path, body, kind = mix.request(i)
-            status, retry = conn.send(method, path, body)
-            with lock:
-                results.append((kind, status, retry, time.perf_counter() - due))
+            sent = time.perf_counter()
+            status, retry = await pool.send(method, path, body)
+            results.append((kind, status, retry, time.perf_counter() - sent))
+            i += clients
 
-    threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
-    for t in threads:
-        t.start()
-    start = time.perf_counter() + 0.2
-    n = int(rate * duration_s)
-    for i in range(n):
-        schedule.put((i, start + i / rate))
-    for _ in threads:
-        schedule.put(None)
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    return summarize(results, elapsed, rate)
+    async def run() -> float:
+        pool = Pool(port)
+        start = time.perf_counter()
+        await asyncio.gather(*(client(pool, c, start + duration_s) for c in range(clients)))
+        pool.close()
+        return time.perf_counter() - start
+
+    summary = summarize(results, asyncio.run(run()), None)
+    summary["clients"] = clients
+    return summary
 
 
-def summarize(results: list[tuple[str, int, bool, float]], elapsed: float, rate: float | None) -> dict[str, Any]:
-    ok = sorted(lat for _, status, _, lat in results if 200 <= status < 300)
+def ramp(port: int, mix: Mix, start: float = 50.0, step_s: float = 4.0) -> dict[str, Any]:
+    """The capacity: open-loop steps at doubling rates until the answers per second stop growing (by 5%); the
+    step with the most. (Closed-loop clients would measure the cost of refusals instead: a refused client asks
+    again at once, so a few of them keep the service busy refusing.)"""
+    steps, rate = [open_loop(port, mix, start, step_s)], start * 2
+    while rate <= 64 * start:
+        steps.append(open_loop(port, mix, rate, step_s))
+        if steps[-1]["admitted_per_s"] < 1.05 * max(step["admitted_per_s"] for step in steps[:-1]):
+            break
+        rate *= 2
+    best = max(steps, key=lambda step: step["admitted_per_s"])
+    return {**best, "steps": [{k: step[k] for k in ("offered_per_s", "admitted_per_s", "p99_ms")} for step in steps]}
+
+
+def open_loop(port: int, mix: Mix, rate: float, duration_s: float) -> dict[str, Any]:
+    """Send at `rate` per second on a fixed schedule for duration_s, whatever the answers; latency counts from
+    each request's scheduled time. Also reports the generator's own share of a core and how late it sent (the
+    service shares this machine: a late generator would inflate the latencies it reports)."""
+    results: list[tuple[str, int | str, bool, float]] = []
+    late: list[float] = []
+
+    async def one(pool: Pool, i: int, due: float) -> None:
+        method, path, body, kind = mix.request(i)
+        late.append(time.perf_counter() - due)
+        status, retry = await pool.send(method, path, body)
+        results.append((kind, status, retry, time.perf_counter() - due))
+
+    async def run() -> float:
+        pool, tasks = Pool(port), []
+        start = time.perf_counter() + 0.2
+        for i in range(int(rate * duration_s)):
+            due = start + i / rate
+            if (delay := due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(pool, i, due)))
+        await asyncio.gather(*tasks)
+        pool.close()
+        return time.perf_counter() - start
+
+    cpu = time.process_time()
+    elapsed = asyncio.run(run())
+    summary = summarize(results, elapsed, rate)
+    summary["generator"] = {"cpu_share": round((time.process_time() - cpu) / elapsed, 2),
+                            "send_late_p99_ms": percentile(sorted(late), 0.99)}
+    return summary
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+
+
+def summarize(results: list[tuple[str, int | str, bool, float]], elapsed: float, rate: float | None) -> dict[str, Any]:
+    answered = [(kind, lat) for kind, status, _, lat in results if isinstance(status, int) and 200 <= status < 300]
+    ok = sorted(lat for _, lat in answered)
     shed = [(status, retry) for _, status, retry, _ in results if status in (429, 503)]
-    other = Counter(str(status) for _, status, _, _ in results if not (200 <= status < 300 or status in (429, 503)))
-    by_kind = Counter(kind for kind, status, _, _ in results if 200 <= status < 300)
-    pct = lambda q: round(1000 * ok[min(len(ok) - 1, int(q * len(ok)))], 2) if ok else None  # noqa: E731
+    other = Counter(str(status) for _, status, _, _ in results
+                    if not (isinstance(status, int) and (200 <= status < 300 or status in (429, 503))))
+    by_kind = {kind: sorted(lat for k, lat in answered if k == kind) for kind in sorted({k for k, _ in answered})}
     return {"offered_per_s": rate, "sent": len(results), "seconds": round(elapsed, 2),
-            "admitted_per_s": round(len(ok) / elapsed, 1), "admitted_by_kind": dict(by_kind),
-            "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "admitted_per_s": round(len(ok) / elapsed, 1), "admitted_by_kind": {k: len(v) for k, v in by_kind.items()},
+            "p50_ms": percentile(ok, 0.5), "p99_ms": percentile(ok, 0.99),
+            "p50_p99_ms_by_kind": {k: [percentile(v, 0.5), percentile(v, 0.99)] for k, v in by_kind.items()},
             "shed_share": round(len(shed) / max(1, len(results)), 4),
             "shed_by_status": dict(Counter(str(s) for s, _ in shed)),
             "shed_without_retry_after": sum(1 for _, retry in shed if not retry),
             "errors": dict(other)}
 
 
-class MemorySampler(threading.Thread):
-    def __init__(self, pids) -> None:
+class Sampler(threading.Thread):
+    """Every half second: the RSS of the service's processes (PostgreSQL's included) and its in-flight limit."""
+
+    def __init__(self, pids, url: str) -> None:
         super().__init__(daemon=True)
         self.pids, self.samples, self.stop, self.phase = pids, [], threading.Event(), "start"
+        self.api = Api(url)
         self.t0 = time.monotonic()
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            rss = 0
+            rss = postgres = 0
             for pid in self.pids():
                 try:
-                    rss += psutil.Process(pid).memory_info().rss
+                    process = psutil.Process(pid)
+                    used = process.memory_info().rss
+                    rss += used
+                    postgres += used if process.name().startswith("postgres") else 0
                 except psutil.Error:
                     pass
-            self.samples.append((round(time.monotonic() - self.t0, 2), rss // 2**20, self.phase))
+            self.samples.append((round(time.monotonic() - self.t0, 2), rss // 2**20, self.phase, self.limit(),
+                                 postgres // 2**20))
+
+    def limit(self) -> float | None:
+        try:
+            found = re.search(r"^switchyard_inflight_limit (\S+)$", self.api.http.get("/metrics").text, re.M)
+        except Exception:  # noqa: BLE001 - a sample missed under overload is no reason to stop sampling
+            return None
+        return float(found.group(1)) if found else None
 
 
-def plot(path: Path, phases: dict[str, Any], memory: list[tuple[float, int, str]]) -> None:
+def plot(path: Path, phases: dict[str, Any], memory: list[tuple[float, int, str, float | None, int]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,10 +250,17 @@ def plot(path: Path, phases: dict[str, Any], memory: list[tuple[float, int, str]
     a.set_ylabel("ms")
     a.set_title("latency of admitted requests")
     a.legend()
-    b.plot([t for t, _, _ in memory], [m for _, m, _ in memory], color="tab:red")
+    b.plot([t for t, *_ in memory], [m for _, m, *_ in memory], color="tab:red", label="all")
+    b.plot([t for t, *_ in memory], [m - pg for _, m, _, _, pg in memory], color="tab:orange", label="service only")
+    b.legend(loc="lower right")
     b.set_xlabel("seconds")
-    b.set_ylabel("RSS of the service and PostgreSQL (MiB)")
-    b.set_title("memory over the run")
+    b.set_ylabel("RSS of the service and PostgreSQL (MiB)", color="tab:red")
+    b.set_title("memory and in-flight limit over the run")
+    limits = [(t, lim) for t, _, _, lim, _ in memory if lim is not None]
+    if limits:
+        c = b.twinx()
+        c.step([t for t, _ in limits], [lim for _, lim in limits], color="tab:green", where="post")
+        c.set_ylabel("in-flight limit", color="tab:green")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -204,7 +283,6 @@ def prepare(url: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=20, help="seconds per phase")
-    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients of the capacity phase")
     parser.add_argument("--factors", default="2,4", help="overload factors of the open-loop phases")
     parser.add_argument("--env", action="append", default=[], help="SWITCHYARD_X=Y for the service (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "loadtests" / "results" / "soak")
@@ -215,7 +293,7 @@ def main() -> None:
         service = Service(Path(tmp) / "data", env={"SWITCHYARD_ACCESS_LOG": "false", **env})
         service.data_dir.mkdir(parents=True)
         service.start()
-        memory = MemorySampler(service.pids)
+        memory = Sampler(service.pids, service.url)
         try:
             prepare(service.url)
             mix = Mix()
@@ -224,8 +302,8 @@ def main() -> None:
             memory.phase = "unloaded"
             phases["unloaded"] = closed_loop(service.port, mix, 1, args.duration)
             memory.phase = "capacity"
-            phases["capacity"] = closed_loop(service.port, mix, args.clients, args.duration)
-            capacity = phases["capacity"]["qps"]
+            phases["capacity"] = ramp(service.port, mix)
+            capacity = phases["capacity"]["admitted_per_s"]
             for factor in (float(f) for f in args.factors.split(",")):
                 name = f"{factor:g}x"
                 memory.phase = name
@@ -239,11 +317,13 @@ def main() -> None:
         if phase.get("p99_ms") and unloaded_p99:
             phase["p99_vs_unloaded"] = round(phase["p99_ms"] / unloaded_p99, 2)
     by_phase: dict[str, list[int]] = {}
-    for _, mib, phase in memory.samples:
-        by_phase.setdefault(phase, []).append(mib)
+    for _, mib, phase, _, postgres in memory.samples:
+        by_phase.setdefault(phase, []).append((mib, mib - postgres))
     result = {"what": "mixed workload (70% search, 20% upsert of 10 points, 10% SSB on DuckDB) at 1x, 2x, 4x capacity",
               "rows": ROWS, "dim": DIM, "env": env, "phases": phases,
-              "memory_mib": {p: {"min": min(v), "max": max(v)} for p, v in by_phase.items()},
+              "memory_mib": {p: {"min": min(m for m, _ in v), "max": max(m for m, _ in v),
+                                 "service_min": min(m for _, m in v), "service_max": max(m for _, m in v)}
+                             for p, v in by_phase.items()},
               "memory_samples": memory.samples, "versions": versions("fastapi", "uvicorn", "faiss-cpu", "duckdb")}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 from .deadlines import deadline as current_deadline
 from .errors import BadRequest, ProblemError
+from .pressure import InflightLimit
 
 PRINCIPAL: ContextVar[str] = ContextVar("switchyard_principal", default="anonymous")
 TIMEOUT_HEADER = b"x-request-timeout"
@@ -105,6 +106,8 @@ class Gate:
         by_deadline = deadline is not None and deadline - time.monotonic() < wait
         if by_deadline:
             wait = deadline - time.monotonic()
+        if (len(self.waiters) + 1) / self.limit * self.service_s > wait:
+            raise self._gave_up(by_deadline, waited=False)  # its turn would come too late: refused now, not then
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         try:
@@ -116,11 +119,17 @@ class Gate:
         if waiter.done():
             return  # release() handed its slot over: active already counts it
         self._leave(waiter)
+        raise self._gave_up(by_deadline, waited=True)
+
+    def _gave_up(self, by_deadline: bool, waited: bool) -> Shed:
         if by_deadline:
-            raise QueueDeadline(f"the request's deadline passed while it waited for engine {self.name}; it was not "
-                                "run", self.retry_after_s(), engine=self.name, reason="deadline")
-        raise Shed(f"engine {self.name} is at capacity: the request waited {self.max_wait_s * 1000:.0f} ms in its "
-                   "queue and was not run", self.retry_after_s(), engine=self.name, reason="queue_wait")
+            when = "while it waited" if waited else "before its turn would come"
+            return QueueDeadline(f"the request's deadline passed {when} for engine {self.name}; it was not run",
+                                 self.retry_after_s(), engine=self.name, reason="deadline")
+        how = (f"the request waited {self.max_wait_s * 1000:.0f} ms in its queue" if waited else
+               f"the request would wait more than {self.max_wait_s * 1000:.0f} ms in its queue")
+        return Shed(f"engine {self.name} is at capacity: {how} and was not run", self.retry_after_s(),
+                    engine=self.name, reason="queue_wait")
 
     def _leave(self, waiter: asyncio.Future) -> None:
         if waiter.done() and not waiter.cancelled():
@@ -189,6 +198,8 @@ class Admission:
         self.enabled = settings.admission
         self.max_wait_s = settings.queue_wait_ms / 1000
         self.limits = engine_limits(settings)
+        self.pressure = (InflightLimit(settings.max_inflight, settings.min_inflight, settings.inflight_latency_tolerance)
+                         if settings.admission and settings.max_inflight else None)
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         self.requests: dict[str, TokenBucket] = {}

@@ -59,8 +59,7 @@ class HotLane:
         self.admission = admission  # None in a front process: the engine process admits
         self.quota = bool(settings.quota_requests_per_s)  # a front process names the principal; the engine counts
         self.default_timeout = settings.request_timeout_s
-        self.max_inflight = settings.max_inflight if admission is not None and settings.admission else 0
-        self.inflight = 0
+        self.pressure = admission.pressure if admission is not None else None  # the in-flight limit, if any
         self.max_body = settings.max_body_bytes
         self.sample = settings.access_log_sample
         self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
@@ -98,20 +97,34 @@ class HotLane:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if not self.max_inflight or not scope["path"].startswith("/v1/"):  # probes and metrics: never refused
+        pressure = self.pressure
+        if pressure is None or not scope["path"].startswith("/v1/"):  # probes and metrics: never refused
             await self._serve(scope, receive, send)
             return
-        if self.inflight >= self.max_inflight:
+        hot = HOT.match(scope["path"])
+        if not await pressure.enter(hot is not None):
             self.admission.shed("requests", "inflight")
             await self._answer_failure(scope, receive, send, Shed(
-                f"the service is serving {self.inflight} requests (SWITCHYARD_MAX_INFLIGHT); this one was not run",
-                1.0, reason="inflight"))
+                f"the service is serving {pressure.inflight} requests, its limit under the present load "
+                "(SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot came free in time; "
+                "this one was not run", 1.0,
+                reason="inflight"))
             return
-        self.inflight += 1
+        start, status = time.perf_counter(), 0
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            await self._serve(scope, receive, send)
-        finally:
-            self.inflight -= 1
+            await self._serve(scope, receive, watched)
+        finally:  # successes' latency, by kind of request, moves the limit
+            kind = None
+            if 200 <= status < 300:
+                kind = hot.group(2) if hot is not None else getattr(scope.get("route"), "path", None)
+            pressure.leave(hot is not None, kind and (scope["method"], kind), time.perf_counter() - start)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         length, media, authorization, timeout, forwarded = -1, JSON, None, None, None

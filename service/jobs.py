@@ -93,7 +93,9 @@ class JobRunner:
         )
         return int(status.split()[-1])
 
-    async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> Job:
+    async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]],
+                    cleanup: Callable[[], None] | None = None) -> Job:
+        """Queue `work`; `cleanup` runs when the job ends, however it ends (cancelled while queued too)."""
         queued = sum(1 for job in self.running.values() if job.state == "queued")
         if queued >= self.max_queued:
             raise Shed(f"{queued} jobs are already waiting for a slot (SWITCHYARD_MAX_QUEUED_JOBS); the job was not "
@@ -103,7 +105,7 @@ class JobRunner:
             "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind, subject
         )
         self.running[job.id] = job
-        job.task = asyncio.create_task(self._run(job, work), name=f"job-{kind}-{job.id}")
+        job.task = asyncio.create_task(self._run(job, work, cleanup), name=f"job-{kind}-{job.id}")
         self.tasks.add(job.task)
         job.task.add_done_callback(self.tasks.discard)
         return job
@@ -128,7 +130,8 @@ class JobRunner:
         status = await self.pool.execute("DELETE FROM jobs WHERE id = $1", key)
         return status.split()[-1] != "0"
 
-    async def _run(self, job: Job, work: Callable[[Progress], Awaitable[dict[str, Any]]]) -> None:
+    async def _run(self, job: Job, work: Callable[[Progress], Awaitable[dict[str, Any]]],
+                   cleanup: Callable[[], None] | None) -> None:
         last_flush = 0.0
         loop = asyncio.get_running_loop()
 
@@ -160,6 +163,8 @@ class JobRunner:
             job.state, job.message = "failed", failure_message(job, exc)
         finally:
             job.updated_at = time.time()
+            if cleanup is not None:
+                cleanup()
             try:
                 await asyncio.shield(self._flush(job, final=True))
             finally:

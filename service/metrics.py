@@ -124,17 +124,18 @@ class Metrics:
     def shed(self, engine: str, reason: str) -> None:
         self.shed_total.labels(engine, reason).inc()
 
-    def watch_gates(self, gates: Callable[[], dict[str, Any]]) -> None:
-        """Report each engine gate's running and queued requests and limit at every scrape."""
-        self.registry.register(_GateCollector(gates))
+    def watch_gates(self, gates: Callable[[], dict[str, Any]], pressure: Any = None) -> None:
+        """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
+        (service/pressure.py), at every scrape."""
+        self.registry.register(_GateCollector(gates, pressure))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _GateCollector(Collector):
-    def __init__(self, gates: Callable[[], dict[str, Any]]) -> None:
-        self.gates = gates
+    def __init__(self, gates: Callable[[], dict[str, Any]], pressure: Any) -> None:
+        self.gates, self.pressure = gates, pressure
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         queued = GaugeMetricFamily("switchyard_engine_queue_depth", "Requests waiting for an engine slot.",
@@ -147,6 +148,13 @@ class _GateCollector(Collector):
             running.add_metric([name], gate.active)
             limit.add_metric([name], gate.limit)
         yield from (queued, running, limit)
+        if self.pressure is not None:
+            yield GaugeMetricFamily("switchyard_inflight", "/v1 requests being served.", value=self.pressure.inflight)
+            yield GaugeMetricFamily("switchyard_inflight_limit", "The in-flight limit in force (it follows the "
+                                    "latency of admitted requests).", value=self.pressure.limit)
+            yield GaugeMetricFamily("switchyard_admitted_slowdown", "Latency of successful /v1 requests over their "
+                                    "unqueued latency, in the last interval of the in-flight limit.",
+                                    value=self.pressure.slowdown)
 
 
 class ReplicationTrace:

@@ -20,6 +20,7 @@ from indexes.resident import RebuildPolicy
 from olap.manager import OlapManager
 from spatial.manager import SpatialManager
 
+from . import spool
 from .admission import Admission
 from .devices import probe_cuda
 from .engines import EngineRegistry
@@ -45,7 +46,7 @@ class Runtime:
         self.pool: asyncpg.Pool | None = None
         self.sql_pool: asyncpg.Pool | None = None  # OLAP reads on PostgreSQL, apart from writes and readiness
         self.admission = Admission(settings, self.metrics)
-        self.metrics.watch_gates(lambda: self.admission.gates)
+        self.metrics.watch_gates(lambda: self.admission.gates, self.admission.pressure)
         self.database: DatabaseSupervisor | None = None
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None
@@ -60,6 +61,7 @@ class Runtime:
         self.phase = "starting"
         try:
             s = self.settings
+            spool.clear(s.data_dir)
             if s.database_url is None:
                 self.embedded = EmbeddedPostgres(s.embedded_pgdata)
                 self.dsn = await asyncio.to_thread(self.embedded.start)

@@ -85,9 +85,14 @@ class Settings(BaseSettings):
     admission: bool = Field(default=True, description=(
         "Admission control (README: Overload): per-engine concurrency limits and short queues, 503 past them."))
     max_inflight: int = Field(default_factory=lambda: 64 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
-        "/v1 requests a process serves at once (default 64 per core); past it a request is answered 503 at once, "
-        "before any parsing, so admitted requests keep their latency when the event loop itself is the bottleneck "
-        "(0: no limit)."))
+        "Most /v1 requests a process serves at once (default 64 per core; the limit in force adapts below it, see "
+        "SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE); past it a request is answered 503 at once, before its body is read, so "
+        "admitted requests keep their latency when the event loop itself is the bottleneck (0: no limit)."))
+    inflight_latency_tolerance: float = Field(default=1.5, ge=0, le=1000, description=(
+        "The in-flight limit adapts (README: Overload): it is cut while admitted requests take more than this many "
+        "times their least recent mean latency, and raised while they do not; 0: a fixed SWITCHYARD_MAX_INFLIGHT."))
+    min_inflight: int = Field(default_factory=lambda: max(2, os.cpu_count() or 1), ge=1, le=1_000_000, description=(
+        "The least the adaptive in-flight limit goes down to (default: the cores, at least 2)."))
     queue_wait_ms: float = Field(default=250.0, ge=0, le=60_000, description=(
         "The most a request waits in an engine's queue before it is refused with 503 (its deadline may cut it "
         "shorter)."))

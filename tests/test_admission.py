@@ -21,7 +21,8 @@ from tests.helpers import assert_problem, wait_ready
 def settings(**overrides):
     values = dict(admission=True, queue_wait_ms=200.0, queue_depth=None, batch_max=4, db_pool_max=4, sql_pool_max=2,
                   quota_requests_per_s=0.0, quota_burst=0.0, quota_engine_seconds_per_s=0.0,
-                  quota_engine_seconds_burst=None, breaker_failures=3, breaker_cooldown_s=0.2)
+                  quota_engine_seconds_burst=None, breaker_failures=3, breaker_cooldown_s=0.2, max_inflight=64,
+                  min_inflight=2, inflight_latency_tolerance=2.0)
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -74,6 +75,166 @@ def test_a_queued_request_gives_up_after_the_queue_wait_or_its_deadline():
         assert gate.active == 1 and not gate.waiters  # nobody left behind in the queue
         gate.release()
         assert gate.active == 0
+
+    run(go())
+
+
+def test_a_request_whose_turn_would_come_too_late_is_refused_at_once():
+    async def go():
+        gate = Gate("duckdb", limit=1, depth=8, max_wait_s=0.2)
+        await gate.acquire(None)
+        gate.release(0.15)  # requests have held the slot 150 ms ...
+        await gate.acquire(None)
+        waiting = asyncio.create_task(gate.acquire(None))  # ... so the first in line may still get it in time
+        await asyncio.sleep(0.01)
+        assert len(gate.waiters) == 1
+        started = time.monotonic()
+        with pytest.raises(Shed) as refused:  # the second would wait about 300 ms, past the 200 ms it may
+            await gate.acquire(None)
+        assert time.monotonic() - started < 0.05 and refused.value.extra["reason"] == "queue_wait"
+        assert "would wait more than 200 ms" in refused.value.detail
+        with pytest.raises(QueueDeadline):  # a deadline that comes before its turn: refused at once as well
+            await gate.acquire(time.monotonic() + 0.1)
+        gate.release(0.15)
+        await waiting
+        assert gate.active == 1 and not gate.waiters
+
+    run(go())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def answer(limit, kind, seconds, times=1, hot=True):
+    for _ in range(times):
+        assert limit.admit(hot)
+        limit.leave(hot, kind, seconds)
+
+
+def test_the_inflight_limit_falls_while_requests_queue_and_grows_back_when_they_do_not(monkeypatch):
+    from service import pressure
+
+    clock = Clock()
+    monkeypatch.setattr(pressure.time, "monotonic", clock)
+    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0)
+    limit.limit = start = 16
+    answer(limit, "search", 0.001, times=4)  # unqueued: a search takes 1 ms ...
+    answer(limit, "ssb", 0.020, times=4)  # ... an SSB query 20 ms
+    clock.now += 0.2
+    answer(limit, "search", 0.005, times=8)  # searches take five times as long: they queue
+    assert limit.limit == int(start * 0.75) and limit.slowdown == pytest.approx(5.0)
+    clock.now += 0.2
+    fill_and_empty(limit)  # a full limit turns a request away ...
+    answer(limit, "search", 0.001, times=6)
+    answer(limit, "ssb", 0.020, times=2)  # ... and a mix of slow and fast kinds at their unqueued latency
+    assert limit.limit == int(start * 0.75) + 1 and limit.slowdown == pytest.approx(1.0)  # is no queueing
+    clock.now += 0.2
+    answer(limit, "search", 0.001, times=8)
+    assert limit.limit == int(start * 0.75) + 1  # nothing was turned away: no reason to grow
+    for _ in range(20):
+        clock.now += 0.2
+        answer(limit, "ssb", 0.1, times=8)
+    assert limit.limit == 4  # never below the floor
+    for _ in range(100):
+        clock.now += 0.2
+        fill_and_empty(limit)
+        answer(limit, "search", 0.001, times=8)
+    assert limit.limit == 64  # never above the ceiling
+
+
+def fill_and_empty(limit):
+    """Admit requests until one is turned away, then let them all go unanswered."""
+    while limit.admit(True):
+        pass
+    for _ in range(limit.inflight):
+        limit.leave(True)
+
+
+def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatch):
+    from service import pressure
+
+    clock = Clock()
+    monkeypatch.setattr(pressure.time, "monotonic", clock)
+    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0)
+    answer(limit, "search", 0.001, times=4)
+    clock.now += 0.2
+    answer(limit, None, 5.0, times=20)  # failures (a 404, a refusal) say nothing of queueing
+    answer(limit, "recall", 5.0, times=3)  # a kind seen fewer than four times has no unqueued latency yet
+    assert limit.limit == 64 and limit.inflight == 0
+    fixed = pressure.InflightLimit(ceiling=8, floor=4, tolerance=0)  # tolerance 0: a fixed limit
+    assert fixed.limit == 8
+    answer(fixed, "search", 0.001, times=4)
+    clock.now += 0.2
+    answer(fixed, "search", 1.0, times=8)
+    assert fixed.limit == 8
+
+
+def test_work_off_the_hot_lane_gets_half_the_inflight_limit():
+    from service.pressure import InflightLimit
+
+    limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0)
+    assert limit.limit == 8
+    assert [limit.admit(hot=False) for _ in range(6)] == [True] * 4 + [False] * 2  # SSB, spatial, SQL: half
+    assert [limit.admit(hot=True) for _ in range(5)] == [True] * 4 + [False]  # searches: the rest
+    limit.leave(hot=True)
+    assert limit.inflight == 7 and not limit.admit(hot=False)  # heavy work still has its half
+    limit.leave(hot=False)
+    assert limit.admit(hot=False) and limit.heavy == 4
+
+
+def test_a_burst_waits_for_a_slot_but_an_overload_is_refused_within_milliseconds():
+    from service.pressure import BURST_WAIT_S, InflightLimit
+
+    async def go():
+        limit = InflightLimit(ceiling=2, floor=2, tolerance=0)
+        assert await limit.enter(True) and await limit.enter(True)
+        burst = asyncio.create_task(limit.enter(True))  # the queue was empty just now: it may wait
+        await asyncio.sleep(0.02)
+        assert not burst.done() and len(limit.waiters) == 1
+        limit.leave(True)  # a slot frees: handed straight to the waiter
+        assert await burst and limit.inflight == 2 and not limit.waiters
+        waiting = asyncio.create_task(limit.enter(True))
+        await asyncio.sleep(0)
+        limit.emptied_at -= 1.0  # the queue has not emptied for a second: overload, not a burst
+        started = time.monotonic()
+        assert not await limit.enter(True)
+        assert time.monotonic() - started < BURST_WAIT_S / 2
+        limit.leave(True)
+        assert await waiting and limit.inflight == 2
+        started = time.monotonic()
+        assert not await limit.enter(True)  # the queue just emptied: a full burst wait, then refused
+        assert time.monotonic() - started >= BURST_WAIT_S * 0.9
+        assert limit.inflight == 2 and not limit.waiters
+
+    run(go())
+
+
+def test_a_heavy_waiter_does_not_hold_up_a_search_and_a_gone_waiter_gives_its_slot_back():
+    from service.pressure import InflightLimit
+
+    async def go():
+        limit = InflightLimit(ceiling=4, floor=4, tolerance=0)
+        assert await limit.enter(False) and await limit.enter(False)  # heavy work's half is used
+        assert await limit.enter(True) and await limit.enter(True)
+        heavy = asyncio.create_task(limit.enter(False))
+        search = asyncio.create_task(limit.enter(True))
+        await asyncio.sleep(0.01)
+        limit.leave(True)  # a search's slot frees: the heavy waiter ahead may not have it, the search may
+        assert await asyncio.wait_for(search, 1.0) and not heavy.done()
+        gone = asyncio.create_task(limit.enter(True))
+        await asyncio.sleep(0.01)
+        limit.leave(False)  # a heavy slot frees: the heavy waiter's turn
+        assert await heavy
+        limit.leave(True)
+        gone.cancel()  # handed a slot, then its client went away before it ran
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert limit.inflight == 3 and limit.heavy == 2 and not limit.waiters
 
     run(go())
 
@@ -341,9 +502,9 @@ def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
 
 
 def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client):
-    client = make_client(raise_server_exceptions=False, max_inflight=4)
+    client = make_client(raise_server_exceptions=False, max_inflight=4, inflight_latency_tolerance=0)  # fixed
     wait_ready(client)
-    lane = client.app  # the hot lane, outermost
+    lane = client.app.pressure  # the hot lane's, outermost
     lane.inflight = 4  # four requests being served
     r = client.post("/v1/collections/none/search", content=b"not even json")
     body = assert_problem(r, 503, "overloaded")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -9,11 +10,12 @@ import orjson
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.vectors import MAX_K, as_matrix, check_batch, check_ids, checked_points, fit_matrix, from_arrow_ipc
+from indexes.vectors import MAX_K, arrow_chunks, as_matrix, check_arrow, check_batch, check_ids, checked_points, fit_matrix
 
 from ..deps import RuntimeDep, domain, v1_router
 from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
+from ..spool import spool
 from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
                                parse_search, parse_upsert)
 
@@ -170,19 +172,32 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
 )
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep,
                         pgvector: FallbackBuild = "background") -> Any:
-    vectors = domain(runtime, "vectors")
     if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
-        c = await vectors.collection(name)
-        points = from_arrow_ipc(await request.body(), c.dim)
-        need = BULK_BYTES_PER_BYTE * (points.vectors.nbytes + 8 * len(points.ids))
-        ensure_room(runtime.settings.data_dir, need, runtime.settings.disk_reserve_mb * 2**20,
-                    f"loading {len(points.ids)} points")
-        job = await runtime.jobs.start("bulk_upsert", name, lambda progress: vectors.bulk_upsert(
-            name, points, progress, fallback=pgvector))
+        job = await start_bulk_load(runtime, name, request, pgvector)
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
     return Response(await run_upsert(runtime, name, await request.body()), media_type="application/json")
+
+
+async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: str) -> Any:
+    """Spool an Arrow IPC body to disk, check all of it (a bad stream is a 422 before anything is written), then
+    load it as a job that reads it a chunk at a time and removes the file when it ends."""
+    vectors = domain(runtime, "vectors")
+    c = await vectors.collection(name)
+    s = runtime.settings
+    reserve = s.disk_reserve_mb * 2**20
+    path = await spool(request, s.data_dir, reserve, "the bulk load's body")
+    try:
+        rows = await asyncio.to_thread(check_arrow, path, c.dim)
+        ensure_room(s.data_dir, BULK_BYTES_PER_BYTE * rows * (4 * c.dim + 8), reserve, f"loading {rows} points")
+        return await runtime.jobs.start(
+            "bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, arrow_chunks(path, c.dim), rows, progress,
+                                                                      fallback=fallback),
+            cleanup=lambda: path.unlink(missing_ok=True))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 async def answer_upsert(runtime: Any, name: str, parsed: ParsedUpsert) -> bytes:

@@ -1,0 +1,173 @@
+"""The process's in-flight limit, following the latency of what it admits: serve promptly, refuse the rest.
+
+A fixed limit cannot know how much of the machine a process will get: PostgreSQL, DuckDB's and FAISS's threads
+and other processes all take cores, and every request in flight past that point only waits longer. So the limit
+adapts, in the way of TCP Vegas: it compares the latency of answered requests with their latency unqueued, and
+cuts the limit by a quarter while they take more than `tolerance` times that (requests queue somewhere: the event
+loop, a thread pool, PostgreSQL); while they do not and requests had to wait for a slot, it grows by a tenth.
+
+Requests differ in cost (a search takes a millisecond, an SSB query twenty), so the comparison is per kind of
+request (its route): each kind's unqueued latency is the least mean of FOUR of its consecutive answers over the
+last WINDOW_S seconds, and an interval's slowdown is its answers' total latency over the total of their kinds'
+unqueued latencies, whatever the mix.
+
+A request that finds the limit full waits for a slot in a short FIFO queue, before its body is read, so that a
+burst is served rather than refused. The queue is CoDel's, as Facebook runs it ("Fail at scale", ACM Queue
+2015): if it has been empty within the last BURST_WAIT_S, a request may wait that long; if not, the service is
+overloaded rather than bursting, and a request waits at most OVERLOAD_WAIT_S. Past its wait it is answered 503.
+
+Searches and upserts (the hot lane) may fill the whole limit; other /v1 requests (SSB, spatial, SQL, management)
+at most half of it, so heavy work never crowds out vector searches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+INTERVAL_S = 0.1  # the limit moves at most this often ...
+MIN_ANSWERS = 8  # ... and only on this many answers
+WINDOW_S = 10.0  # how long an unqueued latency is remembered
+FOUR = 4  # answers averaged into one sample of a kind's latency
+DECREASE = 0.75
+INCREASE = 0.1
+BURST_WAIT_S = 0.1  # the most a request waits for a slot while the queue keeps emptying ...
+OVERLOAD_WAIT_S = 0.005  # ... and while it does not
+
+
+class KindLatency:
+    """One kind of request's unqueued latency: the windowed least of means of FOUR consecutive answers."""
+
+    __slots__ = ("least", "samples", "total", "count")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque()  # (when, mean), means increasing: head is the least
+        self.least = 0.0  # 0: not known yet
+        self.total, self.count = 0.0, 0
+
+    def add(self, seconds: float, now: float) -> None:
+        self.total += seconds
+        self.count += 1
+        if self.count < FOUR:
+            return
+        mean, self.total, self.count = self.total / FOUR, 0.0, 0
+        while self.samples and self.samples[0][0] < now - WINDOW_S:
+            self.samples.popleft()
+        while self.samples and self.samples[-1][1] >= mean:
+            self.samples.pop()
+        self.samples.append((now, mean))
+        self.least = self.samples[0][1]
+
+
+class InflightLimit:
+    def __init__(self, ceiling: int, floor: int, tolerance: float) -> None:
+        self.ceiling = ceiling
+        self.floor = max(1, min(floor, ceiling))
+        self.tolerance = tolerance  # 0: a fixed limit of `ceiling`
+        self.limit = ceiling  # generous until latency says otherwise
+        self.inflight = 0
+        self.heavy = 0  # of which off the hot lane
+        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (handed a slot, hot)
+        self.emptied_at = time.monotonic()  # when the queue was last seen empty
+        self.slowdown = 0.0  # of the last interval: latency over unqueued latency
+        self.kinds: dict[object, KindLatency] = {}
+        self._interval_end = time.monotonic() + INTERVAL_S
+        self._latency = self._unqueued = 0.0
+        self._answers = 0
+        self._constrained = False  # whether a request had to wait or was refused in this interval
+
+    def _room(self, hot: bool) -> bool:
+        return self.inflight < self.limit and (hot or self.heavy < max(1, self.limit // 2))
+
+    def _take(self, hot: bool) -> None:
+        self.inflight += 1
+        self.heavy += not hot
+
+    def admit(self, hot: bool) -> bool:
+        """A slot now, if one is free and nobody waits for one."""
+        if not self.waiters and self._room(hot):
+            self._take(hot)
+            return True
+        self._constrained = True
+        return False
+
+    async def enter(self, hot: bool) -> bool:
+        """A slot, now or after a short wait in the queue (see the module's docstring); False: refused."""
+        if self.admit(hot):
+            return True
+        now = time.monotonic()
+        if not self.waiters:
+            self.emptied_at = now
+        if len(self.waiters) >= self.ceiling:
+            return False
+        wait = BURST_WAIT_S if now - self.emptied_at < BURST_WAIT_S else OVERLOAD_WAIT_S
+        handed = asyncio.get_running_loop().create_future()
+        waiter = (handed, hot)
+        self.waiters.append(waiter)
+        try:
+            await asyncio.wait((handed,), timeout=wait)
+        except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
+            self._forget(waiter)
+            raise
+        if handed.done():
+            return True  # _hand_over counted it in
+        self._forget(waiter)
+        return False
+
+    def _forget(self, waiter: tuple[asyncio.Future, bool]) -> None:
+        handed, hot = waiter
+        if handed.done() and not handed.cancelled():
+            self.leave(hot)  # handed a slot it will not use
+            return
+        handed.cancel()
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            pass
+        if not self.waiters:
+            self.emptied_at = time.monotonic()
+
+    def _hand_over(self) -> None:
+        """Give free slots to waiters, first come first served among those the heavy share lets in."""
+        while self.waiters and self.inflight < self.limit:
+            waiter = next((w for w in self.waiters if self._room(w[1])), None)
+            if waiter is None:
+                return
+            self.waiters.remove(waiter)
+            self._take(waiter[1])
+            waiter[0].set_result(None)
+            if not self.waiters:
+                self.emptied_at = time.monotonic()
+
+    def leave(self, hot: bool, kind: object = None, seconds: float = 0.0) -> None:
+        """Count one request out; `kind` (its route) and its latency if it succeeded (failures say nothing of
+        queueing: many are refusals that took no time)."""
+        self.inflight -= 1
+        self.heavy -= not hot
+        if self.waiters:
+            self._hand_over()
+        if kind is None or self.tolerance <= 0:
+            return
+        now = time.monotonic()
+        latency = self.kinds.get(kind)
+        if latency is None:
+            latency = self.kinds[kind] = KindLatency()
+        if latency.least:
+            self._latency += seconds
+            self._unqueued += latency.least
+            self._answers += 1
+        latency.add(seconds, now)
+        if now >= self._interval_end and self._answers >= MIN_ANSWERS:
+            self.adjust(now)
+
+    def adjust(self, now: float) -> None:
+        """End of an interval: move the limit by what it showed."""
+        self.slowdown = self._latency / self._unqueued
+        if self.slowdown > self.tolerance:
+            self.limit = max(self.floor, int(self.limit * DECREASE))
+        elif self._constrained:
+            self.limit = min(self.ceiling, self.limit + max(1, int(self.limit * INCREASE)))
+        self._latency = self._unqueued = 0.0
+        self._answers, self._constrained = 0, False
+        self._interval_end = now + INTERVAL_S

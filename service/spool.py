@@ -1,0 +1,69 @@
+"""Bulk bodies spooled to a file as they arrive, so a load of gigabytes never sits in memory.
+
+A body is written in FLUSH_BYTES pieces by a worker thread (the event loop never waits on the disk), with the
+disk's free space checked before the first byte (against the declared length) and after every piece (a chunked
+body declares none). The file lives under <data dir>/spool until the job that reads it ends; what a crashed
+process left there is removed at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+
+from starlette.requests import Request
+
+from .disk import ensure_room
+
+FLUSH_BYTES = 8 * 2**20
+
+
+def spool_dir(data_dir: Path) -> Path:
+    return data_dir / "spool"
+
+
+def clear(data_dir: Path) -> None:
+    """Remove the files of processes that are gone (their jobs went with them); replicas sharing the data
+    directory keep theirs."""
+    for path in spool_dir(data_dir).glob("*.arrows"):
+        owner = path.name.split("-", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def spool(request: Request, data_dir: Path, reserve_bytes: float, what: str) -> Path:
+    """Write the request's body to a new file under the spool directory and return its path. On any failure
+    (a client gone mid-body, a full disk, the body limit) the file is removed."""
+    directory = spool_dir(data_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    declared = request.headers.get("content-length", "")
+    ensure_room(directory, int(declared) if declared.isdigit() else 0, reserve_bytes, what)
+    path = directory / f"{os.getpid()}-{uuid.uuid4().hex}.arrows"
+    file = open(path, "wb")  # noqa: SIM115 - closed below, on every path
+    try:
+        buffer = bytearray()
+        async for piece in request.stream():
+            buffer += piece
+            if len(buffer) >= FLUSH_BYTES:
+                await asyncio.to_thread(file.write, buffer)
+                buffer = bytearray()
+                ensure_room(directory, 0, reserve_bytes, what)
+        await asyncio.to_thread(file.write, buffer)
+        file.close()
+    except BaseException:
+        file.close()
+        path.unlink(missing_ok=True)
+        raise
+    return path
