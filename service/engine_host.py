@@ -6,16 +6,17 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from .admission import PRINCIPAL
+from .admission import PRINCIPAL, Shed
 from .deadlines import set_deadline
 from .engine_link import EngineServer, Handler
-from .fastlane import observe_hot
+from .fastlane import HOT_KINDS, observe_hot
 from .routes.vectors import answer_search, answer_upsert
 from .runtime import Runtime
 
 
 def engine_server(runtime: Runtime, path: Path) -> EngineServer:
     quota = bool(runtime.settings.quota_requests_per_s)
+    pressure = runtime.admission.pressure  # the in-flight limit covers the fronts' hot requests too
 
     def counted(answer: Callable[[Any, str, Any], Awaitable[bytes]], search: bool) -> Handler:
         """Answer a parsed request, counted in the metrics with the time the front spent on it."""
@@ -26,8 +27,18 @@ def engine_server(runtime: Runtime, path: Path) -> EngineServer:
             PRINCIPAL.set(principal)
             if quota:
                 runtime.admission.check_request(principal)
+            if pressure is not None and not await pressure.enter(True):
+                # No slot: the front replays the request through this process's full app, which answers 503
+                # (or serves it, if a slot came free meanwhile).
+                raise Shed("no slot under the in-flight limit", 1.0, reason="inflight")
             start = time.perf_counter()
-            body = await answer(runtime, name, parsed)
+            answered = False
+            try:
+                body = await answer(runtime, name, parsed)
+                answered = True
+            finally:
+                if pressure is not None:
+                    pressure.leave(True, HOT_KINDS[search] if answered else None, time.perf_counter() - start)
             observe_hot(runtime.metrics, search, front_s + time.perf_counter() - start)
             return body
 

@@ -40,6 +40,7 @@ JSON = b"application/json"
 HEADERS = [(b"content-type", JSON)]
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 CLIENT_HEADER = b"x-switchyard-client"  # a front process's client address, to the engine process (quotas)
+HOT_KINDS = {True: ("POST", "search"), False: ("PUT", "points")}  # a hot answer's kind for the in-flight limit
 
 
 # A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
