@@ -11,10 +11,10 @@ request (its route): each kind's unqueued latency is the least mean of FOUR of i
 last WINDOW_S seconds, and an interval's slowdown is its answers' total latency over the total of their kinds'
 unqueued latencies, whatever the mix.
 
-A request that finds the limit full waits for a slot in a short FIFO queue, before its body is read, so that a
-burst is served rather than refused. The queue is CoDel's, as Facebook runs it ("Fail at scale", ACM Queue
-2015): if it has been empty within the last BURST_WAIT_S, a request may wait that long; if not, the service is
-overloaded rather than bursting, and a request waits at most OVERLOAD_WAIT_S. Past its wait it is answered 503.
+A request that finds the limit full waits for a slot for at most WAIT_S, before its body is read, so that a
+short burst is served rather than refused; past that it is answered 503. A free slot goes to the newest waiter
+(LIFO, as Facebook's servers hand out work under load, "Fail at scale", ACM Queue 2015): under overload the
+admitted then wait least, and those that waited longest are the ones refused.
 
 Searches and upserts (the hot lane) may fill the whole limit; other /v1 requests (SSB, spatial, SQL, management)
 at most half of it, so heavy work never crowds out vector searches.
@@ -32,8 +32,7 @@ WINDOW_S = 10.0  # how long an unqueued latency is remembered
 FOUR = 4  # answers averaged into one sample of a kind's latency
 DECREASE = 0.75
 INCREASE = 0.1
-BURST_WAIT_S = 0.1  # the most a request waits for a slot while the queue keeps emptying ...
-OVERLOAD_WAIT_S = 0.005  # ... and while it does not
+WAIT_S = 0.01  # the most a request waits for a slot
 
 
 class KindLatency:
@@ -69,7 +68,6 @@ class InflightLimit:
         self.inflight = 0
         self.heavy = 0  # of which off the hot lane
         self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (handed a slot, hot)
-        self.emptied_at = time.monotonic()  # when the queue was last seen empty
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
         self.kinds: dict[object, KindLatency] = {}
         self._interval_end = time.monotonic() + INTERVAL_S
@@ -93,20 +91,16 @@ class InflightLimit:
         return False
 
     async def enter(self, hot: bool) -> bool:
-        """A slot, now or after a short wait in the queue (see the module's docstring); False: refused."""
+        """A slot, now or after at most WAIT_S in the queue; False: refused."""
         if self.admit(hot):
             return True
-        now = time.monotonic()
-        if not self.waiters:
-            self.emptied_at = now
         if len(self.waiters) >= self.ceiling:
             return False
-        wait = BURST_WAIT_S if now - self.emptied_at < BURST_WAIT_S else OVERLOAD_WAIT_S
         handed = asyncio.get_running_loop().create_future()
         waiter = (handed, hot)
         self.waiters.append(waiter)
         try:
-            await asyncio.wait((handed,), timeout=wait)
+            await asyncio.wait((handed,), timeout=WAIT_S)
         except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
             self._forget(waiter)
             raise
@@ -125,20 +119,16 @@ class InflightLimit:
             self.waiters.remove(waiter)
         except ValueError:
             pass
-        if not self.waiters:
-            self.emptied_at = time.monotonic()
 
     def _hand_over(self) -> None:
-        """Give free slots to waiters, first come first served among those the heavy share lets in."""
+        """Give free slots to waiters, newest first among those the heavy share lets in."""
         while self.waiters and self.inflight < self.limit:
-            waiter = next((w for w in self.waiters if self._room(w[1])), None)
+            waiter = next((w for w in reversed(self.waiters) if self._room(w[1])), None)
             if waiter is None:
                 return
             self.waiters.remove(waiter)
             self._take(waiter[1])
             waiter[0].set_result(None)
-            if not self.waiters:
-                self.emptied_at = time.monotonic()
 
     def leave(self, hot: bool, kind: object = None, seconds: float = 0.0) -> None:
         """Count one request out; `kind` (its route) and its latency if it succeeded (failures say nothing of
