@@ -52,6 +52,9 @@ LEVELS = ("strong", "session", "bounded", "eventually")
 ZERO = 1e-3  # a search by a stored vector finds it at distance 0 (float32 rounding aside)
 
 
+NOT_RUN = ("overloaded", "quota-exceeded", "deadline-exceeded", "engine-cooling-down")  # refusals: nothing done
+
+
 @dataclass
 class Op:
     """One invocation and, if it got an answer, its completion."""
@@ -74,8 +77,14 @@ class Op:
 
     @property
     def failed(self) -> bool:
-        """Refused with a 4xx: certainly not applied."""
-        return self.status is not None and 400 <= self.status < 500
+        """Refused with a 4xx, or shed by admission control (503 or 429 saying it was not run): certainly not
+        applied."""
+        return self.status is not None and (400 <= self.status < 500 or self.refused)
+
+    @property
+    def refused(self) -> bool:
+        """Shed before it ran (README: Overload): a definite failure, not an anomaly."""
+        return self.status in (429, 503) and any(f"problem:{slug}" in (self.error or "") for slug in NOT_RUN)
 
 
 # -- the checker ----------------------------------------------------------------------------------------
@@ -127,7 +136,7 @@ class History:
             if s.kind != "search":
                 continue
             if not s.ok:
-                if s.status is None or s.status >= 500:
+                if (s.status is None or s.status >= 500) and not s.refused:
                     anomalies.append(_anomaly("error", s, f"search failed: {s.error}"))
                 continue
             if s.level == "eventually":
@@ -154,7 +163,7 @@ class History:
                 anomalies.append(_anomaly("phantom", s, f"id {s.found} was never stored before the search",
                                           self._writes_of(s, s.found)))
         for op in self.ops:
-            if op.kind != "search" and not op.ok and (op.status is None or op.status >= 500):
+            if op.kind != "search" and not op.ok and (op.status is None or op.status >= 500) and not op.refused:
                 anomalies.append(_anomaly("error", op, f"{op.kind} failed: {op.error}"))
         return anomalies, dict(judged)
 
@@ -411,6 +420,7 @@ def run_check(config: Config, workers: int, bound_s: float) -> dict[str, Any]:
         "operations": len(w.ops), "by_kind": dict(kinds), "seconds": round(elapsed, 1),
         "ops_per_s": round(len(w.ops) / elapsed, 1), "judged": judged,
         "builds_ok": sum(1 for op in w.ops if op.kind == "build" and op.ok),
+        "refused": sum(1 for op in w.ops if op.refused),
         "anomalies": len(anomalies), "by_anomaly": summarize(anomalies), "digests": digests,
         "config": {k: v for k, v in asdict(config).items() if k != "api_key"}, "workers": workers, "bound_s": bound_s,
     }
@@ -418,7 +428,8 @@ def run_check(config: Config, workers: int, bound_s: float) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     print(f"{report['operations']} operations in {report['seconds']} s ({report['ops_per_s']}/s): {report['by_kind']}")
-    print(f"searches judged per level: {report['judged']}; builds completed: {report['builds_ok']}")
+    print(f"searches judged per level: {report['judged']}; builds completed: {report['builds_ok']}; refused by "
+          f"admission control (not run): {report['refused']}")
     if report["digests"].get("checked"):
         pg = report["digests"]["postgres"]
         replicas = report["digests"]["replicas"]

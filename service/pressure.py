@@ -3,18 +3,20 @@
 A fixed limit cannot know how much of the machine a process will get: PostgreSQL, DuckDB's and FAISS's threads
 and other processes all take cores, and every request in flight past that point only waits longer. So the limit
 adapts, in the way of TCP Vegas: it compares the latency of answered requests with their latency unqueued, and
-cuts the limit by a quarter while they take more than `tolerance` times that (requests queue somewhere: the event
-loop, a thread pool, PostgreSQL); while they do not and requests had to wait for a slot, it grows by a tenth.
+while they take more than `tolerance` times that (requests queue somewhere: the event loop, a thread pool,
+PostgreSQL) it cuts the limit, by a quarter or in proportion to the excess (at most to a quarter in one step);
+while they do not and requests had to wait for a slot, it grows by a tenth.
 
 Requests differ in cost (a search takes a millisecond, an SSB query twenty), so the comparison is per kind of
 request (its route): each kind's unqueued latency is the least mean of FOUR of its consecutive answers over the
 last WINDOW_S seconds, and an interval's slowdown is its answers' total latency over the total of their kinds'
 unqueued latencies, whatever the mix.
 
-A request that finds the limit full waits for a slot for at most WAIT_S, before its body is read, so that a
-short burst is served rather than refused; past that it is answered 503. A free slot goes to the newest waiter
-(LIFO, as Facebook's servers hand out work under load, "Fail at scale", ACM Queue 2015): under overload the
-admitted then wait least, and those that waited longest are the ones refused.
+A request that finds the limit full waits for a slot in a FIFO queue, before its body is read, so that a burst
+(or a few more clients than the limit) is served rather than refused. The queue holds at most two waiters per
+slot, each for at most `max_wait_s`; a request that finds it full takes the place of the oldest waiter, which is
+answered 503 (drop from the head, as CoDel does: under overload the queue turns over quickly, so what is admitted
+has waited least, and a burst that fits is never refused).
 
 Searches and upserts (the hot lane) may fill the whole limit; other /v1 requests (SSB, spatial, SQL, management)
 at most half of it, so heavy work never crowds out vector searches.
@@ -31,8 +33,8 @@ MIN_ANSWERS = 8  # ... and only on this many answers
 WINDOW_S = 10.0  # how long an unqueued latency is remembered
 FOUR = 4  # answers averaged into one sample of a kind's latency
 DECREASE = 0.75
+MAX_DECREASE = 0.25  # the most one interval cuts: to a quarter
 INCREASE = 0.1
-WAIT_S = 0.01  # the most a request waits for a slot
 
 
 class KindLatency:
@@ -60,14 +62,15 @@ class KindLatency:
 
 
 class InflightLimit:
-    def __init__(self, ceiling: int, floor: int, tolerance: float) -> None:
+    def __init__(self, ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> None:
         self.ceiling = ceiling
+        self.max_wait_s = max_wait_s
         self.floor = max(1, min(floor, ceiling))
         self.tolerance = tolerance  # 0: a fixed limit of `ceiling`
         self.limit = ceiling  # generous until latency says otherwise
         self.inflight = 0
         self.heavy = 0  # of which off the hot lane
-        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (handed a slot, hot)
+        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (True: handed a slot, False: dropped; hot)
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
         self.kinds: dict[object, KindLatency] = {}
         self._interval_end = time.monotonic() + INTERVAL_S
@@ -91,28 +94,29 @@ class InflightLimit:
         return False
 
     async def enter(self, hot: bool) -> bool:
-        """A slot, now or after at most WAIT_S in the queue; False: refused."""
+        """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
         if self.admit(hot):
             return True
-        if len(self.waiters) >= self.ceiling:
-            return False
+        if len(self.waiters) >= 2 * self.limit:
+            self.waiters.popleft()[0].set_result(False)  # the oldest makes way
         handed = asyncio.get_running_loop().create_future()
         waiter = (handed, hot)
         self.waiters.append(waiter)
         try:
-            await asyncio.wait((handed,), timeout=WAIT_S)
+            await asyncio.wait((handed,), timeout=self.max_wait_s)
         except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
             self._forget(waiter)
             raise
         if handed.done():
-            return True  # _hand_over counted it in
+            return handed.result()  # True: _hand_over counted it in; False: dropped from the head
         self._forget(waiter)
         return False
 
     def _forget(self, waiter: tuple[asyncio.Future, bool]) -> None:
         handed, hot = waiter
         if handed.done() and not handed.cancelled():
-            self.leave(hot)  # handed a slot it will not use
+            if handed.result():
+                self.leave(hot)  # handed a slot it will not use
             return
         handed.cancel()
         try:
@@ -121,14 +125,14 @@ class InflightLimit:
             pass
 
     def _hand_over(self) -> None:
-        """Give free slots to waiters, newest first among those the heavy share lets in."""
+        """Give free slots to waiters, first come first served among those the heavy share lets in."""
         while self.waiters and self.inflight < self.limit:
-            waiter = next((w for w in reversed(self.waiters) if self._room(w[1])), None)
+            waiter = next((w for w in self.waiters if self._room(w[1])), None)
             if waiter is None:
                 return
             self.waiters.remove(waiter)
             self._take(waiter[1])
-            waiter[0].set_result(None)
+            waiter[0].set_result(True)
 
     def leave(self, hot: bool, kind: object = None, seconds: float = 0.0) -> None:
         """Count one request out; `kind` (its route) and its latency if it succeeded (failures say nothing of
@@ -154,8 +158,9 @@ class InflightLimit:
     def adjust(self, now: float) -> None:
         """End of an interval: move the limit by what it showed."""
         self.slowdown = self._latency / self._unqueued
-        if self.slowdown > self.tolerance:
-            self.limit = max(self.floor, int(self.limit * DECREASE))
+        if self.slowdown > self.tolerance:  # cut by a quarter, or in proportion to the excess if it is larger
+            cut = max(MAX_DECREASE, min(DECREASE, self.tolerance / self.slowdown))
+            self.limit = max(self.floor, int(self.limit * cut))
         elif self._constrained:
             self.limit = min(self.ceiling, self.limit + max(1, int(self.limit * INCREASE)))
         self._latency = self._unqueued = 0.0

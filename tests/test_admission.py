@@ -121,21 +121,25 @@ def test_the_inflight_limit_falls_while_requests_queue_and_grows_back_when_they_
 
     clock = Clock()
     monkeypatch.setattr(pressure.time, "monotonic", clock)
-    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0)
+    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
     limit.limit = start = 16
     answer(limit, "search", 0.001, times=4)  # unqueued: a search takes 1 ms ...
     answer(limit, "ssb", 0.020, times=4)  # ... an SSB query 20 ms
     clock.now += 0.2
     answer(limit, "search", 0.005, times=8)  # searches take five times as long: they queue
-    assert limit.limit == int(start * 0.75) and limit.slowdown == pytest.approx(5.0)
+    cut = int(start * 2.0 / 5.0)  # in proportion to the excess
+    assert limit.limit == cut and limit.slowdown == pytest.approx(5.0)
     clock.now += 0.2
     fill_and_empty(limit)  # a full limit turns a request away ...
     answer(limit, "search", 0.001, times=6)
     answer(limit, "ssb", 0.020, times=2)  # ... and a mix of slow and fast kinds at their unqueued latency
-    assert limit.limit == int(start * 0.75) + 1 and limit.slowdown == pytest.approx(1.0)  # is no queueing
+    assert limit.limit == cut + 1 and limit.slowdown == pytest.approx(1.0)  # is no queueing
     clock.now += 0.2
     answer(limit, "search", 0.001, times=8)
-    assert limit.limit == int(start * 0.75) + 1  # nothing was turned away: no reason to grow
+    assert limit.limit == cut + 1  # nothing had to wait: no reason to grow
+    clock.now += 0.2
+    answer(limit, "search", 0.0025, times=8)  # a small excess: cut by a quarter
+    assert limit.limit == int((cut + 1) * 0.75)
     for _ in range(20):
         clock.now += 0.2
         answer(limit, "ssb", 0.1, times=8)
@@ -160,13 +164,13 @@ def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatc
 
     clock = Clock()
     monkeypatch.setattr(pressure.time, "monotonic", clock)
-    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0)
+    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
     answer(limit, "search", 0.001, times=4)
     clock.now += 0.2
     answer(limit, None, 5.0, times=20)  # failures (a 404, a refusal) say nothing of queueing
     answer(limit, "recall", 5.0, times=3)  # a kind seen fewer than four times has no unqueued latency yet
     assert limit.limit == 64 and limit.inflight == 0
-    fixed = pressure.InflightLimit(ceiling=8, floor=4, tolerance=0)  # tolerance 0: a fixed limit
+    fixed = pressure.InflightLimit(ceiling=8, floor=4, tolerance=0, max_wait_s=0.1)  # tolerance 0: a fixed limit
     assert fixed.limit == 8
     answer(fixed, "search", 0.001, times=4)
     clock.now += 0.2
@@ -177,7 +181,7 @@ def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatc
 def test_work_off_the_hot_lane_gets_half_the_inflight_limit():
     from service.pressure import InflightLimit
 
-    limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0)
+    limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0, max_wait_s=0.1)
     assert limit.limit == 8
     assert [limit.admit(hot=False) for _ in range(6)] == [True] * 4 + [False] * 2  # SSB, spatial, SQL: half
     assert [limit.admit(hot=True) for _ in range(5)] == [True] * 4 + [False]  # searches: the rest
@@ -187,39 +191,33 @@ def test_work_off_the_hot_lane_gets_half_the_inflight_limit():
     assert limit.admit(hot=False) and limit.heavy == 4
 
 
-def test_a_request_waits_briefly_for_a_slot_then_is_refused():
-    from service.pressure import WAIT_S, InflightLimit
+def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
+    from service.pressure import InflightLimit
 
     async def go():
-        limit = InflightLimit(ceiling=2, floor=2, tolerance=0)
+        limit = InflightLimit(ceiling=2, floor=2, tolerance=0, max_wait_s=0.05)
         assert await limit.enter(True) and await limit.enter(True)
-        burst = asyncio.create_task(limit.enter(True))
-        await asyncio.sleep(WAIT_S / 4)
-        assert not burst.done() and len(limit.waiters) == 1
-        limit.leave(True)  # a slot frees within the wait: handed straight to the waiter
-        assert await burst and limit.inflight == 2 and not limit.waiters
-        started = time.monotonic()
-        assert not await limit.enter(True)  # none frees in time: refused
-        assert WAIT_S * 0.9 <= time.monotonic() - started < WAIT_S + 0.5
-        older = asyncio.create_task(limit.enter(True))
-        await asyncio.sleep(0)
-        newer = asyncio.create_task(limit.enter(True))
-        await asyncio.sleep(0)
-        limit.leave(True)
-        assert await newer and not await older  # the newest waiter first; the older one's wait runs out
+        waiting = []
+        for _ in range(4):
+            waiting.append(asyncio.create_task(limit.enter(True)))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert len(limit.waiters) == 4
+        newest = asyncio.create_task(limit.enter(True))  # two waiters per slot: the queue is full ...
+        assert not await asyncio.wait_for(waiting[0], 0.025)  # ... so the oldest makes way, refused at once
+        limit.leave(True)  # a slot frees: handed to the first in line
+        assert await waiting[1] and limit.inflight == 2
+        assert not any(await asyncio.gather(*waiting[2:], newest))  # no slot in their 50 ms: refused
         assert limit.inflight == 2 and not limit.waiters
 
     run(go())
 
 
-def test_a_heavy_waiter_does_not_hold_up_a_search_and_a_gone_waiter_gives_its_slot_back(monkeypatch):
-    from service import pressure
+def test_a_heavy_waiter_does_not_hold_up_a_search_and_a_gone_waiter_gives_its_slot_back():
     from service.pressure import InflightLimit
 
-    monkeypatch.setattr(pressure, "WAIT_S", 5.0)  # waits that outlast a slow machine's scheduling
-
     async def go():
-        limit = InflightLimit(ceiling=4, floor=4, tolerance=0)
+        limit = InflightLimit(ceiling=4, floor=4, tolerance=0, max_wait_s=5.0)
         assert await limit.enter(False) and await limit.enter(False)  # heavy work's half is used
         assert await limit.enter(True) and await limit.enter(True)
         heavy = asyncio.create_task(limit.enter(False))

@@ -69,6 +69,17 @@ def test_concurrency_leaves_outcomes_open():
     assert kinds(grouped + [search(1, 4, 5, query=11, found=1, distance=2.0)]) == []  # holding token 10: no stale vector
 
 
+def test_a_request_shed_before_it_ran_is_a_definite_failure_not_an_anomaly():
+    shed = '{"type":"urn:switchyard:problem:overloaded","title":"Overloaded","status":503}'
+    refused_search = Op(1, "search", [1], 2, 3, ok=False, status=503, level="strong", query=10, error=shed)
+    refused_write = Op(0, "upsert", [1], 4, 5, ok=False, status=503, seq=None, tokens=[11], error=shed)
+    assert refused_write.failed and refused_search.refused
+    # The refused upsert of token 11 did not happen: the search must still find token 10.
+    assert kinds([upsert(1, 0, 1, 5, token=10), refused_search, refused_write, search(1, 6, 7, query=10, found=1)]) == []
+    broken = Op(0, "upsert", [1], 4, 5, ok=False, status=503, tokens=[11], error='{"type":"urn:switchyard:problem:x"}')
+    assert not broken.refused and kinds([broken]) == ["error"]  # any other 5xx is still an error
+
+
 def test_levels_are_judged_by_their_own_promise():
     ops = [upsert(1, 0, 1, 5, token=10)]
     # bounded (1 s): a write that completed under a second before the search need not be seen ...
@@ -95,6 +106,7 @@ def test_a_30_second_pass_against_several_workers_finds_nothing(tmp_path):
         service.stop()
     print_report(report)
     assert report["operations"] > 1000
+    assert report["refused"] < 0.1 * report["operations"]  # shed by admission control: not run, not an anomaly
     assert set(report["judged"]) >= {"strong", "session", "bounded"}
     assert report["digests"]["checked"] and len(report["digests"]["replicas"]) == workers
     assert sum(r["rebuilds"] for r in report["digests"]["replicas"]) > 0
