@@ -41,6 +41,7 @@ HEADERS = [(b"content-type", JSON)]
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 CLIENT_HEADER = b"x-switchyard-client"  # a front process's client address, to the engine process (quotas)
 HOT_KINDS = {True: ("POST", "search"), False: ("PUT", "points")}  # a hot answer's kind for the in-flight limit
+HEAVY_PREFIXES = ("/v1/olap/", "/v1/spatial/")  # SSB, SQL and geometry: at most half the in-flight limit
 
 
 # A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
@@ -103,7 +104,8 @@ class HotLane:
             await self._serve(scope, receive, send)
             return
         hot = HOT.match(scope["path"])
-        if not await pressure.enter(hot is not None):
+        light = not scope["path"].startswith(HEAVY_PREFIXES)
+        if not await pressure.enter(light):
             self.admission.shed("requests", "inflight")
             await self._answer_failure(scope, receive, send, Shed(
                 f"the service is serving {pressure.inflight} requests, its limit under the present load "
@@ -125,7 +127,7 @@ class HotLane:
             kind = None
             if 200 <= status < 300:
                 kind = hot.group(2) if hot is not None else getattr(scope.get("route"), "path", None)
-            pressure.leave(hot is not None, kind and (scope["method"], kind), time.perf_counter() - start)
+            pressure.leave(light, kind and (scope["method"], kind), time.perf_counter() - start)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         length, media, authorization, timeout, forwarded = -1, JSON, None, None, None

@@ -18,8 +18,8 @@ slot, each for at most `max_wait_s`; a request that finds it full takes the plac
 answered 503 (drop from the head, as CoDel does: under overload the queue turns over quickly, so what is admitted
 has waited least, and a burst that fits is never refused).
 
-Searches and upserts (the hot lane) may fill the whole limit; other /v1 requests (SSB, spatial, SQL, management)
-at most half of it, so heavy work never crowds out vector searches.
+Vector requests (searches, writes, collections, jobs) may fill the whole limit; heavy work (SSB queries, SQL,
+geometry layers and joins) at most half of it, so it never crowds out vector searches.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class InflightLimit:
         self.tolerance = tolerance  # 0: a fixed limit of `ceiling`
         self.limit = ceiling  # generous until latency says otherwise
         self.inflight = 0
-        self.heavy = 0  # of which off the hot lane
-        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (True: handed a slot, False: dropped; hot)
+        self.heavy = 0  # of which heavy work
+        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (True: handed a slot, False: dropped; light)
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
         self.kinds: dict[object, KindLatency] = {}
         self._interval_end = time.monotonic() + INTERVAL_S
@@ -78,29 +78,29 @@ class InflightLimit:
         self._answers = 0
         self._constrained = False  # whether a request had to wait or was refused in this interval
 
-    def _room(self, hot: bool) -> bool:
-        return self.inflight < self.limit and (hot or self.heavy < max(1, self.limit // 2))
+    def _room(self, light: bool) -> bool:
+        return self.inflight < self.limit and (light or self.heavy < max(1, self.limit // 2))
 
-    def _take(self, hot: bool) -> None:
+    def _take(self, light: bool) -> None:
         self.inflight += 1
-        self.heavy += not hot
+        self.heavy += not light
 
-    def admit(self, hot: bool) -> bool:
-        """A slot now, if one is free and nobody waits for one."""
-        if not self.waiters and self._room(hot):
-            self._take(hot)
+    def admit(self, light: bool) -> bool:
+        """A slot now, if one is free and nobody waits for one; `light`: not heavy work (see above)."""
+        if not self.waiters and self._room(light):
+            self._take(light)
             return True
         self._constrained = True
         return False
 
-    async def enter(self, hot: bool) -> bool:
+    async def enter(self, light: bool) -> bool:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
-        if self.admit(hot):
+        if self.admit(light):
             return True
         if len(self.waiters) >= 2 * self.limit:
             self.waiters.popleft()[0].set_result(False)  # the oldest makes way
         handed = asyncio.get_running_loop().create_future()
-        waiter = (handed, hot)
+        waiter = (handed, light)
         self.waiters.append(waiter)
         try:
             await asyncio.wait((handed,), timeout=self.max_wait_s)
@@ -113,10 +113,10 @@ class InflightLimit:
         return False
 
     def _forget(self, waiter: tuple[asyncio.Future, bool]) -> None:
-        handed, hot = waiter
+        handed, light = waiter
         if handed.done() and not handed.cancelled():
             if handed.result():
-                self.leave(hot)  # handed a slot it will not use
+                self.leave(light)  # handed a slot it will not use
             return
         handed.cancel()
         try:
@@ -134,11 +134,11 @@ class InflightLimit:
             self._take(waiter[1])
             waiter[0].set_result(True)
 
-    def leave(self, hot: bool, kind: object = None, seconds: float = 0.0) -> None:
+    def leave(self, light: bool, kind: object = None, seconds: float = 0.0) -> None:
         """Count one request out; `kind` (its route) and its latency if it succeeded (failures say nothing of
         queueing: many are refusals that took no time)."""
         self.inflight -= 1
-        self.heavy -= not hot
+        self.heavy -= not light
         if self.waiters:
             self._hand_over()
         if kind is None or self.tolerance <= 0:

@@ -178,17 +178,17 @@ def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatc
     assert fixed.limit == 8
 
 
-def test_work_off_the_hot_lane_gets_half_the_inflight_limit():
+def test_heavy_work_gets_half_the_inflight_limit():
     from service.pressure import InflightLimit
 
     limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0, max_wait_s=0.1)
     assert limit.limit == 8
-    assert [limit.admit(hot=False) for _ in range(6)] == [True] * 4 + [False] * 2  # SSB, spatial, SQL: half
-    assert [limit.admit(hot=True) for _ in range(5)] == [True] * 4 + [False]  # searches: the rest
-    limit.leave(hot=True)
-    assert limit.inflight == 7 and not limit.admit(hot=False)  # heavy work still has its half
-    limit.leave(hot=False)
-    assert limit.admit(hot=False) and limit.heavy == 4
+    assert [limit.admit(light=False) for _ in range(6)] == [True] * 4 + [False] * 2  # SSB, spatial, SQL: half
+    assert [limit.admit(light=True) for _ in range(5)] == [True] * 4 + [False]  # searches: the rest
+    limit.leave(light=True)
+    assert limit.inflight == 7 and not limit.admit(light=False)  # heavy work still has its half
+    limit.leave(light=False)
+    assert limit.admit(light=False) and limit.heavy == 4
 
 
 def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
