@@ -91,6 +91,8 @@ class Gate:
         self.active = 0
         self.waiters: deque[asyncio.Future] = deque()
         self.service_s = 0.0  # moving average of the time a request holds a slot: Retry-After's estimate
+        self.last_s = 0.0  # the last such time: with the average, what predicts a wait (one slow outlier, a JIT
+        # compile say, must not refuse every request after it)
 
     def retry_after_s(self) -> float:
         return (len(self.waiters) + self.active) / self.limit * max(self.service_s, 0.001)
@@ -106,7 +108,7 @@ class Gate:
         by_deadline = deadline is not None and deadline - time.monotonic() < wait
         if by_deadline:
             wait = deadline - time.monotonic()
-        if (len(self.waiters) + 1) / self.limit * self.service_s > wait:
+        if (len(self.waiters) + 1) / self.limit * min(self.service_s, self.last_s) > wait:
             raise self._gave_up(by_deadline, waited=False)  # its turn would come too late: refused now, not then
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
@@ -144,6 +146,7 @@ class Gate:
     def release(self, held_s: float | None = None) -> None:
         if held_s is not None:
             self.service_s = held_s if self.service_s == 0 else 0.9 * self.service_s + 0.1 * held_s
+            self.last_s = held_s
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():

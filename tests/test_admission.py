@@ -98,6 +98,15 @@ def test_a_request_whose_turn_would_come_too_late_is_refused_at_once():
         gate.release(0.15)
         await waiting
         assert gate.active == 1 and not gate.waiters
+        gate.release(5.0)  # one outlier (a kernel compiling on first use) ...
+        await gate.acquire(None)
+        gate.release(0.001)
+        await gate.acquire(None)  # ... then a quick request: the next in line is not refused for the outlier
+        waiting = asyncio.create_task(gate.acquire(None))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and len(gate.waiters) == 1
+        gate.release(0.001)
+        await waiting
 
     run(go())
 
