@@ -91,8 +91,6 @@ class Gate:
         self.active = 0
         self.waiters: deque[asyncio.Future] = deque()
         self.service_s = 0.0  # moving average of the time a request holds a slot: Retry-After's estimate
-        self.last_s = 0.0  # the last such time: with the average, what predicts a wait (one slow outlier, a JIT
-        # compile say, must not refuse every request after it)
 
     def retry_after_s(self) -> float:
         return (len(self.waiters) + self.active) / self.limit * max(self.service_s, 0.001)
@@ -108,8 +106,6 @@ class Gate:
         by_deadline = deadline is not None and deadline - time.monotonic() < wait
         if by_deadline:
             wait = deadline - time.monotonic()
-        if (len(self.waiters) + 1) / self.limit * min(self.service_s, self.last_s) > wait:
-            raise self._gave_up(by_deadline, waited=False)  # its turn would come too late: refused now, not then
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         try:
@@ -121,17 +117,11 @@ class Gate:
         if waiter.done():
             return  # release() handed its slot over: active already counts it
         self._leave(waiter)
-        raise self._gave_up(by_deadline, waited=True)
-
-    def _gave_up(self, by_deadline: bool, waited: bool) -> Shed:
         if by_deadline:
-            when = "while it waited" if waited else "before its turn would come"
-            return QueueDeadline(f"the request's deadline passed {when} for engine {self.name}; it was not run",
-                                 self.retry_after_s(), engine=self.name, reason="deadline")
-        how = (f"the request waited {self.max_wait_s * 1000:.0f} ms in its queue" if waited else
-               f"the request would wait more than {self.max_wait_s * 1000:.0f} ms in its queue")
-        return Shed(f"engine {self.name} is at capacity: {how} and was not run", self.retry_after_s(),
-                    engine=self.name, reason="queue_wait")
+            raise QueueDeadline(f"the request's deadline passed while it waited for engine {self.name}; it was not "
+                                "run", self.retry_after_s(), engine=self.name, reason="deadline")
+        raise Shed(f"engine {self.name} is at capacity: the request waited {self.max_wait_s * 1000:.0f} ms in its "
+                   "queue and was not run", self.retry_after_s(), engine=self.name, reason="queue_wait")
 
     def _leave(self, waiter: asyncio.Future) -> None:
         if waiter.done() and not waiter.cancelled():
@@ -146,7 +136,6 @@ class Gate:
     def release(self, held_s: float | None = None) -> None:
         if held_s is not None:
             self.service_s = held_s if self.service_s == 0 else 0.9 * self.service_s + 0.1 * held_s
-            self.last_s = held_s
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
