@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
+from loadtests.processes import BENCHMARK_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -40,6 +42,7 @@ class Service:
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    benchmark_env: bool = True  # loadtests/processes.BENCHMARK_ENV first (False: the service's own defaults)
 
     @property
     def url(self) -> str:
@@ -53,7 +56,7 @@ class Service:
         import httpx
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
-        env.update({"SWITCHYARD_LOG_LEVEL": "warning", **self.env})
+        env.update({"SWITCHYARD_LOG_LEVEL": "warning", **(BENCHMARK_ENV if self.benchmark_env else {}), **self.env})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "service.log", "ab"),

@@ -290,7 +290,7 @@ def main() -> None:
 
     env = dict(item.split("=", 1) for item in args.env)
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-        service = Service(Path(tmp) / "data", env={"SWITCHYARD_ACCESS_LOG": "false", **env})
+        service = Service(Path(tmp) / "data", env={"SWITCHYARD_ACCESS_LOG": "false", **env}, benchmark_env=False)
         service.data_dir.mkdir(parents=True)
         service.start()
         memory = Sampler(service.pids, service.url)
