@@ -30,6 +30,7 @@ from .access_log import log_request
 from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
 from .deadlines import set_deadline
 from .errors import ProblemError
+from .metrics import StatusSend
 from .vector_requests import RAW_VECTORS
 from .settings import Settings
 
@@ -99,37 +100,30 @@ class HotLane:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        hot = HOT.match(scope["path"])
         pressure = self.pressure
         if pressure is None or not scope["path"].startswith("/v1/"):  # probes and metrics: never refused
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, send, hot)
             return
-        hot = HOT.match(scope["path"])
         light = not scope["path"].startswith(HEAVY_PREFIXES)
         if not await pressure.enter(light):
             self.admission.shed("requests", "inflight")
             await self._answer_failure(scope, receive, send, Shed(
                 f"the service is serving {pressure.inflight} requests, its limit under the present load "
                 "(SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot came free in time; "
-                "this one was not run", 1.0,
-                reason="inflight"))
+                "this one was not run", 1.0, reason="inflight"))
             return
-        start, status = time.perf_counter(), 0
-
-        async def watched(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        start, watched = time.perf_counter(), StatusSend(send, 0)
         try:
-            await self._serve(scope, receive, watched)
+            await self._serve(scope, receive, watched, hot)
         finally:  # successes' latency, by kind of request, moves the limit
             kind = None
-            if 200 <= status < 300:
+            if 200 <= watched.status < 300:
                 kind = hot.group(2) if hot is not None else getattr(scope.get("route"), "path", None)
             pressure.leave(light, kind and (scope["method"], kind), time.perf_counter() - start)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None) -> None:
+        """`match`: HOT's match of the path."""
         length, media, authorization, timeout, forwarded = -1, JSON, None, None, None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -148,7 +142,6 @@ class HotLane:
             except ProblemError as exc:  # a bad X-Request-Timeout, or over quota: answered as the app would
                 await self._answer_failure(scope, receive, send, exc)
                 return
-        match = HOT.match(scope["path"])
         search = match is not None and match.group(2) == "search"
         if (match is None or scope["method"] != ("POST" if search else "PUT")
                 or not self._accepts(length, media, authorization, search)):

@@ -172,6 +172,20 @@ class ReplicationTrace:
         self.file.close()
 
 
+class StatusSend:
+    """An ASGI send that remembers the status it sent (`default` until then)."""
+
+    __slots__ = ("send", "status")
+
+    def __init__(self, send: Send, default: int) -> None:
+        self.send, self.status = send, default
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
 class HTTPMetricsMiddleware:
     """Pure ASGI, so it costs microseconds per request; labels by route template, never by raw path. Also writes
     the access log line (service/access_log.py) when asked: one wrapper for both."""
@@ -186,20 +200,13 @@ class HTTPMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        watched = StatusSend(send, 500)
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive, watched)
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             elapsed = time.perf_counter() - start
-            self.metrics.observe_request(template, scope["method"], status, elapsed)
+            self.metrics.observe_request(template, scope["method"], watched.status, elapsed)
             if self.log_requests:
-                log_request(scope, status, elapsed)
+                log_request(scope, watched.status, elapsed)
