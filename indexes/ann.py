@@ -97,12 +97,33 @@ def default_n_lists(n_rows: int) -> int:
     return max(1, min(int(round(math.sqrt(max(n_rows, 1)))), n_rows // 39 if n_rows >= 39 else 1))
 
 
-def default_pq_dim(dim: int) -> int:
-    """The largest divisor of dim that is at most dim/4 (FAISS needs dim % pq_dim == 0)."""
+def default_pq_dim(dim: int, pq_bits: int = 8) -> int:
+    """The largest divisor of dim that is at most dim/4 (FAISS needs dim % pq_dim == 0) whose codes fill whole
+    bytes (cuVS needs pq_dim * pq_bits % 8 == 0); 0 when no divisor does."""
     for m in range(max(1, dim // 4), 0, -1):
-        if dim % m == 0:
+        if dim % m == 0 and (m * pq_bits) % 8 == 0:
             return m
-    return 1
+    return 0
+
+
+def check_build_shape(index_type: str, params: dict[str, Any], dim: int, field: str) -> None:
+    """Build parameters that depend on the dimension, checked when the collection is created so that every engine
+    can build it later: IVF-PQ's pq_dim divides dim (FAISS) and pq_dim * pq_bits is a multiple of 8 (cuVS's
+    documented constraint: each vector's code is whole bytes)."""
+    if index_type != "ivf_pq":
+        return
+    bits = int(params.get("pq_bits") or 8)
+    pq_dim = params.get("pq_dim")
+    if pq_dim is None:
+        if not default_pq_dim(dim, bits):
+            raise InvalidInput(f"with pq_bits {bits} no pq_dim dividing dim {dim} makes pq_dim * pq_bits a multiple "
+                               f"of 8; give pq_dim, or pq_bits 8", field=f"{field}.pq_bits")
+        return
+    if dim % pq_dim:
+        raise InvalidInput(f"must divide the dimension {dim}", field=f"{field}.pq_dim")
+    if (pq_dim * bits) % 8:
+        raise InvalidInput(f"pq_dim * pq_bits = {pq_dim} * {bits} must be a multiple of 8 (each code is whole bytes)",
+                           field=f"{field}.pq_dim")
 
 
 def min_train_rows(index_type: str, params: dict[str, Any]) -> int:

@@ -48,6 +48,11 @@ DISTRIBUTION = "cuvs-cu12"
 KINDS = ("brute_force", "ivf_flat", "ivf_pq", "cagra")
 FORMAT_MAGIC = b"SWCUVS01"  # our container around cuVS's own index file (see to_bytes)
 CAGRA_EXACT_FACTOR = 2  # CAGRA over <= 2*graph_degree rows is a near-complete graph: serve it exactly instead
+# cuVS's refine selects its top k with raft's warp sort, which holds at most 256 (k > 256 fails). IVF-PQ re-ranks
+# more candidates than that at k >= 129 with the default refine_ratio, and whenever resident.py over-fetches past
+# deleted rows or a filter: those re-rank with the array-namespace `rerank` instead (same scores, on the device).
+REFINE_MAX_K = 256
+RERANK_CHUNK_BYTES = 1 << 28  # gathered candidate vectors per step of `rerank`
 
 
 @functools.lru_cache(maxsize=1)
@@ -177,6 +182,29 @@ def finish(scores: np.ndarray, rows: np.ndarray, k: int, size: int, keep: np.nda
     return np.ascontiguousarray(scores[:, :k]), np.ascontiguousarray(rows[:, :k])
 
 
+def rerank(xp: Any, dataset: Any, queries: Any, candidates: Any, ip: bool,
+           chunk_bytes: int = RERANK_CHUNK_BYTES) -> tuple[Any, Any]:
+    """Exact engine-space scores (squared L2, or the dot product when `ip`) of each query's candidate rows, in the
+    candidates' order: what cuVS's refine computes, for any number of candidates. Rows outside the dataset (-1)
+    score worst. `xp` is cupy on the GPU (numpy in the tests); queries are gathered in steps of `chunk_bytes`."""
+    nq, k0 = candidates.shape
+    dim = dataset.shape[1]
+    step = max(1, chunk_bytes // max(1, k0 * dim * 4))
+    out = xp.empty((nq, k0), dtype=xp.float32)
+    for s in range(0, nq, step):
+        c = candidates[s: s + step]
+        valid = (c >= 0) & (c < dataset.shape[0])
+        vectors = dataset[xp.where(valid, c, 0)]  # (b, k0, dim)
+        q = queries[s: s + step]
+        if ip:
+            scored = xp.einsum("bkd,bd->bk", vectors, q)
+        else:
+            diff = vectors - q[:, None, :]
+            scored = xp.einsum("bkd,bkd->bk", diff, diff)
+        out[s: s + step] = xp.where(valid, scored, xp.float32(_worst(ip)))
+    return out, xp.where((candidates >= 0) & (candidates < dataset.shape[0]), candidates, -1)
+
+
 def _pack(header: dict[str, Any], sections: dict[str, bytes]) -> bytes:
     header = dict(header, sections=[[name, len(blob)] for name, blob in sections.items()])
     head = json.dumps(header, sort_keys=True).encode()
@@ -221,6 +249,7 @@ class CuvsIndex:
         # argument in the Python/C API (resident.py over-fetches instead).
         self.supports_add = kind in ("ivf_flat", "ivf_pq", "cagra")
         self.supports_filter = kind in ("brute_force", "ivf_flat", "cagra")
+        self.wide_reranks = 0  # IVF-PQ searches re-ranked by `rerank`: more candidates than refine takes
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray) -> "CuvsIndex":
@@ -252,9 +281,10 @@ class CuvsIndex:
                 # cuvs/neighbors/ivf_pq/ivf_pq.pyx: IndexParams(*, n_lists=1024, metric="sqeuclidean", ...,
                 # pq_bits=8, pq_dim=0, ..., add_data_on_build=True, ...); build(index_params, dataset,
                 # resources=None) -> Index
-                params = lib.ivf_pq.IndexParams(n_lists=n_lists, metric=metric,
-                                                pq_dim=int(p.get("pq_dim") or default_pq_dim(config.dim)),
-                                                pq_bits=int(p.get("pq_bits") or 8), add_data_on_build=False)
+                pq_bits = int(p.get("pq_bits") or 8)
+                params = lib.ivf_pq.IndexParams(n_lists=n_lists, metric=metric, pq_bits=pq_bits,
+                                                pq_dim=int(p.get("pq_dim") or default_pq_dim(config.dim, pq_bits)),
+                                                add_data_on_build=False)
                 index = _run(lib.ivf_pq.build, params, data)
             built = cls(config, kind, index, 0, n_lists=n_lists)
             built._extend_ivf(data)  # trained empty, then filled with ids == row numbers
@@ -425,12 +455,16 @@ class CuvsIndex:
         has_any = valid.any(axis=1)
         first = cp.where(has_any[:, None], first, 0)
         candidates = cp.ascontiguousarray(cp.where(valid, candidates, first))
-        rows = cp.full((nq, k0), -1, dtype=cp.int64)
-        scores = cp.full((nq, k0), _worst(ip), dtype=cp.float32)
-        # refine.pyx: refine(dataset, queries, candidates, k=None, metric="sqeuclidean", indices=None,
-        # distances=None, resources=None) -> (distances, indices); all inputs on one side (device here)
-        _run(lib.refine, self._dataset, q, candidates, k=k0, metric=cuvs_metric(self.config.metric),
-             indices=rows, distances=scores)
+        if k0 > REFINE_MAX_K:  # beyond refine's limit (see REFINE_MAX_K)
+            self.wide_reranks += 1
+            scores, rows = rerank(cp, self._dataset, q, candidates, ip)
+        else:
+            rows = cp.full((nq, k0), -1, dtype=cp.int64)
+            scores = cp.full((nq, k0), _worst(ip), dtype=cp.float32)
+            # refine.pyx: refine(dataset, queries, candidates, k=None, metric="sqeuclidean", indices=None,
+            # distances=None, resources=None) -> (distances, indices); all inputs on one side (device here)
+            _run(lib.refine, self._dataset, q, candidates, k=k0, metric=cuvs_metric(self.config.metric),
+                 indices=rows, distances=scores)
         rows_host = cp.asnumpy(rows)
         rows_host[~cp.asnumpy(has_any)] = -1
         return cp.asnumpy(scores), rows_host

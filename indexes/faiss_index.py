@@ -75,7 +75,7 @@ class FaissIndex:
             if t == "ivf_flat":
                 index = faiss.IndexIVFFlat(quantizer, d, n_lists, metric)
             else:
-                pq_dim = p.get("pq_dim") or default_pq_dim(d)
+                pq_dim = p.get("pq_dim") or default_pq_dim(d, p.get("pq_bits", 8))
                 ivf = faiss.IndexIVFPQ(quantizer, d, n_lists, pq_dim, p.get("pq_bits", 8), metric)
                 index = faiss.IndexRefineFlat(ivf)  # keeps the raw vectors to re-rank PQ candidates exactly
             index.train(_train_sample(vectors, n_lists))

@@ -28,7 +28,7 @@ import asyncpg
 import numpy as np
 
 from . import pgvector_search, reports, snapshots
-from .ann import INDEX_TYPES, check_params, resolve_type, search_params
+from .ann import INDEX_TYPES, check_build_shape, check_params, resolve_type, search_params
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionEmpty, CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
@@ -176,6 +176,7 @@ class CollectionManager:
         if index_type not in INDEX_TYPES:
             raise InvalidInput(f"must be one of {', '.join(INDEX_TYPES)}", field="index.type")
         params = check_params("build", index_type, index_params, "index.params")
+        check_build_shape(index_type, params, dim, "index.params")
         pg_index = pgvector_search.check_index(pgvector_index, dim)
         self._creating.add(name)  # its own catalog notification may arrive first: that sync leaves it to us
         try:

@@ -225,9 +225,11 @@ def cell_key(ux, uy, uz, inv_h, n):
     """Key of a unit vector's cell in a uniform grid of n^3 cells of side 1/inv_h over [-1, 1]^3. Two points
     whose chord is below the cell side are in the same or adjacent cells on every axis, whatever their
     longitudes (antimeridian) or latitudes (poles)."""
-    ix = math.floor((ux + 1.0) * inv_h)
-    iy = math.floor((uy + 1.0) * inv_h)
-    iz = math.floor((uz + 1.0) * inv_h)
+    # int(): numba-cuda types math.floor(float64) as float64 on the device (CPU numba and the simulator give
+    # int64), and float keys past 2**53 round into other cells. The explicit conversion gives int64 everywhere.
+    ix = int(math.floor((ux + 1.0) * inv_h))
+    iy = int(math.floor((uy + 1.0) * inv_h))
+    iz = int(math.floor((uz + 1.0) * inv_h))
     ix = min(max(ix, 0), n - 1)
     iy = min(max(iy, 0), n - 1)
     iz = min(max(iz, 0), n - 1)
@@ -324,13 +326,15 @@ CORE = ("rmul", "two_sum", "split", "two_product", "sign_of_sum12", "orient2d_ex
         "upper_bound", "dwithin_point")
 
 
-def compile_core(jit: Callable, overrides: dict | None = None) -> SimpleNamespace:
+def compile_core(jit: Callable, overrides: dict | None = None, env: dict | None = None) -> SimpleNamespace:
     """Compile every core function with `jit` (e.g. numba.njit(cache=True) or numba.cuda.jit(device=True)).
 
     Each function is rebound to one shared namespace (this module's constants plus the compiled cores), so the
     compiled versions call each other. `overrides` replaces cores by name with already compiled functions
-    (the GPU build passes its fma-proof `rmul`)."""
+    (the GPU build passes its fma-proof `rmul`); `env` replaces other names in that namespace (the tests run the
+    cores as Python with a `math` whose floor returns a float, as numba-cuda types it on a device)."""
     ns = dict(globals())
+    ns.update(env or {})
     compiled = {}
     for name in CORE:
         if overrides and name in overrides:

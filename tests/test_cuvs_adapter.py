@@ -48,6 +48,74 @@ def test_keep_bitset_layout_matches_cuvs_decoding():
     assert keep_bitset(np.ones(64, dtype=bool), 64).tolist() == [0xFFFFFFFF, 0xFFFFFFFF]
 
 
+class _NumpyAsCupy:
+    """numpy under cupy's names: the adapter's device code is array-namespace code."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    asnumpy = staticmethod(np.asarray)
+
+
+def _fake_cuvs_ivf_pq(data: np.ndarray, metric: str, refine_calls: list[int]):
+    """A stand-in for cupy + cuVS's IVF-PQ, with cuVS's limit: refine fails for k > 256 (raft's warp sort).
+    Its "PQ" search returns the exact top candidates, so exact answers are expected after re-ranking."""
+    from types import SimpleNamespace
+
+    def pq_search(params, index, q, k, neighbors, distances, resources):
+        s, r = exact_search(np, data, q, k, metric)
+        neighbors[:], distances[:] = r, s
+
+    def refine(dataset, q, candidates, k, metric, indices, distances, resources):
+        if k > 256:
+            raise RuntimeError("RAFT failure: k <= 256 (warpsort capacity)")  # what cuVS raises
+        refine_calls.append(k)
+        for i in range(len(q)):
+            s, r = exact_search(np, dataset[candidates[i]], q[i: i + 1], k, metric)
+            indices[i], distances[i] = candidates[i][r[0]], s[0]
+
+    ivf_pq = SimpleNamespace(SearchParams=lambda **kw: kw, search=pq_search)
+    return SimpleNamespace(cp=_NumpyAsCupy(), resources=SimpleNamespace(sync=lambda: None), ivf_pq=ivf_pq,
+                           refine=refine)
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+@pytest.mark.parametrize("k, refined", [(100, True), (129, False), (300, False)])
+def test_ivf_pq_re_ranks_any_number_of_candidates(monkeypatch, metric, k, refined):
+    """refine_ratio 2 over-fetches 2k candidates: cuVS's refine takes k <= 256, so k >= 129 re-ranks another way
+    (before, every such search raised and `auto` fell back to pgvector)."""
+    from indexes import cuvs_index
+
+    rng = np.random.default_rng(5)
+    data = prepare(np, rng.normal(size=(2000, 16)).astype(np.float32), metric)
+    queries = prepare(np, rng.normal(size=(7, 16)).astype(np.float32), metric)
+    calls: list[int] = []
+    monkeypatch.setattr(cuvs_index, "_lib", lambda: _fake_cuvs_ivf_pq(data, metric, calls))
+    config = IndexConfig("ivf_pq", metric, 16, check_params("build", "ivf_pq", None, "index_params"))
+    index = cuvs_index.CuvsIndex(config, "ivf_pq", None, len(data), dataset=data, n_lists=8)
+    scores, rows = index.search(queries, k, {"refine_ratio": 2.0}, None)
+    want_scores, want_rows = exact_search(np, data, queries, k, metric)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-3)
+    assert bool(calls) == refined and index.wide_reranks == (0 if refined else 1)
+
+
+def test_rerank_scores_equal_exact_scores_in_small_steps():
+    from indexes.cuvs_index import rerank
+
+    rng = np.random.default_rng(6)
+    data = rng.normal(size=(500, 8)).astype(np.float32)
+    q = rng.normal(size=(9, 8)).astype(np.float32)
+    candidates = rng.integers(-1, 500, size=(9, 40))
+    for ip in (False, True):
+        scores, rows = rerank(np, data, q, candidates, ip, chunk_bytes=1)  # one query per step
+        full = (q @ data.T) if ip else ((q[:, None, :] - data[None]) ** 2).sum(-1)
+        want = np.take_along_axis(full, np.maximum(candidates, 0), axis=1)
+        worst = -np.inf if ip else np.inf
+        np.testing.assert_allclose(scores, np.where(candidates >= 0, want, worst), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(rows, candidates)
+
+
 # -- GPU -------------------------------------------------------------------------------------------------
 def _gpu_skip_reason() -> str | None:
     from service.devices import probe_cuda

@@ -48,3 +48,16 @@ def test_check_finite_names_the_bad_value(value, message):
 def test_check_finite_accepts_the_limit_and_empty():
     check_finite(np.full((2, 2), 1e15, dtype=np.float32) * np.float32(0.999), "v")
     check_finite(np.zeros((0, 4), dtype=np.float32), "v")
+
+
+def test_default_pq_dim_divides_dim_and_fills_whole_bytes():
+    from indexes.ann import default_pq_dim
+
+    for dim in (4, 12, 24, 100, 128, 768, 7):
+        for bits in (4, 5, 6, 7, 8):
+            m = default_pq_dim(dim, bits)
+            if m:
+                assert dim % m == 0 and (m * bits) % 8 == 0 and m <= max(1, dim // 4)
+            else:  # no divisor fits: every divisor up to dim/4 leaves a partial byte
+                assert all(dim % d or (d * bits) % 8 for d in range(1, max(1, dim // 4) + 1))
+    assert default_pq_dim(128) == 32 and default_pq_dim(100, 5) == 0

@@ -495,3 +495,69 @@ def test_chunked_distance_join_concatenates_to_the_whole():
     assert len(i) == 300 * 299 // 2
     i, j, d = engine.within_distance(few, few, 0.0, self_join=False)
     assert (d == 0).all() and set(zip(i.tolist(), j.tolist())) >= {(k, k) for k in range(300)}
+
+
+# -- the device's arithmetic, emulated: numba-cuda types math.floor(float64) as float64 on a GPU -------------------
+
+class _DeviceMath:
+    """`math` as numba-cuda types it on a device: floor of a float64 is a float64 (CPU numba and the simulator
+    give int64, so neither shows what the device computes)."""
+
+    def __getattr__(self, name):
+        return getattr(math, name)
+
+    @staticmethod
+    def floor(x):
+        return float(math.floor(x))
+
+
+def _device_typed_core():
+    return kernels.compile_core(lambda fn: fn, env={"math": _DeviceMath()})
+
+
+def _emulated_gpu_distance_join(a: Points, b: Points, radius_m: float):
+    """The GPU engine's distance join step by step (unit_key_kernel storing int64 keys, the sort, the dwithin
+    kernels), running the cores as Python with the device's typing."""
+    from spatial.cuda_engine import MAX_CELLS_PER_AXIS
+
+    core = _device_typed_core()
+    side, n = kernels.grid_side(radius_m, MAX_CELLS_PER_AXIS)
+    inv_h = 1.0 / side
+    keys = np.empty(len(b), np.int64)
+    unit = np.empty((3, len(b)))
+    for k in range(len(b)):
+        unit[:, k] = core.unit_vector(b.x[k], b.y[k])
+        keys[k] = core.cell_key(*unit[:, k], inv_h, n)  # the kernel writes into an int64 array
+    order = np.argsort(keys, kind="stable")
+    out_j, out_d = np.empty(len(b), np.int64), np.empty(len(b))
+    pairs = set()
+    for i in range(len(a)):
+        found = core.dwithin_point(i, a.x[i], a.y[i], b.x[order], b.y[order], *unit[:, order], order, keys[order],
+                                   inv_h, n, radius_m, False, out_j, out_d, 0, len(b))
+        pairs.update((i, int(j)) for j in out_j[:found])
+    return pairs
+
+
+def test_cell_keys_are_exact_integers_with_the_devices_typing():
+    """Fine grids (radius under ~60 m) have n**3 > 2**53 cells: a float key rounds into another cell."""
+    rng = np.random.default_rng(40)
+    core = _device_typed_core()
+    for radius in (40.0, 5.0, 1000.0):
+        side, n = kernels.grid_side(radius, 1 << 20)
+        for lon, lat in rng.uniform([-180, -90], [180, 90], (200, 2)):
+            u = kernels.unit_vector(lon, lat)
+            want = kernels.cell_key(*u, 1.0 / side, n)  # Python's floor: exact integers
+            got = core.cell_key(*u, 1.0 / side, n)
+            assert type(got) is int and got == want, (radius, lon, lat, got, want)
+
+
+def test_distance_join_with_the_devices_typing_misses_no_pair():
+    """A dense city at 40 m: the GPU kernels' arithmetic, emulated, finds exactly the brute-force pairs."""
+    rng = np.random.default_rng(41)
+    lon = 2.35 + rng.uniform(0, 0.004, 500)  # about 300 m x 450 m of Paris
+    lat = 48.85 + rng.uniform(0, 0.004, 500)
+    a = points_from_lonlat(lon[:250], lat[:250])
+    b = points_from_lonlat(lon[250:], lat[250:])
+    bi, bj, _ = brute_force_within(a, b, 40.0, self_join=False)
+    assert len(bi) > 500
+    assert _emulated_gpu_distance_join(a, b, 40.0) == set(zip(bi.tolist(), bj.tolist()))

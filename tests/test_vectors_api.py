@@ -63,6 +63,11 @@ def test_create_list_get_delete(client):
     ({"name": "x", "dim": 4, "index": {"type": "lsh"}}, "index.type"),
     ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"ef_search": 5}}}, "index.params.ef_search"),
     ({"name": "x", "dim": 4, "index": {"type": "hnsw", "params": {"m": 1}}}, "index.params.m"),
+    # cuVS encodes each IVF-PQ vector in whole bytes: pq_dim * pq_bits must be a multiple of 8
+    ({"name": "x", "dim": 12, "index": {"type": "ivf_pq", "params": {"pq_dim": 3, "pq_bits": 5}}},
+     "index.params.pq_dim"),
+    ({"name": "x", "dim": 12, "index": {"type": "ivf_pq", "params": {"pq_dim": 5}}}, "index.params.pq_dim"),
+    ({"name": "x", "dim": 100, "index": {"type": "ivf_pq", "params": {"pq_bits": 5}}}, "index.params.pq_bits"),
     ({"name": "x", "dim": 4, "pgvector_index": {"type": "hnsw", "m": 1000}}, "pgvector_index.m"),
     ({"name": "x", "dim": 4, "pgvector_index": {"m": 40, "ef_construction": 64}}, "pgvector_index.ef_construction"),
     ({"name": "x", "dim": 2001, "pgvector_index": {"type": "hnsw"}}, "pgvector_index.type"),
