@@ -490,6 +490,12 @@ class CpuSpatialEngine:
         self._grids = [(b, radius_m, grid)] + self._grids[: self.cache_size - 1]
         return grid
 
+    def forget(self, geometry: Points | Polygons) -> None:
+        """Drop what was built for a layer that was rewritten or dropped."""
+        with self._lock:
+            self._pip = [entry for entry in self._pip if entry[0] is not geometry]
+            self._grids = [entry for entry in self._grids if entry[0] is not geometry]
+
     def pip_counts(self, points: Points, polygons: Polygons) -> np.ndarray:
         """Number of points covered by each geometry (boundary included; once per MultiPolygon)."""
         with self._lock:

@@ -44,11 +44,13 @@ from __future__ import annotations
 import functools
 import math
 import types
+from collections import Counter, OrderedDict
 from types import SimpleNamespace
+from typing import Any, Callable
 
 import numpy as np
 
-from . import cuspatial_adapter, kernels
+from . import kernels
 from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
 
 OUTSIDE = kernels.OUTSIDE
@@ -215,53 +217,138 @@ def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+class _Resident:
+    """One layer's device buffers and what was derived from them (quadtree, distance grids, part boxes)."""
+
+    def __init__(self, geometry: Points | Polygons, arrays: SimpleNamespace) -> None:
+        self.geometry = geometry  # held so that its id() names this layer for as long as it is cached
+        self.arrays = arrays
+        self.derived: OrderedDict[Any, Any] = OrderedDict()
+
+
 class CudaSpatialEngine:
-    """cuSpatial's quadtree PIP and a grid distance join as numba-cuda kernels (see the module docstring)."""
+    """cuSpatial's quadtree PIP and a grid distance join as numba-cuda kernels (see the module docstring).
+
+    Layers stay resident on the device between requests: each Points / Polygons object is uploaded once, and what
+    is derived from it (the points' quadtree, a distance grid per radius, the parts' boxes) and the PIP result of
+    each (points, polygons) pair are built once and reused. Layers are versioned by object: a write makes a new
+    Layer, so its buffers are uploaded afresh, and `forget` (called by the manager on a write or drop) frees the
+    old one's at once. `counters` counts uploads, builds and joins (the tests read them). Calls come from one
+    thread (the manager's executor), so the caches take no lock."""
 
     name = "cuda-spatial"
     kind = "gpu"
     ready = True
 
     def __init__(self, max_depth: int = 15, max_size: int = 128, max_candidates: int = 1 << 26,
-                 threads_per_block: int | None = None, use_cuspatial: bool | None = None) -> None:
+                 threads_per_block: int | None = None, max_layers: int = 16, max_grids: int = 4,
+                 max_joins: int = 8) -> None:
         if not 1 <= max_depth <= 15:
             raise ValueError("max_depth must be within [1, 15] (30-bit Morton keys)")
         self.max_depth, self.max_size, self.max_candidates = max_depth, max_size, max_candidates
         self.threads_per_block = threads_per_block
-        self._polygons: tuple[Polygons, SimpleNamespace] | None = None
-        self.last_stats: dict[str, int] = {}  # of the last pip_pairs: quadtree and candidate sizes
-        # cuSpatial's candidates where it is importable (never under the simulator: it needs a device).
-        self.use_cuspatial = (cuspatial_adapter.available() and not simulator_enabled()) if use_cuspatial is None \
-            else use_cuspatial
+        self.max_layers, self.max_grids, self.max_joins = max_layers, max_grids, max_joins
+        self._layers: OrderedDict[int, _Resident] = OrderedDict()
+        self._joins: OrderedDict[tuple[int, int], SimpleNamespace] = OrderedDict()
+        self.counters: Counter[str] = Counter()
+        self.last_stats: dict[str, int] = {}  # of the last PIP join built: quadtree and candidate sizes
 
-    # -- helpers
+    # -- residency
     def _launch(self, kernel, n: int, *args) -> None:
         if n <= 0:
             return
         tpb = self.threads_per_block or (32 if simulator_enabled() else 256)
         kernel[(n + tpb - 1) // tpb, tpb](*args)
 
-    def _device_polygons(self, polygons: Polygons) -> SimpleNamespace:
-        if self._polygons is not None and self._polygons[0] is polygons:
-            return self._polygons[1]
-        k, xp = _build(), _xp()
-        d = SimpleNamespace(
-            x=xp.asarray(np.ascontiguousarray(polygons.x, np.float64)),
-            y=xp.asarray(np.ascontiguousarray(polygons.y, np.float64)),
-            ring_offsets=xp.asarray(np.ascontiguousarray(polygons.ring_offsets, np.int64)),
-            part_offsets=xp.asarray(np.ascontiguousarray(polygons.part_offsets, np.int64)),
-            part_geom=xp.asarray(polygons.part_geometry()),
-            n_geometries=len(polygons))
-        n_parts = polygons.n_parts
-        d.minx, d.miny = xp.empty(n_parts, np.float64), xp.empty(n_parts, np.float64)
-        d.maxx, d.maxy = xp.empty(n_parts, np.float64), xp.empty(n_parts, np.float64)
-        self._launch(k.part_bbox_kernel, n_parts, d.x, d.y, d.ring_offsets, d.part_offsets, d.minx, d.miny, d.maxx,
-                     d.maxy)
-        d.empty = len(polygons.x) == 0 or n_parts == 0
-        if not d.empty:
-            d.extent = (float(xp.min(d.x)), float(xp.min(d.y)), float(xp.max(d.x)), float(xp.max(d.y)))
-        self._polygons = (polygons, d)
-        return d
+    def _resident(self, geometry: Points | Polygons) -> _Resident:
+        key = id(geometry)
+        layer = self._layers.get(key)
+        if layer is not None and layer.geometry is geometry:
+            self._layers.move_to_end(key)
+            return layer
+        self._drop(key)
+        xp = _xp()
+        arrays = SimpleNamespace(x=xp.asarray(np.ascontiguousarray(geometry.x, np.float64)),
+                                 y=xp.asarray(np.ascontiguousarray(geometry.y, np.float64)))
+        if isinstance(geometry, Polygons):
+            arrays.ring_offsets = xp.asarray(np.ascontiguousarray(geometry.ring_offsets, np.int64))
+            arrays.part_offsets = xp.asarray(np.ascontiguousarray(geometry.part_offsets, np.int64))
+            arrays.part_geom = xp.asarray(np.ascontiguousarray(geometry.part_geometry(), np.int64))
+        self.counters["uploads"] += 1
+        layer = _Resident(geometry, arrays)
+        self._layers[key] = layer
+        while len(self._layers) > self.max_layers:
+            self._drop(next(iter(self._layers)))
+        return layer
+
+    def _derive(self, layer: _Resident, key: Any, build: Callable[[], Any], limit: int | None = None) -> Any:
+        if key in layer.derived:
+            layer.derived.move_to_end(key)
+            return layer.derived[key]
+        value = build()
+        self.counters["builds"] += 1
+        layer.derived[key] = value
+        while limit is not None and len(layer.derived) > limit:
+            layer.derived.popitem(last=False)
+        return value
+
+    def _drop(self, key: int) -> None:
+        self._layers.pop(key, None)
+        for pair in [pair for pair in self._joins if key in pair]:
+            del self._joins[pair]
+
+    def forget(self, geometry: Points | Polygons) -> None:
+        """Free a layer's device buffers, structures and joins (its layer was rewritten or dropped)."""
+        layer = self._layers.get(id(geometry))
+        if layer is not None and layer.geometry is geometry:
+            self._drop(id(geometry))
+
+    def resident_layers(self) -> int:
+        return len(self._layers)
+
+    def warm_up(self) -> None:
+        """Compile every kernel now (numba-cuda compiles at a kernel's first launch) on a tiny join of the same
+        argument types, so that no request pays for it."""
+        from .geoarrow import points_from_lonlat
+
+        square = Polygons(np.array([0.0, 1.0, 1.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0]), np.array([0, 4]),
+                          np.array([0, 1]), np.array([0, 1]))
+        points = points_from_lonlat([0.5, 2.0], [0.5, 2.0])
+        self.pip_pairs(points, square, 0, 2)
+        self.within_distance(points, points, 1000.0, 0, 2, self_join=True)
+        self.forget(points)
+        self.forget(square)
+
+    # -- point in polygon
+    def _part_boxes(self, layer: _Resident) -> SimpleNamespace:
+        def build() -> SimpleNamespace:
+            k, xp, a = _build(), _xp(), layer.arrays
+            n_parts = layer.geometry.n_parts
+            boxes = SimpleNamespace(minx=xp.empty(n_parts, np.float64), miny=xp.empty(n_parts, np.float64),
+                                    maxx=xp.empty(n_parts, np.float64), maxy=xp.empty(n_parts, np.float64))
+            self._launch(k.part_bbox_kernel, n_parts, a.x, a.y, a.ring_offsets, a.part_offsets, boxes.minx,
+                         boxes.miny, boxes.maxx, boxes.maxy)
+            boxes.empty = len(layer.geometry.x) == 0 or n_parts == 0
+            return boxes
+
+        return self._derive(layer, "part_boxes", build)
+
+    def _point_quadtree(self, layer: _Resident) -> SimpleNamespace:
+        """The points' Morton-order quadtree over their own extent (as cuSpatial's quadtree_on_points is used)."""
+        def build() -> SimpleNamespace:
+            k, xp, a = _build(), _xp(), layer.arrays
+            depth = self.max_depth
+            xmin, ymin, xmax, ymax = (float(v) for v in _host(xp.stack([a.x.min(), a.y.min(), a.x.max(),
+                                                                         a.y.max()])))
+            side = max(xmax - xmin, ymax - ymin)
+            scale = side / float(1 << depth) if side > 0 else 1.0
+            keys = xp.empty(a.x.shape[0], np.int64)
+            self._launch(k.morton_kernel, a.x.shape[0], a.x, a.y, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
+            order = xp.argsort(keys)
+            return SimpleNamespace(xmin=xmin, ymin=ymin, scale=scale, point_indices=order.astype(np.int64),
+                                   levels=self._quadtree(xp, keys[order], depth))
+
+        return self._derive(layer, "quadtree", build)
 
     def _quadtree(self, xp, keys, max_depth: int) -> list[SimpleNamespace]:
         """Levels 1..max_depth of the point quadtree, bottom-up from the sorted Morton keys (index 0 unused)."""
@@ -334,79 +421,100 @@ class CudaSpatialEngine:
         cat = xp.concatenate
         return cat(out_part).astype(np.int64), cat(out_first).astype(np.int64), cat(out_count).astype(np.int64)
 
-    # -- public API
-    def pip_pairs(self, points: Points, polygons: Polygons, start: int | None = 0,
-                  stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
-        (point, geometry); point indices are positions in `points`."""
-        start, stop = point_range(len(points), start, stop)
-        empty = (np.empty(0, np.int64), np.empty(0, np.int64))
-        if stop == start or len(polygons) == 0:
-            return empty
+    def _pip_join(self, points: Points, polygons: Polygons) -> SimpleNamespace:
+        """Every (point, geometry) pair of the two layers, sorted and unique, and the per-geometry counts, on the
+        device: built once per pair of layer versions, then each page is a slice of it."""
+        key = (id(points), id(polygons))
+        pts, polys = self._resident(points), self._resident(polygons)  # also makes both keys current
+        join = self._joins.get(key)
+        if join is not None:
+            self._joins.move_to_end(key)
+            return join
         k, xp = _build(), _xp()
-        d = self._device_polygons(polygons)
-        if d.empty:
-            return empty
-        px = xp.asarray(np.ascontiguousarray(points.x[start:stop], np.float64))
-        py = xp.asarray(np.ascontiguousarray(points.y[start:stop], np.float64))
-        xmin, ymin, xmax, ymax = d.extent
+        point, geom = xp.empty(0, np.int64), xp.empty(0, np.int64)
+        boxes = self._part_boxes(polys)
+        if len(points) and not boxes.empty:
+            point, geom = self._refine(k, xp, pts, polys, boxes, self._point_quadtree(pts))
+        join = SimpleNamespace(point=point, geom=geom, counts=xp.bincount(geom, minlength=len(polygons)))
+        self.counters["joins"] += 1
+        self._joins[key] = join
+        while len(self._joins) > self.max_joins:
+            self._joins.popitem(last=False)
+        return join
+
+    def _refine(self, k, xp, pts: _Resident, polys: _Resident, boxes: SimpleNamespace, tree: SimpleNamespace):
         depth = self.max_depth
-        side = max(xmax - xmin, ymax - ymin)
-        scale = side / float(1 << depth) if side > 0 else 1.0
-        n = stop - start
-        if self.use_cuspatial:
-            # cuSpatial's quadtree and bbox join give the candidates; the refine below stays ours.
-            point_indices, pair_part, pair_first, pair_count = cuspatial_adapter.candidates(
-                xp, px, py, polygons, d.extent, scale, depth, self.max_size)
-            n_in, quadrants = n, None
-        else:
-            keys = xp.empty(n, np.int64)
-            self._launch(k.morton_kernel, n, px, py, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
-            order = xp.argsort(keys)
-            sorted_keys = keys[order]
-            sentinel = xp.asarray([1 << (2 * depth)], dtype=np.int64)
-            n_in = int(xp.searchsorted(sorted_keys, sentinel)[0])  # drop the points outside the extent
-            if n_in == 0:
-                return empty
-            point_indices = order[:n_in].astype(np.int64)
-            levels = self._quadtree(xp, sorted_keys[:n_in], depth)
-            pair_part, pair_first, pair_count = self._candidate_pairs(xp, levels, d, xmin, ymin, scale, depth)
-            quadrants = int(levels[depth].key.shape[0])
+        pair_part, pair_first, pair_count = self._candidate_pairs(xp, tree.levels, boxes, tree.xmin, tree.ymin,
+                                                                  tree.scale, depth)
+        empty = xp.empty(0, np.int64), xp.empty(0, np.int64)
         if pair_part.shape[0] == 0:
             return empty
         pair_offsets = xp.concatenate([xp.zeros(1, np.int64), xp.cumsum(pair_count)])
         total = int(pair_offsets[-1])
-        self.last_stats = {"points_in_extent": n_in, "finest_quadrants": quadrants,
+        self.last_stats = {"points_in_extent": int(tree.point_indices.shape[0]),
+                           "finest_quadrants": int(tree.levels[depth].key.shape[0]),
                            "pairs": int(pair_part.shape[0]), "candidates": total}
+        a, p = pts.arrays, polys.arrays
         hits_point, hits_part = [], []
         for c0 in range(0, total, self.max_candidates):  # refine in chunks: flags -> scan -> scatter
             m = min(self.max_candidates, total - c0)
             flags = xp.empty(m, np.int64)
-            self._launch(k.refine_kernel, m, c0, pair_offsets, pair_part, pair_first, point_indices, px, py, d.x,
-                         d.y, d.ring_offsets, d.part_offsets, flags)
+            self._launch(k.refine_kernel, m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, a.x, a.y,
+                         p.x, p.y, p.ring_offsets, p.part_offsets, flags)
             incl = xp.cumsum(flags)
             found = int(incl[-1])
             if found == 0:
                 continue
             offsets = incl - flags
             out_point, out_part = xp.empty(found, np.int64), xp.empty(found, np.int64)
-            self._launch(k.scatter_kernel, m, c0, pair_offsets, pair_part, pair_first, point_indices, flags,
+            self._launch(k.scatter_kernel, m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, flags,
                          offsets, out_point, out_part)
             hits_point.append(out_point)
             hits_part.append(out_part)
         if not hits_point:
             return empty
-        point = xp.concatenate(hits_point) + start
-        geom = d.part_geom[xp.concatenate(hits_part)]
+        point = xp.concatenate(hits_point)
+        geom = p.part_geom[xp.concatenate(hits_part)]
         order = xp.lexsort(xp.stack([geom, point]))
         point, geom = point[order], geom[order]
         keep = xp.concatenate([xp.ones(1, bool), (point[1:] != point[:-1]) | (geom[1:] != geom[:-1])])
-        return _host(point[keep]).astype(np.int64), _host(geom[keep]).astype(np.int64)
+        return point[keep], geom[keep]
+
+    # -- public API
+    def pip_pairs(self, points: Points, polygons: Polygons, start: int | None = 0,
+                  stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
+        (point, geometry); point indices are positions in `points`."""
+        start, stop = point_range(len(points), start, stop)
+        if stop == start or len(polygons) == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        join = self._pip_join(points, polygons)
+        xp = _xp()
+        lo, hi = (int(v) for v in _host(xp.searchsorted(join.point, xp.asarray([start, stop], dtype=np.int64))))
+        return _host(join.point[lo:hi]).astype(np.int64), _host(join.geom[lo:hi]).astype(np.int64)
 
     def pip_counts(self, points: Points, polygons: Polygons) -> np.ndarray:
-        """Number of points covered by each geometry (boundary included; once per MultiPolygon)."""
-        _, geom = self.pip_pairs(points, polygons, 0, len(points))
-        return np.bincount(geom, minlength=len(polygons)).astype(np.int64)
+        """Number of points covered by each geometry (boundary included; once per MultiPolygon), counted on the
+        device: only the counts come back."""
+        if len(polygons) == 0:
+            return np.zeros(0, np.int64)
+        return _host(self._pip_join(points, polygons).counts).astype(np.int64)
+
+    # -- distance join
+    def _distance_grid(self, layer: _Resident, radius_m: float) -> SimpleNamespace:
+        """b's unit vectors keyed into the grid of one radius and sorted by key."""
+        def build() -> SimpleNamespace:
+            k, xp, a = _build(), _xp(), layer.arrays
+            side, n = kernels.grid_side(radius_m, MAX_CELLS_PER_AXIS)
+            m = a.x.shape[0]
+            keys = xp.empty(m, np.int64)
+            unit = [xp.empty(m, np.float64) for _ in range(3)]
+            self._launch(k.unit_key_kernel, m, a.x, a.y, 1.0 / side, n, keys, *unit)
+            order = xp.argsort(keys)
+            return SimpleNamespace(inv_h=1.0 / side, n=n, keys=keys[order], index=order.astype(np.int64),
+                                   lon=a.x[order], lat=a.y[order], unit=[u[order] for u in unit])
+
+        return self._derive(layer, ("grid", radius_m), build, limit=self.max_grids)
 
     def within_distance(self, a: Points, b: Points, radius_m: float, start: int | None = 0, stop: int | None = None,
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -424,33 +532,24 @@ class CudaSpatialEngine:
         if stop == start or len(b) == 0:
             return (*empty, stop)
         k, xp = _build(), _xp()
-        side, n = kernels.grid_side(radius_m, MAX_CELLS_PER_AXIS)
-        inv_h = 1.0 / side
-        blon = xp.asarray(np.ascontiguousarray(b.x, np.float64))
-        blat = xp.asarray(np.ascontiguousarray(b.y, np.float64))
-        bkeys = xp.empty(len(b), np.int64)
-        bu = [xp.empty(len(b), np.float64) for _ in range(3)]
-        self._launch(k.unit_key_kernel, len(b), blon, blat, inv_h, n, bkeys, *bu)
-        order = xp.argsort(bkeys)
-        b_keys, b_index, b_lon, b_lat = bkeys[order], order.astype(np.int64), blon[order], blat[order]
-        b_u = [u[order] for u in bu]
-        alon = xp.asarray(np.ascontiguousarray(a.x[start:stop], np.float64))
-        alat = xp.asarray(np.ascontiguousarray(a.y[start:stop], np.float64))
+        left = self._resident(a).arrays
+        g = self._distance_grid(self._resident(b), radius_m)
+        alon, alat = left.x[start:stop], left.y[start:stop]
         m = stop - start
         counts = xp.empty(m, np.int64)
         dummy_j, dummy_d = xp.empty(1, np.int64), xp.empty(1, np.float64)
-        self._launch(k.dwithin_count_kernel, m, alon, alat, start, b_lon, b_lat, *b_u, b_index, b_keys, inv_h, n,
-                     radius_m, bool(self_join), dummy_j, dummy_d, counts)
+        grid_args = (g.lon, g.lat, *g.unit, g.index, g.keys, g.inv_h, g.n, radius_m, bool(self_join))
+        self._launch(k.dwithin_count_kernel, m, alon, alat, start, *grid_args, dummy_j, dummy_d, counts)
         incl = xp.cumsum(counts)
-        if max_pairs is not None:  # one copy of m counts: the pairs past the budget are never written
-            m = pairs_prefix(_host(incl), max_pairs)
-        counts, incl, alon, alat = counts[:m], incl[:m], alon[:m], alat[:m]
         total = int(incl[-1])
+        if max_pairs is not None and total > max_pairs:  # pairs_prefix on the device: whole points that fit
+            m = max(1, int(xp.searchsorted(incl, max_pairs, side="right")))
+            counts, incl, alon, alat = counts[:m], incl[:m], alon[:m], alat[:m]
+            total = int(incl[-1])
         if total == 0:
             return (*empty, start + m)
         offsets = incl - counts
         out_i, out_j, out_d = xp.empty(total, np.int64), xp.empty(total, np.int64), xp.empty(total, np.float64)
-        self._launch(k.dwithin_write_kernel, m, alon, alat, start, b_lon, b_lat, *b_u, b_index, b_keys, inv_h, n,
-                     radius_m, bool(self_join), counts, offsets, out_i, out_j, out_d)
+        self._launch(k.dwithin_write_kernel, m, alon, alat, start, *grid_args, counts, offsets, out_i, out_j, out_d)
         order = xp.lexsort(xp.stack([out_j, out_i]))
         return _host(out_i[order]), _host(out_j[order]), _host(out_d[order]), start + m

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .manager import SpatialManager
@@ -47,3 +48,9 @@ class CudaSpatialHandle(_Handle):
         from .cuda_engine import CudaSpatialEngine
 
         return CudaSpatialEngine()
+
+    async def start(self) -> None:
+        """Compile the kernels at engine start, not on the first request."""
+        engine = self.make()
+        await asyncio.to_thread(engine.warm_up)
+        self.spatial.attach(engine)

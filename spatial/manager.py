@@ -105,12 +105,22 @@ class SpatialManager:
     # -- layers ----------------------------------------------------------------------------------------
     async def create(self, layer: Layer) -> Layer:
         await self.store.save(layer)
+        self._forget(self.layers.get(layer.name))
         self.layers[layer.name] = layer
         return layer
 
     async def drop(self, name: str) -> None:
         await self.store.drop(name)
-        self.layers.pop(name, None)
+        self._forget(self.layers.pop(name, None))
+
+    def _forget(self, old: Layer | None) -> None:
+        """A rewritten or dropped layer's resident structures go (on the GPU, its device buffers), each in its
+        engine's own thread: an engine is only ever called from there."""
+        if old is None:
+            return
+        for kind, engine in self.engines.items():
+            if kind in self.executors and hasattr(engine, "forget"):
+                self.executors[kind].submit(engine.forget, old.geometry)
 
     def layer(self, name: str, kind: str, field: str) -> Layer:
         layer = self.layers.get(name)

@@ -173,3 +173,63 @@ else:
             assert got[3] == want[3] and 10 < got[3] <= len(a)
             for k in range(3):
                 np.testing.assert_array_equal(got[k], want[k])
+
+    def test_layers_stay_resident_and_a_write_invalidates_only_its_layer(monkeypatch):
+        """A second join on unchanged layers uploads nothing and builds nothing; a new version of the points
+        layer uploads and rebuilds that layer alone."""
+        from spatial import cuda_engine
+
+        uploaded = []  # host arrays sent to the device (a page's [start, stop] pair aside)
+
+        class SpyXp:
+            def __getattr__(self, name):
+                return getattr(np, name)
+
+            @staticmethod
+            def asarray(a, *args, **kwargs):
+                if isinstance(a, np.ndarray) and a.size > 2:
+                    uploaded.append(a.size)
+                return np.asarray(a, *args, **kwargs)
+
+        monkeypatch.setattr(cuda_engine, "_xp", lambda: SpyXp())
+        pts, polys, _ = fixture()
+        gpu, cpu = CudaSpatialEngine(max_depth=6, max_size=8), CpuSpatialEngine()
+
+        def joins():
+            counts = gpu.pip_counts(pts_now, polys)
+            pages = [gpu.pip_pairs(pts_now, polys, a, b) for a, b in ((0, 100), (100, len(pts_now)))]
+            near = gpu.within_distance(pts_now, pts_now, 60_000.0, 0, len(pts_now), self_join=True)
+            return counts, pages, near
+
+        pts_now = pts
+        first = joins()
+        assert gpu.counters == {"uploads": 2, "builds": 3, "joins": 1}  # boxes, quadtree, grid
+        assert len(uploaded) == 7  # the points' x, y; the polygons' x, y, ring and part offsets, part geometry
+        uploaded.clear()
+        again = joins()
+        assert gpu.counters == {"uploads": 2, "builds": 3, "joins": 1} and uploaded == []
+        np.testing.assert_array_equal(again[0], first[0])
+        for k in range(3):
+            np.testing.assert_array_equal(again[2][k], first[2][k])
+
+        x, y = pts.x.copy(), pts.y.copy()
+        x[:50] += 0.25  # a write: the layer comes back as a new object
+        pts_now = points_from_lonlat(x, y)
+        gpu.forget(pts)  # what the manager does on the write
+        assert gpu.resident_layers() == 1
+        counts, pages, near = joins()
+        assert gpu.counters == {"uploads": 3, "builds": 5, "joins": 2}  # the points' quadtree and grid only
+        assert len(uploaded) == 2  # the new points' x and y; the polygons stayed
+        np.testing.assert_array_equal(counts, cpu.pip_counts(pts_now, polys))
+        want = cpu.pip_pairs(pts_now, polys, 0, len(pts_now))
+        for k in range(2):
+            np.testing.assert_array_equal(np.concatenate([p[k] for p in pages]), want[k])
+        want = cpu.within_distance(pts_now, pts_now, 60_000.0, 0, len(pts_now), self_join=True)
+        for k in range(3):
+            np.testing.assert_array_equal(near[k], want[k])
+        assert not np.array_equal(counts, first[0])
+
+    def test_warm_up_compiles_and_leaves_nothing_resident():
+        gpu = CudaSpatialEngine()
+        gpu.warm_up()
+        assert gpu.resident_layers() == 0 and gpu.counters["joins"] == 1
