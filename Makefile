@@ -4,13 +4,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: run test install install-test lint clean
+.PHONY: run test gpu-check install install-test lint clean
 
 run: $(VENV)/.installed
 	$(BIN)/switchyard serve
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest
+
+# Every GPU test and the GPU side of the benchmarks, one report (loadtests/gpu_check.py; skips with reasons
+# where there is no device). Install the gpu extra first for cuVS / cuDF: $(PIP) install -e '.[gpu]'
+gpu-check: $(VENV)/.installed-test
+	$(BIN)/python loadtests/gpu_check.py $(ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

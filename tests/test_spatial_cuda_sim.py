@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+# `make gpu-check` runs this file with SWITCHYARD_GPU_KERNELS=device: the same tests, compiled for a real device.
+DEVICE = not SIM and os.environ.get("SWITCHYARD_GPU_KERNELS") == "device"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-if not SIM:
+if not (SIM or DEVICE):
 
     def test_importing_the_gpu_engine_needs_no_cuda():
         code = ("import sys, spatial.cuda_engine as m; assert 'numba.cuda' not in sys.modules, 'numba.cuda imported';"
@@ -102,6 +104,8 @@ else:
         from numba import cuda  # noqa: F401  (the simulator; needs numba-cuda[cu12])
     except Exception as exc:  # noqa: BLE001  (any failure to load the simulator means: skip)
         pytest.skip(f"numba.cuda cannot be imported: {exc}", allow_module_level=True)
+    if DEVICE and not cuda.is_available():
+        pytest.skip("no CUDA device numba-cuda can use", allow_module_level=True)
 
     from shapely.geometry import MultiPolygon, Polygon, box
 
@@ -123,8 +127,8 @@ else:
         pts = np.vstack([lattice, rand, [[2.0, 2.0], [1.0, 2.0], [6.0, 6.0], [9.0, 9.0], [-1.0, 3.0]]])
         return points_from_lonlat(pts[:, 0], pts[:, 1]), polygons_from_shapely(np.array(geoms, dtype=object)), geoms
 
-    def test_runs_in_the_simulator():
-        assert simulator_enabled()
+    def test_runs_where_it_was_asked_to():
+        assert simulator_enabled() == SIM
 
     @pytest.mark.parametrize("max_depth, max_size", [(6, 8), (15, 32)])
     def test_pip_equals_the_cpu_engine_and_shapely(max_depth, max_size):
@@ -233,3 +237,13 @@ else:
         gpu = CudaSpatialEngine()
         gpu.warm_up()
         assert gpu.resident_layers() == 0 and gpu.counters["joins"] == 1
+
+    def test_the_gpu_checks_spatial_benchmark_runs_and_compares():
+        import sys
+
+        sys.path.insert(0, str(ROOT / "loadtests"))
+        from gpu_check import bench_spatial
+
+        result = bench_spatial({"points": 400, "polygons": 12, "distance_points": 300}, 1)
+        assert result["pip_equal"] and result["distance_equal"], result
+        assert result["pip_matched"] > 0 and result["distance_pairs"] > 0
