@@ -53,6 +53,7 @@ CAGRA_EXACT_FACTOR = 2  # CAGRA over <= 2*graph_degree rows is a near-complete g
 # deleted rows or a filter: those re-rank with the array-namespace `rerank` instead (same scores, on the device).
 REFINE_MAX_K = 256
 RERANK_CHUNK_BYTES = 1 << 28  # gathered candidate vectors per step of `rerank`
+MAX_OVERFETCH = 4096  # IVF-PQ (no filter argument) fetches past at most this many dead rows, as resident.py does
 
 
 @functools.lru_cache(maxsize=1)
@@ -245,11 +246,20 @@ class CuvsIndex:
         self._n_lists = n_lists
         self._keepalive = keepalive or []  # cuVS Dataset handles the index reads
         self._bitset: Any = None  # the device keep-bitset of the current search, kept alive while cuVS reads it
+        # Deleted rows, resident: a host mask and its device keep-bitset, updated word by word per delete
+        # (mark_dead) instead of packed and uploaded on every search. None while no row is dead.
+        self._alive: np.ndarray | None = None
+        self._alive_words: np.ndarray | None = None  # host copy of the device bitset
+        self._alive_bits: Any = None
+        self.n_dead = 0
         # brute_force has no extend (appended rows stay in resident.py's exact delta); IVF-PQ has no filter
         # argument in the Python/C API (resident.py over-fetches instead).
         self.supports_add = kind in ("ivf_flat", "ivf_pq", "cagra")
         self.supports_filter = kind in ("brute_force", "ivf_flat", "cagra")
         self.wide_reranks = 0  # IVF-PQ searches re-ranked by `rerank`: more candidates than refine takes
+        # Small writes gather in resident.py's exact delta and join in one add of at least this many rows: CAGRA's
+        # extend copies the whole device dataset per call, IVF-PQ's add copies the raw vectors it re-ranks with.
+        self.add_batch_rows = {"cagra": 1024, "ivf_pq": 256}.get(kind, 1)
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray) -> "CuvsIndex":
@@ -348,6 +358,35 @@ class CuvsIndex:
     def size(self) -> int:
         return self._size
 
+    def mark_dead(self, rows: np.ndarray) -> None:
+        """Rows deleted or replaced: searches never return them. Only the bitset words holding them go to the
+        device."""
+        rows = np.asarray(rows, dtype=np.int64)
+        rows = rows[(rows >= 0) & (rows < self._size)]
+        if len(rows) == 0:
+            return
+        if self._alive is None:
+            self._alive = np.ones(self._size, dtype=bool)
+            self._alive[rows] = False
+            self._upload_alive()
+        else:
+            self._alive[rows] = False
+            words = np.unique(rows >> 5)
+            self._alive_words[words] = keep_bitset(self._alive[words[0] * 32: (words[-1] + 1) * 32],
+                                                   (words[-1] + 1 - words[0]) * 32)[words - words[0]]
+            self._alive_bits[_lib().cp.asarray(words)] = _lib().cp.asarray(self._alive_words[words])
+        self.n_dead = int(len(self._alive) - np.count_nonzero(self._alive))
+
+    def _upload_alive(self) -> None:
+        self._alive_words = keep_bitset(self._alive, self._size)
+        self._alive_bits = _lib().cp.asarray(self._alive_words)
+
+    def _grow_alive(self, added: int) -> None:
+        """Rows appended by add are alive: the mask and bitset grow (one upload per batched add)."""
+        if self._alive is not None:
+            self._alive = np.concatenate([self._alive, np.ones(added, dtype=bool)])
+            self._upload_alive()
+
     def add(self, vectors: np.ndarray) -> None:
         if not self.supports_add:
             raise RuntimeError(f"cuVS {self.kind} cannot add rows: resident.py keeps them in the exact delta")
@@ -369,6 +408,7 @@ class CuvsIndex:
         self.index = _run(lib.cagra.extend, lib.cagra.ExtendParams(), self.index, padded, self._size)
         self._dataset, self._keepalive = extended, [padded]
         self._size += len(vectors)
+        self._grow_alive(len(vectors))
 
     def _extend_ivf(self, data: Any) -> None:
         lib = _lib()
@@ -379,6 +419,7 @@ class CuvsIndex:
         if self.kind == "ivf_pq":
             self._dataset = data if self._dataset is None else lib.cp.concatenate([self._dataset, data])
         self._size += len(data)
+        self._grow_alive(len(data))
 
     def _n_probes(self, params: dict[str, Any]) -> int:
         n_probes = max(1, int(params.get("n_probes") or 20))
@@ -389,15 +430,22 @@ class CuvsIndex:
         ip = uses_inner_product(self.config.metric)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         nq, kk = len(queries), min(int(k), self._size)
+        resident_keep = keep is None and self.n_dead > 0  # only the deletes: the resident bitset applies
         if keep is not None:
             keep = _fit_mask(keep, self._size)
-        if nq == 0 or kk <= 0 or (keep is not None and not keep.any()):
+            if self._alive is not None:
+                keep = keep & self._alive
+        elif resident_keep:
+            keep = self._alive
+        if nq == 0 or kk <= 0 or (keep is not None and (self.n_dead >= self._size if resident_keep
+                                                        else not keep.any())):
             return _empty(nq, int(k), ip)
         lib = _lib()
         cp = lib.cp
         q = cp.asarray(queries)  # every GPU search needs device queries and outputs
-        if self.kind == "ivf_pq":
-            scores, rows = self._search_ivf_pq(q, kk, params)
+        if self.kind == "ivf_pq":  # no filter argument: over-fetch past the dead rows, finish() drops them
+            fetch = min(self._size, kk + min(self.n_dead, MAX_OVERFETCH)) if resident_keep else kk
+            scores, rows = self._search_ivf_pq(q, fetch, params)
             return finish(scores, rows, int(k), self._size, keep, ip, dedupe=True)
         # Pre-filled outputs: search(..., neighbors=None, distances=None) accept (nq, k) buffers, int64 neighbors
         # for brute force / IVF, uint32 for CAGRA (whose empty slots then read 2**32-1, out of range).
@@ -407,7 +455,8 @@ class CuvsIndex:
         distances = cp.full((nq, kk), _worst(ip), dtype=cp.float32)
         prefilter = None
         if keep is not None and self.supports_filter:
-            self._bitset = cp.asarray(keep_bitset(keep, self._size))
+            # resident after deletes; a payload filter's own bitset is uploaded per search
+            self._bitset = self._alive_bits if resident_keep else cp.asarray(keep_bitset(keep, self._size))
             # cuvs/neighbors/filters/filters.pyx: from_bitset(bitset uint32, 1 = keep) -> Prefilter (holds the array)
             prefilter = lib.filters.from_bitset(self._bitset)
         if self.kind == "brute_force":

@@ -524,7 +524,7 @@ class CollectionManager:
                     raise CollectionNotFound(f"no collection named {c.name!r}", field="collection") from None
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
                     self.observe(served, "search", time.perf_counter() - started, False)
-                    self.guard.failed(served)
+                    self.guard.failed(served, exc)
                     if last:
                         raise EngineFailed(f"engine {choice} failed: {type(exc).__name__}: {exc}") from exc
                     # The exception's text goes to the log, under an id the answer carries: never to clients.

@@ -131,12 +131,28 @@ class ResidentCollection:
             setattr(self, attr, new)
 
     def _kill(self, ids: np.ndarray) -> None:
+        killed = []
         for i in ids.tolist():
             row = self.row_of.pop(i, None)
             if row is not None:
                 self._alive[row] = False
                 self.n_dead += 1
                 self.digest = digest.sub(self.digest, int(self._hashes[row]))
+                killed.append(row)
+        if killed and self.index is not None and hasattr(self.index, "mark_dead"):
+            self.index.mark_dead(np.asarray(killed, dtype=np.int64))
+
+    def _own_deletes(self) -> bool:
+        """The index keeps its own record of dead rows (a resident device bitset): searches need not pass one."""
+        return self.index is not None and hasattr(self.index, "mark_dead")
+
+    def _swap_index(self, index: AnnIndex | None) -> None:
+        """Install a built or restored index over the current rows, telling it which of its rows are dead."""
+        self.index = index
+        if index is not None and hasattr(index, "mark_dead"):
+            dead = np.flatnonzero(~self._alive[: index.size])
+            if len(dead):
+                index.mark_dead(dead)
 
     def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray) -> None:
         """New rows for ids (the old row of a replaced id becomes dead). Allocates before it changes anything."""
@@ -150,9 +166,18 @@ class ResidentCollection:
         self.row_of.update(zip(ids.tolist(), range(start, end)))
         self.n_rows = end
         self.digest = digest.add(self.digest, digest.total(hashes))
-        if (self.index is not None and self.index.supports_add and self.delta_rows == len(ids)
-                and len(ids) <= DIRECT_ADD_ROWS):
-            self.index.add(prepared)  # the delta was empty: the index stays a full prefix
+        self._add_delta(len(ids))
+
+    def _add_delta(self, written: int) -> None:
+        """Small writes join an index that can add. An index whose add is costly per call (CAGRA's extend copies
+        the whole device dataset) sets `add_batch_rows`: small writes then gather in the delta, searched exactly,
+        and join in one add once that many are there. Rows after a large write wait for a rebuild."""
+        index = self.index
+        if index is None or not index.supports_add or written > DIRECT_ADD_ROWS:
+            return
+        batch = getattr(index, "add_batch_rows", 1)
+        if batch <= self.delta_rows <= batch - 1 + DIRECT_ADD_ROWS:
+            index.add(self._vectors[index.size: self.n_rows])  # the index stays a full prefix of the rows
 
     # -- changes ---------------------------------------------------------------------------------------
     def apply(self, changes: Changes) -> bool:
@@ -235,9 +260,9 @@ class ResidentCollection:
             alive = np.concatenate([still_alive, self._alive[tail]])
             hashes = np.concatenate([base_hashes, self._hashes[tail]])
             self._set_rows(ids, vectors, alive, hashes)
-            self.index = index
-            if index is not None and index.supports_add and self.delta_rows:
+            if index is not None and index.supports_add and self.n_rows > index.size:
                 index.add(self._vectors[index.size: self.n_rows])
+            self._swap_index(index)
 
     def _set_rows(self, ids: np.ndarray, vectors: np.ndarray, alive: np.ndarray, hashes: np.ndarray) -> None:
         """A new layout (compaction or restore): a new generation."""
@@ -269,7 +294,7 @@ class ResidentCollection:
             if keep is not None and allowed_ids is not None and int(keep.sum()) <= EXACT_FILTER_ROWS:
                 scores, rows = self._exact_subset(q, k, np.flatnonzero(keep))
             else:
-                scores, rows = self._search_rows(q, k, params, keep)
+                scores, rows = self._search_rows(q, k, params, keep, allowed_ids)
             ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
         return _shape(ids, from_engine(np, scores, self.metric), watermark)
 
@@ -277,12 +302,14 @@ class ResidentCollection:
         scores, local = exact_search(np, self._vectors[rows], q, k, self.metric)
         return scores, np.where(local >= 0, rows.take(local, mode="clip"), -1)
 
-    def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any],
-                     keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
+                     allowed_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         parts = []
         size = self.indexed_rows
         if size:
             index_keep = keep[:size] if keep is not None else None
+            if allowed_ids is None and self._own_deletes():
+                index_keep = None  # the index drops its dead rows itself, from its resident bitset
             if index_keep is None or self.index.supports_filter:
                 parts.append(self.index.search(q, k, params, index_keep))
             else:  # no filter in this index: over-fetch past the rows that will be dropped
@@ -342,7 +369,7 @@ class ResidentCollection:
             index = self.backend.load(config, state["index_bytes"])
         with self.lock.write():
             self._set_rows(ids, vectors, alive, hashes)
-            self.index = index
+            self._swap_index(index)
             self.watermark = int(state["watermark"])
 
 

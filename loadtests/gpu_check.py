@@ -78,7 +78,7 @@ def probe() -> dict[str, Any]:
     from service.devices import probe_cuda
 
     cuda = probe_cuda()
-    return {"device": [{"index": d.index, "name": d.name, "memory_bytes": d.memory_bytes} for d in cuda.devices],
+    return {"device": [{"index": d.index, "name": d.name, "memory_bytes": d.total_memory_bytes} for d in cuda.devices],
             "device_reason": None if cuda.present else cuda.reason,
             "libraries": {module: _installed(module) for module in LIBRARIES},
             "python": platform.python_version(), "cores": os.cpu_count()}

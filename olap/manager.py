@@ -212,7 +212,7 @@ class OlapManager:
                     raise
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
                     self.observe(name, operation, time.perf_counter() - started, False)
-                    self.guard.failed(name)
+                    self.guard.failed(name, exc)
                     if last:
                         raise
                     error_id = uuid.uuid4().hex[:16]  # the exception's text goes to the log only

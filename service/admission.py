@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .deadlines import deadline as current_deadline
+from .devices import is_out_of_memory
 from .errors import BadRequest, ProblemError
 from .pressure import InflightLimit
 
@@ -179,6 +180,10 @@ class Breaker:
     failures: int = 0
     open_until: float = 0.0  # 0: closed
     probe_at: float = 0.0  # when the last probe after a cool-down was let through
+    out_of_memory: bool = False  # opened by an out-of-memory failure rather than by failures in a row
+
+    def why(self) -> str:
+        return "running out of memory" if self.out_of_memory else f"{self.failures} failures in a row"
 
 
 class Admission:
@@ -248,15 +253,20 @@ class Admission:
             return None
         now = time.monotonic()
         if now < breaker.open_until or now - breaker.probe_at < self.settings.breaker_cooldown_s:
-            return f"is cooling down after {breaker.failures} failures in a row"
+            return f"is cooling down after {breaker.why()}"
         breaker.probe_at = now  # this caller is the probe; another may go one cool-down later
         return None
 
-    def failed(self, engine: str) -> None:
+    def failed(self, engine: str, exc: BaseException | None = None) -> None:
+        """An engine call failed. Out of memory (GPU or host) opens the breaker at once: retrying into a full
+        device only fails again, and the cool-down lets what held the memory finish."""
         if engine in POSTGRES_ENGINES:  # the database supervisor (service/supervisor.py) watches those
             return
         breaker = self.breakers.setdefault(engine, Breaker())
         breaker.failures += 1
+        if exc is not None and is_out_of_memory(exc):
+            breaker.failures = max(breaker.failures, self.settings.breaker_failures)
+            breaker.out_of_memory = True
         if breaker.failures >= self.settings.breaker_failures:
             breaker.open_until = time.monotonic() + self.settings.breaker_cooldown_s
             if self.metrics is not None:
@@ -290,8 +300,7 @@ class Slot:
         breaker = a.breakers.get(self.engine)
         if breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until:
             a.shed(self.engine, "cooling_down")
-            raise CoolingDown(f"engine {self.engine} failed {breaker.failures} times in a row and is cooling down; "
-                              "the request was not run", breaker.open_until - time.monotonic(), engine=self.engine,
+            raise CoolingDown(f"engine {self.engine} is cooling down after {breaker.why()}; the request was not run", breaker.open_until - time.monotonic(), engine=self.engine,
                               reason="cooling_down")
         self.bucket = bucket = a._engine_bucket(PRINCIPAL.get())
         if bucket is not None and (wait := bucket.wait_s(time.monotonic())) > 0:

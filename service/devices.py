@@ -59,3 +59,40 @@ def probe_cuda(enabled: bool = True) -> CudaProbe:
     if not devices:
         return CudaProbe(reason="no CUDA device: none could be opened")
     return CudaProbe(devices=tuple(devices))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An engine ran out of memory: RMM raises MemoryError (std::bad_alloc: out_of_memory), CuPy its
+    OutOfMemoryError (a MemoryError), numba-cuda a CudaAPIError naming CUDA_ERROR_OUT_OF_MEMORY."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return "out_of_memory" in text or "out of memory" in text
+
+
+def configure_device_memory(pool_mb: int, device: CudaDevice) -> str:
+    """One allocator for the process, set before any device allocation: an RMM pool as the current device
+    resource, with CuPy allocating from it (cuDF and cudf-polars allocate through RMM's current resource, cuVS's
+    Python layer through CuPy and RMM). Returns what was set up, for the log. rmm is imported here only."""
+    if pool_mb < 0:
+        return "no RMM pool (SWITCHYARD_GPU_MEMORY_POOL_MB=-1)"
+    try:
+        import rmm
+    except ImportError:
+        return "rmm is not installed: each GPU library allocates on its own"
+    initial = pool_mb * 2**20 if pool_mb else device.total_memory_bytes // 2
+    maximum = max(initial, int(device.total_memory_bytes * 0.9))
+    initial -= initial % 256  # RMM wants pool sizes aligned to 256 bytes
+    maximum -= maximum % 256
+    # rapidsai/rmm python/rmm/docs/guide.md: PoolMemoryResource(upstream, initial_pool_size=, maximum_pool_size=),
+    # rmm.mr.set_current_device_resource(pool) before any allocation; CuPy through rmm_cupy_allocator.
+    pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=initial, maximum_pool_size=maximum)
+    rmm.mr.set_current_device_resource(pool)
+    try:
+        import cupy
+        from rmm.allocators.cupy import rmm_cupy_allocator
+
+        cupy.cuda.set_allocator(rmm_cupy_allocator)
+    except ImportError:
+        pass
+    return f"RMM pool of {initial / 2**30:.1f} GiB (up to {maximum / 2**30:.1f} GiB) on {device.name}"

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .devices import CudaProbe
+from .devices import CudaProbe, configure_device_memory
 
 log = logging.getLogger("switchyard.engines")
 
@@ -118,8 +118,10 @@ def _load(implementation: str) -> Any:
 
 
 class EngineRegistry:
-    def __init__(self, cuda: CudaProbe, specs: tuple[EngineSpec, ...] = CATALOG) -> None:
+    def __init__(self, cuda: CudaProbe, specs: tuple[EngineSpec, ...] = CATALOG, gpu_memory_pool_mb: int = -1) -> None:
         self.cuda = cuda
+        self.gpu_memory_pool_mb = gpu_memory_pool_mb
+        self.device_memory: str | None = None  # what configure_device_memory set up
         self.statuses = {spec.name: EngineStatus(spec) for spec in specs}
         self.started = False
 
@@ -153,6 +155,12 @@ class EngineRegistry:
 
     async def start(self, **context: Any) -> None:
         """Start every available engine; one that fails is marked unavailable with its error, never fatal."""
+        if self.cuda.present and any(s.available and s.spec.kind == "gpu" for s in self.statuses.values()):
+            try:  # before any GPU engine allocates: one pool for the process
+                self.device_memory = configure_device_memory(self.gpu_memory_pool_mb, self.cuda.devices[0])
+                log.info("GPU memory: %s", self.device_memory)
+            except Exception:  # noqa: BLE001 - without the pool each library allocates on its own
+                log.exception("the RMM pool could not be set up")
         for status in self.statuses.values():
             if not status.available or status.spec.implementation is None:
                 continue

@@ -6,6 +6,7 @@ Domain packages raise their own exceptions; this module is the one place that tu
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -169,6 +170,22 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
     return 503, "engine-failed", "Engine failed", {"Retry-After": "1"}
 
 
+def _out_of_memory_problem(request: Request, exc: Exception) -> Response | None:
+    """An engine out of memory (a full GPU, most often): 503 with the breaker's cool-down as Retry-After (the
+    engine was marked cooling down when it failed), never a crash or a 500."""
+    from .devices import is_out_of_memory
+
+    if not (is_out_of_memory(exc) or (exc.__cause__ is not None and is_out_of_memory(exc.__cause__))):
+        return None
+    error_id = _log_failure(request, exc, "engine out of memory")
+    runtime = getattr(request.app.state, "switchyard", None)
+    cooldown = getattr(getattr(runtime, "settings", None), "breaker_cooldown_s", 30.0)
+    return problem_response(503, "out-of-memory", "Engine out of memory",
+                            f"the engine ran out of memory on this request and cools down for {cooldown:g} s; `auto` "
+                            f"routes around it meanwhile (error id {error_id})", instance=request.url.path,
+                            headers={"Retry-After": str(max(1, math.ceil(cooldown)))}, error_id=error_id)
+
+
 def _log_failure(request: Request, exc: Exception, what: str = "engine failure") -> str:
     error_id = uuid.uuid4().hex[:16]
     log.error("%s %s on %s %s", what, error_id, request.method, request.url.path, exc_info=exc)
@@ -250,6 +267,8 @@ def install_error_handlers(app: FastAPI) -> None:
         status, slug, title, headers = _domain_problem(exc)
         if slug in ("engine-failed", "query-timeout", "query-failed") and (late := _past_deadline(request)):
             return late
+        if slug == "engine-failed" and (oom := _out_of_memory_problem(request, exc)):
+            return oom
         if slug == "engine-failed":  # the text is a library's exception: log it, give the client a stable message
             error_id = _log_failure(request, exc)
             return problem_response(status, slug, title, f"the engine failed on this request; quote error id "
@@ -307,6 +326,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return late
         if full := _disk_full_problem(request, exc):
             return full
+        if oom := _out_of_memory_problem(request, exc):
+            return oom
         # Never echo exception text: it can leak internals. Log it under an id the client can quote.
         error_id = _log_failure(request, exc, "internal error")
         return problem_response(

@@ -39,7 +39,8 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu != "off"))
+        self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu != "off"),
+                                       gpu_memory_pool_mb=settings.gpu_memory_pool_mb)
         self.phase: Phase = "created"
         self.embedded: EmbeddedPostgres | None = None
         self.dsn: str | None = None

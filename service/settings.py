@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     ssb_import_dir: Path | None = Field(default=None, description=(
         "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))
     gpu: Literal["auto", "off"] = Field(default="auto", description="'off' hides any CUDA device from the engines.")
+    gpu_memory_pool_mb: int = Field(default=0, ge=-1, description=(
+        "RMM pool set up when the GPU engines start and shared by CuPy, cuDF, cudf-polars and cuVS: its initial "
+        "size in MiB (it may grow to 90% of the device); 0: half the device's memory; -1: no pool."))
 
     @field_validator("database_url")
     @classmethod

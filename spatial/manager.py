@@ -165,7 +165,7 @@ class SpatialManager:
                     raise
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
                     self.observe(impl.name, operation, time.perf_counter() - started, False)
-                    self.guard.failed(impl.name)
+                    self.guard.failed(impl.name, exc)
                     if last:
                         raise
                     error_id = uuid.uuid4().hex[:16]  # the exception's text goes to the log only

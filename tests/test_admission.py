@@ -463,18 +463,50 @@ def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise MemoryError("out of memory in the engine")
+        raise RuntimeError("the engine broke")
 
     replica.index.search = broken
     query = {"vector": [0.5] * 4, "k": 3}
     fallbacks = [client.post("/v1/collections/brk/search", json=query).json() for _ in range(4)]
     assert [f["engine"] for f in fallbacks] == ["pgvector"] * 4
-    assert "failed (error id" in fallbacks[0]["fallback"] and "MemoryError" not in fallbacks[0]["fallback"]
+    assert "failed (error id" in fallbacks[0]["fallback"] and "RuntimeError" not in fallbacks[0]["fallback"]
     assert "cooling down after 2 failures" in fallbacks[3]["fallback"]
     assert len(calls) == 2  # after two failures the engine is not tried again during the cool-down
     r = client.post("/v1/collections/brk/search", json={**query, "engine": "cpu"})
     assert_problem(r, 503, "engine-cooling-down")
     assert 'switchyard_engine_breaker_open{engine="faiss"} 1.0' in client.get("/metrics").text
+
+
+def test_an_engine_out_of_memory_answers_503_and_cools_down_at_once(make_client):
+    """RMM and CuPy raise MemoryError when the device is full: a clean 503 with the cool-down as Retry-After, the
+    engine skipped by `auto` from the first failure, the process unharmed."""
+    client = make_client(raise_server_exceptions=False, breaker_failures=5, breaker_cooldown_s=60, inline_search_us=0)
+    wait_ready(client)
+    client.delete("/v1/collections/oom")
+    assert client.post("/v1/collections", json={"name": "oom", "dim": 4}).status_code == 201
+    rng = np.random.default_rng(2)
+    client.put("/v1/collections/oom/points", json={"ids": list(range(20)), "vectors": rng.random((20, 4)).tolist()})
+    replica = client.app.state.switchyard.vectors.resident["oom"]
+    calls = []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        raise MemoryError("std::bad_alloc: out_of_memory: CUDA error at: rmm/mr/device/cuda_memory_resource.hpp")
+
+    replica.index.search = full
+    query = {"vector": [0.5] * 4, "k": 3}
+    r = client.post("/v1/collections/oom/search", json={**query, "engine": "cpu"})
+    # the hot lane hands a failed request to the full app, which finds the engine cooling down already
+    body = r.json()
+    assert r.status_code == 503 and body["type"].endswith(("out-of-memory", "engine-cooling-down")), body
+    assert r.headers["Retry-After"] == "60" and "out of memory" in body["detail"] and "bad_alloc" not in body["detail"]
+    r = client.post("/v1/collections/oom/search?k=3&engine=cpu", content=np.full(4, 0.5, "<f4").tobytes(),
+                    headers={"Content-Type": "application/octet-stream"})
+    assert_problem(r, 503, "engine-cooling-down")
+    answer = client.post("/v1/collections/oom/search", json=query).json()
+    assert answer["engine"] == "pgvector" and "cooling down" in answer["fallback"]
+    assert len(calls) == 1  # one out-of-memory failure was enough to route around it
+    assert client.get("/readyz").status_code == 200
 
 
 def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client):

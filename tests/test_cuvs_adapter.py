@@ -48,6 +48,9 @@ def test_keep_bitset_layout_matches_cuvs_decoding():
     assert keep_bitset(np.ones(64, dtype=bool), 64).tolist() == [0xFFFFFFFF, 0xFFFFFFFF]
 
 
+from indexes.cuvs_index import keep_bitset as _KEEP_BITSET  # noqa: E402  (imports no GPU library)
+
+
 class _NumpyAsCupy:
     """numpy under cupy's names: the adapter's device code is array-namespace code."""
 
@@ -74,9 +77,17 @@ def _fake_cuvs_ivf_pq(data: np.ndarray, metric: str, refine_calls: list[int]):
             s, r = exact_search(np, dataset[candidates[i]], q[i: i + 1], k, metric)
             indices[i], distances[i] = candidates[i][r[0]], s[0]
 
+    def bf_search(index, q, k, neighbors, distances, resources, prefilter=None):
+        keep = None
+        if prefilter is not None:  # decoded as cuVS's tests/ann_utils.py decodes a keep-bitset
+            keep = np.unpackbits(prefilter.view(np.uint8), bitorder="little")[: len(data)].astype(bool)
+        s, r = exact_search(np, data, q, k, metric, keep)
+        neighbors[:], distances[:] = r, s
+
     ivf_pq = SimpleNamespace(SearchParams=lambda **kw: kw, search=pq_search)
     return SimpleNamespace(cp=_NumpyAsCupy(), resources=SimpleNamespace(sync=lambda: None), ivf_pq=ivf_pq,
-                           refine=refine)
+                           refine=refine, brute_force=SimpleNamespace(search=bf_search),
+                           filters=SimpleNamespace(from_bitset=lambda bits: bits))
 
 
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
@@ -98,6 +109,35 @@ def test_ivf_pq_re_ranks_any_number_of_candidates(monkeypatch, metric, k, refine
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-3)
     assert bool(calls) == refined and index.wide_reranks == (0 if refined else 1)
+
+
+@pytest.mark.parametrize("kind", ["brute_force", "ivf_pq"])
+def test_deleted_rows_live_in_a_resident_bitset_updated_per_write(monkeypatch, kind):
+    """After deletes a search uploads no bitset: the device bitset is updated word by word per delete (before,
+    every search packed and uploaded one over all rows), and dead rows are never returned."""
+    from indexes import cuvs_index
+
+    rng = np.random.default_rng(8)
+    data = rng.normal(size=(1000, 8)).astype(np.float32)
+    queries = data[rng.choice(1000, 12, replace=False)] + 0.01
+    monkeypatch.setattr(cuvs_index, "_lib", lambda: _fake_cuvs_ivf_pq(data, "l2", []))
+    config = IndexConfig(kind, "l2", 8, check_params("build", kind, None, "index_params"))
+    index = cuvs_index.CuvsIndex(config, kind, None, len(data), dataset=data, n_lists=8)
+    alive = np.ones(len(data), dtype=bool)
+    _, nearest = exact_search(np, data, queries, 10, "l2")
+    for dead in (nearest[:, 0], nearest[:, 1:4].ravel(), rng.choice(1000, 300, replace=False)):
+        index.mark_dead(dead)
+        alive[dead] = False
+        np.testing.assert_array_equal(index._alive_words, cuvs_index.keep_bitset(alive, len(data)))
+        np.testing.assert_array_equal(index._alive_bits, index._alive_words)  # the "device" copy
+        packed = []
+        monkeypatch.setattr(cuvs_index, "keep_bitset", lambda *a: packed.append(a) or cuvs_index.keep_bitset(*a))
+        scores, rows = index.search(queries, 10, {"refine_ratio": 2.0}, None)
+        assert packed == []  # nothing packed or uploaded for the search
+        monkeypatch.setattr(cuvs_index, "keep_bitset", _KEEP_BITSET)
+        want_s, want_rows = exact_search(np, data, queries, 10, "l2", alive)
+        np.testing.assert_array_equal(rows, want_rows)
+    assert index.n_dead == int((~alive).sum())
 
 
 def test_rerank_scores_equal_exact_scores_in_small_steps():

@@ -205,3 +205,39 @@ def test_unknown_duplicate_and_wrong_kind(app, layers):
     assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys",
                                                                          "mode": "pairs", "cursor": "garbage"}),
                    422, "validation-error", "cursor")
+
+
+def test_an_engine_out_of_memory_is_a_503_and_a_rewritten_layer_is_forgotten(make_settings, server_dsn, request):
+    """A join that runs its engine out of memory answers 503 with Retry-After (never a 500, the process goes on);
+    replacing a layer drops what the engines built for the old one."""
+    with fresh_database(server_dsn, request.node.name) as dsn:
+        with TestClient(create_app(make_settings(database_url=dsn, breaker_cooldown_s=45)),
+                        raise_server_exceptions=False) as client:
+            wait_ready(client)
+            lon, lat = sample_points(n=200)
+            client.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": lon.tolist(),
+                                                    "lat": lat.tolist()})
+            polys = feature_collection(SQUARE_WITH_HOLE, NEIGHBOUR)
+            client.post("/v1/spatial/layers", json={"name": "polys", "kind": "polygons", "geojson": polys})
+            join = {"points": "pts", "polygons": "polys", "engine": "cpu"}
+            assert client.post("/v1/spatial/joins/point-in-polygon", json=join).status_code == 200
+            spatial = client.app.state.switchyard.spatial
+            engine = spatial.engines["cpu"]
+            old = spatial.layers["polys"].geometry
+            assert any(entry[0] is old for entry in engine._pip)
+            client.delete("/v1/spatial/layers/polys")
+            spatial.executors["cpu"].submit(lambda: None).result()  # the engine's thread ran the forget
+            assert not any(entry[0] is old for entry in engine._pip)
+
+            client.post("/v1/spatial/layers", json={"name": "polys", "kind": "polygons", "geojson": polys})
+
+            def full(*args):
+                raise MemoryError("std::bad_alloc: out_of_memory: CUDA error")
+
+            engine.pip_counts = full
+            r = client.post("/v1/spatial/joins/point-in-polygon", json=join)
+            body = assert_problem(r, 503, "out-of-memory")
+            assert r.headers["Retry-After"] == "45" and "bad_alloc" not in body["detail"]
+            r = client.post("/v1/spatial/joins/point-in-polygon", json=join)
+            assert_problem(r, 503, "engine-cooling-down")
+            assert client.get("/readyz").status_code == 200
