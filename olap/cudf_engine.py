@@ -3,8 +3,13 @@
 The 13 queries run as the dataframe plans of olap/plans.py, written against the API cuDF shares with pandas
 (the CPU tests run the very same plan code on pandas and compare it with DuckDB). Ad-hoc SQL goes through the
 Polars GPU engine (cudf-polars) with raise_on_fail=True, so a plan it cannot run on the GPU is an error the
-service turns into a fallback, never a silent CPU run. cudf-polars reads the Parquet files per query (an
-in-memory Polars frame would be copied to the device on every collect): the 13 plans are the resident path.
+service turns into a fallback, never a silent CPU run. Ad-hoc SQL cannot read the resident cuDF tables:
+cudf-polars takes Polars frames, and an in-memory Polars frame is copied host to device on every collect
+(shared/research/olap.md, cudf-polars `DataFrameScan`), so it scans the Parquet files on the GPU instead (kvikIO,
+from the page cache once read); the 13 plans are the resident path. A collect cannot be interrupted, so it runs
+under a BoundedRunner: past `timeout_s` the caller gets query-timeout at once and the GPU OLAP worker is free,
+while the query finishes in its own thread (the next ad-hoc query meanwhile is refused, and `auto` serves it on
+DuckDB).
 
 cudf and polars are imported here only, on first use.
 """
@@ -15,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bounded import BoundedRunner
 from .plans import run_plan
 from .results import Result, from_arrow
 from .schema import TABLES
@@ -28,6 +34,7 @@ class CudfEngine:
         self.tables: dict[str, Any] = {}
         self.dataset: Path | None = None
         self.rows: dict[str, int] = {}
+        self.sql_runner = BoundedRunner("cudf-sql")
 
     @property
     def ready(self) -> bool:
@@ -59,7 +66,8 @@ class CudfEngine:
         if max_rows is not None:
             lazy = lazy.limit(max_rows + 1)
         # cudf-polars: GPUEngine(executor="in-memory", raise_on_fail=True) raises instead of running on the CPU.
-        table = lazy.collect(engine=pl.GPUEngine(executor="in-memory", raise_on_fail=True)).to_arrow()
+        table = self.sql_runner.run(
+            lambda: lazy.collect(engine=pl.GPUEngine(executor="in-memory", raise_on_fail=True)).to_arrow(), timeout_s)
         return from_arrow(table, max_rows)
 
     def close(self) -> None:
