@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -451,21 +452,26 @@ def test_postgres_statements_run_under_the_deadline(small):
     assert time.monotonic() - started < 2
 
 
-def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
-    client = make_client(raise_server_exceptions=False, breaker_failures=2, breaker_cooldown_s=60, inline_search_us=0)
+def _failing_collection(make_client, name: str, error: Exception, **settings) -> tuple[Any, list[int]]:
+    """A client and a 20-row collection whose resident index raises `error` on every search, and its calls."""
+    client = make_client(raise_server_exceptions=False, breaker_cooldown_s=60, inline_search_us=0, **settings)
     wait_ready(client)
-    client.delete("/v1/collections/brk")
-    assert client.post("/v1/collections", json={"name": "brk", "dim": 4}).status_code == 201
+    client.delete(f"/v1/collections/{name}")
+    assert client.post("/v1/collections", json={"name": name, "dim": 4}).status_code == 201
     rng = np.random.default_rng(1)
-    client.put("/v1/collections/brk/points", json={"ids": list(range(20)), "vectors": rng.random((20, 4)).tolist()})
-    replica = client.app.state.switchyard.vectors.resident["brk"]
-    calls = []
+    client.put(f"/v1/collections/{name}/points", json={"ids": list(range(20)), "vectors": rng.random((20, 4)).tolist()})
+    calls: list[int] = []
 
     def broken(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("the engine broke")
+        raise error
 
-    replica.index.search = broken
+    client.app.state.switchyard.vectors.resident[name].index.search = broken
+    return client, calls
+
+
+def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
+    client, calls = _failing_collection(make_client, "brk", RuntimeError("the engine broke"), breaker_failures=2)
     query = {"vector": [0.5] * 4, "k": 3}
     fallbacks = [client.post("/v1/collections/brk/search", json=query).json() for _ in range(4)]
     assert [f["engine"] for f in fallbacks] == ["pgvector"] * 4
@@ -480,20 +486,8 @@ def test_auto_routes_around_a_resident_engine_that_keeps_failing(make_client):
 def test_an_engine_out_of_memory_answers_503_and_cools_down_at_once(make_client):
     """RMM and CuPy raise MemoryError when the device is full: a clean 503 with the cool-down as Retry-After, the
     engine skipped by `auto` from the first failure, the process unharmed."""
-    client = make_client(raise_server_exceptions=False, breaker_failures=5, breaker_cooldown_s=60, inline_search_us=0)
-    wait_ready(client)
-    client.delete("/v1/collections/oom")
-    assert client.post("/v1/collections", json={"name": "oom", "dim": 4}).status_code == 201
-    rng = np.random.default_rng(2)
-    client.put("/v1/collections/oom/points", json={"ids": list(range(20)), "vectors": rng.random((20, 4)).tolist()})
-    replica = client.app.state.switchyard.vectors.resident["oom"]
-    calls = []
-
-    def full(*args, **kwargs):
-        calls.append(1)
-        raise MemoryError("std::bad_alloc: out_of_memory: CUDA error at: rmm/mr/device/cuda_memory_resource.hpp")
-
-    replica.index.search = full
+    client, calls = _failing_collection(make_client, "oom", MemoryError(
+        "std::bad_alloc: out_of_memory: CUDA error at: rmm/mr/device/cuda_memory_resource.hpp"), breaker_failures=5)
     query = {"vector": [0.5] * 4, "k": 3}
     r = client.post("/v1/collections/oom/search", json={**query, "engine": "cpu"})
     # the hot lane hands a failed request to the full app, which finds the engine cooling down already
