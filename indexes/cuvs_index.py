@@ -359,23 +359,25 @@ class CuvsIndex:
         return self._size
 
     def mark_dead(self, rows: np.ndarray) -> None:
-        """Rows deleted or replaced: searches never return them. Only the bitset words holding them go to the
-        device."""
+        """Rows deleted or replaced: searches never return them. Only the bitset words holding them are packed and
+        sent to the device."""
         rows = np.asarray(rows, dtype=np.int64)
-        rows = rows[(rows >= 0) & (rows < self._size)]
+        rows = np.unique(rows[(rows >= 0) & (rows < self._size)])
         if len(rows) == 0:
             return
-        if self._alive is None:
+        first = self._alive is None
+        if first:
             self._alive = np.ones(self._size, dtype=bool)
-            self._alive[rows] = False
+        self.n_dead += int(np.count_nonzero(self._alive[rows]))
+        self._alive[rows] = False
+        if first:
             self._upload_alive()
-        else:
-            self._alive[rows] = False
-            words = np.unique(rows >> 5)
-            self._alive_words[words] = keep_bitset(self._alive[words[0] * 32: (words[-1] + 1) * 32],
-                                                   (words[-1] + 1 - words[0]) * 32)[words - words[0]]
-            self._alive_bits[_lib().cp.asarray(words)] = _lib().cp.asarray(self._alive_words[words])
-        self.n_dead = int(len(self._alive) - np.count_nonzero(self._alive))
+            return
+        words = np.unique(rows >> 5)
+        bits = np.arange(32) + 32 * words[:, None]
+        in_words = self._alive[np.minimum(bits, self._size - 1)] & (bits < self._size)  # bits past the end: 0
+        self._alive_words[words] = keep_bitset(in_words.ravel(), bits.size)
+        self._alive_bits[_lib().cp.asarray(words)] = _lib().cp.asarray(self._alive_words[words])
 
     def _upload_alive(self) -> None:
         self._alive_words = keep_bitset(self._alive, self._size)

@@ -139,7 +139,7 @@ class ResidentCollection:
                 self.n_dead += 1
                 self.digest = digest.sub(self.digest, int(self._hashes[row]))
                 killed.append(row)
-        if killed and self.index is not None and hasattr(self.index, "mark_dead"):
+        if killed and self._own_deletes():
             self.index.mark_dead(np.asarray(killed, dtype=np.int64))
 
     def _own_deletes(self) -> bool:
@@ -149,7 +149,7 @@ class ResidentCollection:
     def _swap_index(self, index: AnnIndex | None) -> None:
         """Install a built or restored index over the current rows, telling it which of its rows are dead."""
         self.index = index
-        if index is not None and hasattr(index, "mark_dead"):
+        if self._own_deletes():
             dead = np.flatnonzero(~self._alive[: index.size])
             if len(dead):
                 index.mark_dead(dead)

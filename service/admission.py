@@ -300,8 +300,8 @@ class Slot:
         breaker = a.breakers.get(self.engine)
         if breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until:
             a.shed(self.engine, "cooling_down")
-            raise CoolingDown(f"engine {self.engine} is cooling down after {breaker.why()}; the request was not run", breaker.open_until - time.monotonic(), engine=self.engine,
-                              reason="cooling_down")
+            raise CoolingDown(f"engine {self.engine} is cooling down after {breaker.why()}; the request was not run",
+                              breaker.open_until - time.monotonic(), engine=self.engine, reason="cooling_down")
         self.bucket = bucket = a._engine_bucket(PRINCIPAL.get())
         if bucket is not None and (wait := bucket.wait_s(time.monotonic())) > 0:
             a.shed(self.engine, "quota")

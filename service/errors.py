@@ -19,6 +19,7 @@ from starlette.routing import Match
 
 from .database import DatabaseBusy, database_unavailable, from_database_client
 from .deadlines import remaining
+from .devices import is_out_of_memory
 
 log = logging.getLogger("switchyard.errors")
 
@@ -173,8 +174,6 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
 def _out_of_memory_problem(request: Request, exc: Exception) -> Response | None:
     """An engine out of memory (a full GPU, most often): 503 with the breaker's cool-down as Retry-After (the
     engine was marked cooling down when it failed), never a crash or a 500."""
-    from .devices import is_out_of_memory
-
     if not (is_out_of_memory(exc) or (exc.__cause__ is not None and is_out_of_memory(exc.__cause__))):
         return None
     error_id = _log_failure(request, exc, "engine out of memory")

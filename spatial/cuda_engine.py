@@ -223,7 +223,8 @@ class _Resident:
     def __init__(self, geometry: Points | Polygons, arrays: SimpleNamespace) -> None:
         self.geometry = geometry  # held so that its id() names this layer for as long as it is cached
         self.arrays = arrays
-        self.derived: OrderedDict[Any, Any] = OrderedDict()
+        self.derived: dict[str, Any] = {}  # "quadtree", "part_boxes"
+        self.grids: OrderedDict[float, Any] = OrderedDict()  # by radius, the least recently used dropped first
 
 
 class CudaSpatialEngine:
@@ -281,15 +282,17 @@ class CudaSpatialEngine:
             self._drop(next(iter(self._layers)))
         return layer
 
-    def _derive(self, layer: _Resident, key: Any, build: Callable[[], Any], limit: int | None = None) -> Any:
-        if key in layer.derived:
-            layer.derived.move_to_end(key)
-            return layer.derived[key]
+    def _derive(self, cache: dict, key: Any, build: Callable[[], Any], limit: int | None = None) -> Any:
+        """cache[key], built once; with `limit`, the cache is an OrderedDict kept to that many entries."""
+        if key in cache:
+            if limit is not None:
+                cache.move_to_end(key)
+            return cache[key]
         value = build()
         self.counters["builds"] += 1
-        layer.derived[key] = value
-        while limit is not None and len(layer.derived) > limit:
-            layer.derived.popitem(last=False)
+        cache[key] = value
+        while limit is not None and len(cache) > limit:
+            cache.popitem(last=False)
         return value
 
     def _drop(self, key: int) -> None:
@@ -331,7 +334,7 @@ class CudaSpatialEngine:
             boxes.empty = len(layer.geometry.x) == 0 or n_parts == 0
             return boxes
 
-        return self._derive(layer, "part_boxes", build)
+        return self._derive(layer.derived, "part_boxes", build)
 
     def _point_quadtree(self, layer: _Resident) -> SimpleNamespace:
         """The points' Morton-order quadtree over their own extent (as cuSpatial's quadtree_on_points is used)."""
@@ -348,7 +351,7 @@ class CudaSpatialEngine:
             return SimpleNamespace(xmin=xmin, ymin=ymin, scale=scale, point_indices=order.astype(np.int64),
                                    levels=self._quadtree(xp, keys[order], depth))
 
-        return self._derive(layer, "quadtree", build)
+        return self._derive(layer.derived, "quadtree", build)
 
     def _quadtree(self, xp, keys, max_depth: int) -> list[SimpleNamespace]:
         """Levels 1..max_depth of the point quadtree, bottom-up from the sorted Morton keys (index 0 unused)."""
@@ -514,7 +517,7 @@ class CudaSpatialEngine:
             return SimpleNamespace(inv_h=1.0 / side, n=n, keys=keys[order], index=order.astype(np.int64),
                                    lon=a.x[order], lat=a.y[order], unit=[u[order] for u in unit])
 
-        return self._derive(layer, ("grid", radius_m), build, limit=self.max_grids)
+        return self._derive(layer.grids, radius_m, build, limit=self.max_grids)
 
     def within_distance(self, a: Points, b: Points, radius_m: float, start: int | None = 0, stop: int | None = None,
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -111,7 +111,7 @@ else:
 
     from spatial.cpu_engine import CpuSpatialEngine
     from spatial.cuda_engine import CudaSpatialEngine, simulator_enabled
-    from spatial.geoarrow import points_from_lonlat, polygons_from_shapely
+    from spatial.geoarrow import Polygons, points_from_lonlat, polygons_from_shapely
 
     def fixture():
         rng = np.random.default_rng(21)
@@ -247,3 +247,17 @@ else:
         result = bench_spatial({"points": 400, "polygons": 12, "distance_points": 300}, 1)
         assert result["pip_equal"] and result["distance_equal"], result
         assert result["pip_matched"] > 0 and result["distance_pairs"] > 0
+
+    def test_distance_grids_beyond_their_limit_never_evict_the_quadtree():
+        pts, polys, _ = fixture()
+        gpu = CudaSpatialEngine(max_depth=6, max_size=8, max_grids=2)
+        gpu.pip_counts(pts, polys)
+        for radius in (1e4, 2e4, 3e4):  # the third grid drops the first, and only a grid
+            gpu.within_distance(pts, pts, radius, 0, 50, self_join=True)
+        builds = gpu.counters["builds"]
+        other = Polygons(polys.x.copy(), polys.y, polys.ring_offsets, polys.part_offsets, polys.geometry_offsets)
+        gpu.pip_counts(pts, other)  # a new polygons layer: its part boxes are built, the points' quadtree reused
+        gpu.within_distance(pts, pts, 3e4, 0, 50, self_join=True)
+        assert gpu.counters["builds"] == builds + 1
+        gpu.within_distance(pts, pts, 1e4, 0, 50, self_join=True)
+        assert gpu.counters["builds"] == builds + 2
