@@ -20,6 +20,7 @@ from typing import Awaitable, Protocol
 import asyncpg
 
 from .store import CHANNEL, CollectionStore
+from .tasks import stop_tasks
 
 log = logging.getLogger("switchyard.vectors.follower")
 
@@ -58,9 +59,7 @@ class Follower:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(*self._tasks)
         self._tasks.clear()
 
     def poll_now(self) -> None:

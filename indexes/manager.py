@@ -37,6 +37,7 @@ from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
 from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
+from .tasks import stop_tasks
 from .vectors import MAX_K, Points
 
 log = logging.getLogger("switchyard.vectors")
@@ -128,10 +129,7 @@ class CollectionManager:
 
     async def stop(self) -> None:
         await self.follower.stop()
-        for task in (self.loading, self._syncing, *self._background):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks(self.loading, self._syncing, *self._background)
         for r in list(self.resident.values()):
             await r.stop()
         await self.save_snapshots()

@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 from .errors import InvalidInput
 from .resident import Changes, ResidentCollection
 from .store import Collection, Commit
+from .tasks import stop_tasks
 
 log = logging.getLogger("switchyard.vectors")
 
@@ -174,10 +175,7 @@ class Replica:
             self.wake(read_at)
 
     async def stop(self) -> None:
-        for task in (self._pump, self.rebuild_task, self._task):
-            if task is not None and not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks(self._pump, self.rebuild_task, self._task)
 
     # -- reporting -------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import asyncpg
 from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
+from indexes.tasks import stop_tasks
 from olap.manager import OlapManager
 from spatial.manager import SpatialManager
 
@@ -31,6 +32,7 @@ from .settings import Settings
 from .supervisor import DatabaseSupervisor
 
 log = logging.getLogger("switchyard")
+POOL_CLOSE_S = 10.0  # the most stop() waits for the pools to close gracefully
 
 Phase = Literal["created", "starting", "running", "stopping", "stopped", "failed"]
 
@@ -145,9 +147,7 @@ class Runtime:
 
     async def _release(self) -> None:
         task, self._engines_task = self._engines_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks(task)
         if self.database is not None:
             await self.database.stop()  # no restarts of a server that is being stopped
         if self.jobs is not None:
@@ -168,7 +168,12 @@ class Runtime:
         await self.registry.stop()
         for pool in (self.sql_pool, self.pool):
             if pool is not None:
-                await pool.close()
+                try:  # a connection whose cancel request was never acknowledged would hold close() forever
+                    await asyncio.wait_for(pool.close(), POOL_CLOSE_S)
+                except TimeoutError:
+                    log.warning("the PostgreSQL pool did not close within %g s; terminating its connections",
+                                POOL_CLOSE_S)
+                    pool.terminate()
         self.pool = self.sql_pool = self.database = None
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
