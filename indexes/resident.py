@@ -19,13 +19,12 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from . import digest
+from . import digest, planner
 from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
 from .distance import exact_search, from_engine, merge_topk, prepare
+from .filters import Node
+from .payloads import PayloadIndex
 from .rwlock import ReadWriteLock
-
-# A filter passing fewer rows than this is answered by exact search over just those rows.
-EXACT_FILTER_ROWS = 20_000
 # A write of up to this many rows goes straight into an index that can add (HNSW): cheap, and under the write
 # lock. Larger ones wait in the delta (searched exactly) for a background rebuild: HNSW adds of 5,000 768-d rows
 # took a second each, in the acknowledgement path and blocking searches (a 100k x 768 load of 5,000-row upserts
@@ -50,6 +49,7 @@ class SearchResult:
     ids: list[list[int]]
     distances: list[list[float]]
     watermark: int | None = None  # the change seq the answer reflects (None: read from PostgreSQL itself)
+    plan: dict[str, Any] | None = None  # filtered or recall-targeted searches: the plan that ran (planner.py)
 
 
 @dataclass
@@ -63,6 +63,7 @@ class Changes:
     ids: np.ndarray
     vectors: np.ndarray
     commits: list[tuple[int, float]] = field(default_factory=list)  # (seq, commit time as epoch seconds)
+    payloads: list[Any] | None = None  # per written id: JSON text, a dict or None (None for all: none has one)
 
     @property
     def rows(self) -> int:
@@ -98,6 +99,9 @@ class ResidentCollection:
         self.n_rows = 0
         self.n_dead = 0
         self.row_of: dict[int, int] = {}
+        self.payloads = PayloadIndex()  # row for row with the vectors
+        self.filters = planner.FilterCache()
+        self.calibration: planner.Calibration | None = None  # of the current index (None: not calibrated yet)
         self.index: AnnIndex | None = None
         self.watermark = 0
         self.digest = 0
@@ -154,9 +158,10 @@ class ResidentCollection:
             if len(dead):
                 index.mark_dead(dead)
 
-    def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray) -> None:
+    def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray, payloads: list[Any] | None) -> None:
         """New rows for ids (the old row of a replaced id becomes dead). Allocates before it changes anything."""
         self._grow(len(ids))
+        self.payloads.append(payloads, len(ids))  # rows n_rows.. of the payload index: no search sees them yet
         self._kill(ids)
         start, end = self.n_rows, self.n_rows + len(ids)
         self._ids[start:end] = ids
@@ -187,6 +192,7 @@ class ResidentCollection:
         watermark is idempotent: every id it names ends in its state at `head`, and the others did not change."""
         prepared = prepare(np, changes.vectors, self.metric)
         hashes = digest.row_hashes(changes.ids, prepared)
+        payloads = planner.parsed_payloads(changes.payloads, len(changes.ids))  # outside the lock
         with self.lock.write():
             if changes.head <= self.watermark:
                 return False
@@ -194,13 +200,14 @@ class ResidentCollection:
                 raise ValueError(f"changes after seq {changes.since} cannot apply to a replica at {self.watermark}")
             self._kill(changes.deleted)
             if len(changes.ids):
-                self._append(changes.ids, prepared, hashes)
+                self._append(changes.ids, prepared, hashes, payloads)
             self.watermark = changes.head
             return True
 
-    def upsert(self, ids: np.ndarray, vectors: np.ndarray, seq: int) -> None:
+    def upsert(self, ids: np.ndarray, vectors: np.ndarray, seq: int, payloads: list[Any] | None = None) -> None:
         """Insert or replace, as the change at `seq` (tests and tools; the service applies change-log reads)."""
-        self.apply(Changes(self.watermark, max(seq, self.watermark + 1), np.empty(0, np.int64), ids, vectors))
+        self.apply(Changes(self.watermark, max(seq, self.watermark + 1), np.empty(0, np.int64), ids, vectors,
+                           payloads=payloads))
 
     def delete(self, ids: np.ndarray, seq: int) -> None:
         self.apply(Changes(self.watermark, max(seq, self.watermark + 1), ids, np.empty(0, np.int64),
@@ -259,14 +266,17 @@ class ResidentCollection:
             vectors = np.concatenate([base_vectors, self._vectors[tail]])
             alive = np.concatenate([still_alive, self._alive[tail]])
             hashes = np.concatenate([base_hashes, self._hashes[tail]])
-            self._set_rows(ids, vectors, alive, hashes)
+            payloads = self.payloads.take(np.concatenate([rows, np.arange(snapshot_rows, self.n_rows)]))
+            self._set_rows(ids, vectors, alive, hashes, payloads)
             if index is not None and index.supports_add and self.n_rows > index.size:
                 index.add(self._vectors[index.size: self.n_rows])
             self._swap_index(index)
 
-    def _set_rows(self, ids: np.ndarray, vectors: np.ndarray, alive: np.ndarray, hashes: np.ndarray) -> None:
+    def _set_rows(self, ids: np.ndarray, vectors: np.ndarray, alive: np.ndarray, hashes: np.ndarray,
+                  payloads: PayloadIndex) -> None:
         """A new layout (compaction or restore): a new generation."""
         self._ids, self._vectors, self._alive, self._hashes = ids, vectors, alive, hashes
+        self.payloads = payloads
         self.n_rows = len(ids)
         self.n_dead = int((~alive).sum())
         self.row_of = dict(zip(ids[alive].tolist(), np.flatnonzero(alive).tolist()))
@@ -274,41 +284,60 @@ class ResidentCollection:
         self.generation += 1
 
     # -- search ----------------------------------------------------------------------------------------
-    def keep_mask(self, allowed_ids: np.ndarray | None) -> np.ndarray | None:
+    def keep_mask(self) -> np.ndarray | None:
         """Rows a search may return, or None when every row may be returned."""
-        if allowed_ids is None:
-            return self._alive[: self.n_rows].copy() if self.n_dead else None
-        keep = np.zeros(self.n_rows, dtype=bool)
-        rows = [self.row_of[i] for i in allowed_ids.tolist() if i in self.row_of]
-        keep[rows] = True
-        return keep
+        return self._alive[: self.n_rows].copy() if self.n_dead else None
 
-    def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
-               allowed_ids: np.ndarray | None = None) -> SearchResult:
+    def search(self, queries: np.ndarray, k: int, params: dict[str, Any], where: Node | None = None,
+               recall_target: float | None = None) -> SearchResult:
+        """Top-k live rows. `where` restricts them to a payload filter (planner.py picks exact search over the
+        matching rows or the ANN index with them as a filter); `recall_target` picks calibrated parameters."""
         q = prepare(np, queries, self.metric)
         with self.lock.read():
             watermark = self.watermark
-            keep = self.keep_mask(allowed_ids)
-            if self.count == 0 or (keep is not None and not keep.any()):
-                return SearchResult([[] for _ in range(len(q))], [[] for _ in range(len(q))], watermark)
-            if keep is not None and allowed_ids is not None and int(keep.sum()) <= EXACT_FILTER_ROWS:
-                scores, rows = self._exact_subset(q, k, np.flatnonzero(keep))
+            index_type = self.index.config.index_type if self.index is not None else None
+            plan = planner.Plan.unfiltered(index_type, params)
+            if recall_target is not None:
+                plan = planner.targeted(plan, self.calibration, recall_target, k)
+            if where is not None:
+                matched = self.filters.rows(where, self._filter_key(), self._evaluate)
+                plan = planner.filtered(plan, matched.count, self.count, k, self._graph_degree())
+            if self.count == 0 or plan.matched == 0:
+                empty: list[list[Any]] = [[] for _ in range(len(q))]
+                return SearchResult(empty, [list(e) for e in empty], watermark, plan.report())
+            if plan.kind == "exact" and where is not None:
+                scores, rows = self._exact_subset(q, k, matched.rows, matched.vectors(self._vectors))
+            elif plan.kind == "exact":
+                scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
             else:
-                scores, rows = self._search_rows(q, k, params, keep, allowed_ids)
+                keep = matched.mask if where is not None else self.keep_mask()
+                scores, rows = self._search_rows(q, k, plan.params, keep, where is not None)
             ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
-        return _shape(ids, from_engine(np, scores, self.metric), watermark)
+        return _shape(ids, from_engine(np, scores, self.metric), watermark, plan.report())
 
-    def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        scores, local = exact_search(np, self._vectors[rows], q, k, self.metric)
+    def _filter_key(self) -> tuple[int, int, int, int]:
+        """What a filter's rows depend on: any change (a write moves the watermark) or new layout misses."""
+        return (self.generation, self.watermark, self.n_rows, self.n_dead)
+
+    def _evaluate(self, where: Node) -> np.ndarray:
+        n = self.n_rows
+        return self.payloads.evaluate(where, n) & self._alive[:n]
+
+    def _graph_degree(self) -> int:
+        p = self.index.config.params if self.index is not None else {}
+        return int(p.get("m") or p.get("graph_degree", 64) // 2)
+
+    def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scores, local = exact_search(np, vectors, q, k, self.metric)
         return scores, np.where(local >= 0, rows.take(local, mode="clip"), -1)
 
     def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
-                     allowed_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
         parts = []
         size = self.indexed_rows
         if size:
             index_keep = keep[:size] if keep is not None else None
-            if allowed_ids is None and self._own_deletes():
+            if not filtered and self._own_deletes():
                 index_keep = None  # the index drops its dead rows itself, from its resident bitset
             if index_keep is None or self.index.supports_filter:
                 parts.append(self.index.search(q, k, params, index_keep))
@@ -325,6 +354,37 @@ class ResidentCollection:
         if not parts:
             return exact_search(np, self._vectors[:0], q, k, self.metric)
         return merge_topk(np, self.metric, k, *parts) if len(parts) > 1 or parts[0][1].shape[1] != k else parts[0]
+
+    def calibrate(self) -> planner.Calibration | None:
+        """Measure the current index's recall over its parameter sweep (planner.calibrate) and keep the result
+        with the index. Runs outside the lock but for each search; a swap meanwhile discards the result."""
+        index = self.index
+        if index is None:
+            return None
+
+        def exact(queries: np.ndarray, n: int) -> np.ndarray:
+            ids, vectors = live
+            step = max(1, (128 << 20) // max(1, 4 * len(vectors)))  # a score matrix of at most 128 MB at a time
+            rows = np.concatenate([exact_search(np, vectors, queries[i:i + step], n, self.metric)[1]
+                                   for i in range(0, len(queries), step)])
+            return np.where(rows >= 0, ids.take(rows, mode="clip"), -1)
+
+        def search(queries: np.ndarray, n: int, params: dict[str, Any]) -> np.ndarray:
+            with self.lock.read():
+                if self.index is not index:
+                    raise RebuildConflict("the index changed during calibration")
+                _, rows = self._search_rows(queries, n, params, self.keep_mask())
+                return np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)
+
+        live = self.live()
+        try:
+            found = planner.calibrate(index.config.index_type, lambda: live, exact, search)
+        except RebuildConflict:
+            return None
+        with self.lock.write():
+            if self.index is index and found is not None:
+                self.calibration = found
+        return found
 
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         """Prepared vectors of live ids (for recall sampling)."""
@@ -373,11 +433,12 @@ class ResidentCollection:
             self.watermark = int(state["watermark"])
 
 
-def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None) -> SearchResult:
+def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None,
+           plan: dict[str, Any] | None = None) -> SearchResult:
     """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
     out_ids, out_d = [], []
     for row_ids, row_d in zip(ids.tolist(), distances.tolist()):
         n = next((j for j, v in enumerate(row_ids) if v < 0), len(row_ids))
         out_ids.append(row_ids[:n])
         out_d.append(row_d[:n])
-    return SearchResult(out_ids, out_d, watermark)
+    return SearchResult(out_ids, out_d, watermark, plan)

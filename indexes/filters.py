@@ -1,0 +1,238 @@
+"""The payload filter language: parsed and checked once, then evaluated by the resident payload index
+(indexes/payloads.py) or translated to SQL over jsonb for pgvector, with the same meaning on both.
+
+The syntax is MongoDB's, as Chroma and Pinecone use it:
+
+    {"color": "red"}                                   equality (shorthand for {"color": {"$eq": "red"}})
+    {"price": {"$gte": 10, "$lt": 20}}                 several operators on one field: all must hold
+    {"tag": {"$in": ["a", "b"]}}, {"$nin": [...]}      membership
+    {"day": {"$gte": "2024-01-01"}}                    a date range (ISO-8601 strings, compared as instants)
+    {"note": {"$exists": true}}                        the key is present (with any value, null included)
+    {"$and": [f, ...]}, {"$or": [f, ...]}, {"$not": f}  composition; several keys in one object are an $and
+
+Meaning, the same on every engine:
+- Only top-level payload keys are fields. A field's value is a number, a string, a boolean or null; an array or
+  an object matches only `$exists`.
+- `$eq` / `$in` match values of the operand's type: numbers compare as float64 (1 equals 1.0), strings exactly,
+  booleans are not numbers. A missing field matches neither.
+- `$ne` is `$not` of `$eq` and `$nin` `$not` of `$in`: a point without the field matches them (as in MongoDB).
+- `$gt`, `$gte`, `$lt`, `$lte` take a number (matching number values) or an ISO-8601 date / date-time string
+  (matching string values that are such dates, as instants; no offset means UTC). Nothing else has an order.
+A bad filter is an InvalidInput naming the path inside it, e.g. `filter.$or[1].price.$gte`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Union
+
+from .errors import InvalidInput
+
+MAX_DEPTH = 8  # nested $and / $or / $not
+MAX_CONDITIONS = 64  # field conditions in one filter
+MAX_IN = 1024  # values in one $in / $nin
+MAX_FIELD_CHARS = 128
+
+RANGE_OPS = ("$gt", "$gte", "$lt", "$lte")
+FIELD_OPS = ("$eq", "$ne", "$in", "$nin", "$exists", *RANGE_OPS)
+LOGICAL_OPS = ("$and", "$or", "$not")
+
+# The date strings both sides read as instants. Strict on purpose: PostgreSQL and Python must agree on exactly
+# which strings are dates (switchyard_instant in migrations/0007 uses the same pattern).
+DATE_PATTERN = (r"^[1-9][0-9]{3}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+                r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,6})?)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?)?$")
+_DATE = re.compile(DATE_PATTERN)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+Scalar = Union[str, float, bool, None]
+
+
+@dataclass(frozen=True)
+class Cond:
+    """One field condition. op: eq (value a Scalar), in (a tuple of Scalars), exists (a bool), or a range op
+    gt/gte/lt/lte with value ("number", x) or ("date", epoch seconds)."""
+
+    field: str
+    op: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class And:
+    items: tuple["Node", ...]
+
+
+@dataclass(frozen=True)
+class Or:
+    items: tuple["Node", ...]
+
+
+@dataclass(frozen=True)
+class Not:
+    item: "Node"
+
+
+Node = Union[Cond, And, Or, Not]
+
+
+def instant(text: str) -> float | None:
+    """Epoch seconds of an ISO-8601 date or date-time string (UTC when it has no offset), or None when it is not
+    one. Microseconds are exact integers divided once, as PostgreSQL's extract(epoch ...)::float8 rounds."""
+    if not _DATE.match(text):
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:  # matches the pattern but is no date (2023-02-30)
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return ((moment - _EPOCH) // timedelta(microseconds=1)) / 10**6
+
+
+def parse(raw: Any, path: str = "filter") -> Node | None:
+    """A checked filter tree, or None for no filter (None or {})."""
+    if raw is None or raw == {}:
+        return None
+    counter = [0]
+    return _object(raw, path, 0, counter)
+
+
+def _object(raw: Any, path: str, depth: int, counter: list[int]) -> Node:
+    if not isinstance(raw, dict) or not raw:
+        raise InvalidInput("a filter must be a non-empty JSON object", field=path)
+    if depth > MAX_DEPTH:
+        raise InvalidInput(f"nests deeper than {MAX_DEPTH} levels", field=path)
+    items: list[Node] = []
+    for key, value in raw.items():
+        here = f"{path}.{key}"
+        if key in ("$and", "$or"):
+            if not isinstance(value, list) or not value:
+                raise InvalidInput(f"{key} takes a non-empty list of filters", field=here)
+            parts = tuple(_object(v, f"{here}[{i}]", depth + 1, counter) for i, v in enumerate(value))
+            items.append(parts[0] if len(parts) == 1 else And(parts) if key == "$and" else Or(parts))
+        elif key == "$not":
+            items.append(Not(_object(value, here, depth + 1, counter)))
+        elif key.startswith("$"):
+            raise InvalidInput(f"unknown operator {key!r}; logical operators: {', '.join(LOGICAL_OPS)}", field=here)
+        else:
+            if len(key) > MAX_FIELD_CHARS:
+                raise InvalidInput(f"field names have at most {MAX_FIELD_CHARS} characters", field=path)
+            items.append(_field(key, value, here, counter))
+    return items[0] if len(items) == 1 else And(tuple(items))
+
+
+def _field(name: str, raw: Any, path: str, counter: list[int]) -> Node:
+    if not isinstance(raw, dict):
+        return _count(Cond(name, "eq", _scalar(raw, path)), counter, path)
+    if not raw:
+        raise InvalidInput("give a value or at least one operator", field=path)
+    items: list[Node] = []
+    for op, value in raw.items():
+        here = f"{path}.{op}"
+        if op not in FIELD_OPS:
+            raise InvalidInput(f"unknown operator {op!r}; field operators: {', '.join(FIELD_OPS)}", field=here)
+        if op in ("$eq", "$ne"):
+            node: Node = Cond(name, "eq", _scalar(value, here))
+        elif op in ("$in", "$nin"):
+            if not isinstance(value, list):
+                raise InvalidInput(f"{op} takes a list of values", field=here)
+            if len(value) > MAX_IN:
+                raise InvalidInput(f"{op} takes at most {MAX_IN} values", field=here)
+            node = Cond(name, "in", tuple(dict.fromkeys(_scalar(v, f"{here}[{i}]") for i, v in enumerate(value))))
+        elif op == "$exists":
+            if not isinstance(value, bool):
+                raise InvalidInput("$exists takes true or false", field=here)
+            node = Cond(name, "exists", True)
+            node = node if value else Not(node)
+            items.append(_count(node, counter, here))
+            continue
+        else:
+            node = Cond(name, op[1:], _bound(value, here))
+        items.append(_count(Not(node) if op in ("$ne", "$nin") else node, counter, here))
+    return items[0] if len(items) == 1 else And(tuple(items))
+
+
+def _count(node: Node, counter: list[int], path: str) -> Node:
+    counter[0] += 1
+    if counter[0] > MAX_CONDITIONS:
+        raise InvalidInput(f"a filter holds at most {MAX_CONDITIONS} field conditions", field=path)
+    return node
+
+
+def _scalar(value: Any, path: str) -> Scalar:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        number = float(value)
+        if not math.isfinite(number):
+            raise InvalidInput("must be a finite number", field=path)
+        return number
+    raise InvalidInput("must be a string, a number, a boolean or null", field=path)
+
+
+def _bound(value: Any, path: str) -> tuple[str, float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", _scalar(value, path))  # type: ignore[return-value]
+    if isinstance(value, str):
+        moment = instant(value)
+        if moment is not None:
+            return ("date", moment)
+    raise InvalidInput("a range bound must be a number or an ISO-8601 date such as 2024-05-01 or "
+                       "2024-05-01T12:00:00Z", field=path)
+
+
+def fields(node: Node | None) -> set[str]:
+    """The payload keys a filter reads."""
+    if node is None:
+        return set()
+    if isinstance(node, Cond):
+        return {node.field}
+    if isinstance(node, Not):
+        return fields(node.item)
+    return set().union(*(fields(n) for n in node.items))
+
+
+# -- SQL over jsonb (pgvector) -------------------------------------------------------------------------------
+_SQL_OPS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+_NUMBER = "CASE WHEN jsonb_typeof(payload -> {f}) = 'number' THEN (payload ->> {f})::float8 END"
+
+
+def to_sql(node: Node, args: list[Any]) -> str:
+    """A boolean SQL expression over the `payload` jsonb column; bound values are appended to `args` (so
+    placeholders continue after the caller's). Every condition is coalesced: NULL never leaks into NOT."""
+    if isinstance(node, And):
+        return "(" + " AND ".join(to_sql(n, args) for n in node.items) + ")"
+    if isinstance(node, Or):
+        return "(" + " OR ".join(to_sql(n, args) for n in node.items) + ")"
+    if isinstance(node, Not):
+        return f"(NOT {to_sql(node.item, args)})"
+    f = _arg(args, node.field) + "::text"
+    if node.op == "exists":
+        return f"coalesce(payload ? {f}, false)"
+    if node.op in _SQL_OPS:
+        kind, bound = node.value
+        value = _NUMBER.format(f=f) if kind == "number" else f"switchyard_instant(payload -> {f})"
+        return f"coalesce({value} {_SQL_OPS[node.op]} {_arg(args, bound)}::float8, false)"
+    values = (node.value,) if node.op == "eq" else node.value
+    numbers = [v for v in values if isinstance(v, float)]
+    strings = [v for v in values if isinstance(v, str)]
+    others = [v for v in values if v is None or isinstance(v, bool)]  # null, true, false: jsonb equality
+    parts = []
+    if numbers:
+        parts.append(f"({_NUMBER.format(f=f)}) = ANY({_arg(args, numbers)}::float8[])")
+    if strings:
+        parts.append(f"(jsonb_typeof(payload -> {f}) = 'string' AND payload ->> {f} = ANY({_arg(args, strings)}::text[]))")
+    if others:
+        literals = ["null" if v is None else "true" if v else "false" for v in others]
+        parts.append(f"payload -> {f} = ANY({_arg(args, literals)}::jsonb[])")
+    if not parts:  # $in []
+        return "false"
+    return "coalesce(" + " OR ".join(parts) + ", false)"
+
+
+def _arg(args: list[Any], value: Any) -> str:
+    args.append(value)
+    return f"${len(args)}"

@@ -1,0 +1,257 @@
+"""How a resident search runs: the plan for a payload filter, and search parameters for a recall target.
+
+Filtered searches (measured with loadtests/bench_filters.py --sweep, FAISS HNSW32 on 200,000 x 128 clustered
+vectors, k = 10, one query per call): with the filter as a bitmap, HNSW's cost stays flat as the filter keeps
+fewer rows but its recall falls (ef 64: 0.96 at 50% of rows, 0.80 at 5%, 0.50 at 1%). Recall 0.95 needed ef 64 at
+50%, 128 at 10%, about 200 at 5%, 350 at 2% and 512 at 1%: ef * selectivity^-0.55 holds it, so that is the effort
+rule. Exact search over the matching rows (gathered once, then one matrix product) cost 15 us at 1% and 190 us at
+10% against HNSW's 320 us and 1.3 ms at the effort that holds recall: exact wins while the matching rows are
+fewer than about 6 * M * ef rows (an HNSW search computes about 2M distances per ef step, each about three times
+the cost of a row in a dense product). IVF scans n_probes lists of about n / n_lists rows; kept to the same number
+of matching rows its effort is n_probes / selectivity, and exact wins while the matching rows are fewer than the
+rows it would scan. The response names the plan, the matching rows and the selectivity.
+
+Recall targets: after each build the service measures recall@10 of the index over a sweep of its search parameter
+on a held-out sample of stored vectors (`calibrate`: each sampled vector is a query, itself left out of both
+answers). A targeted search takes the cheapest swept setting whose calibrated recall reaches the target, scaled
+for k > 10; none reaching it means exact search.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+import orjson
+
+from .ann import LIMITS
+from .filters import Node
+
+EFFORT_EXPONENT = 0.55  # ef / n_probes grow as selectivity ** -0.55 (measured, above)
+EXACT_MIN_ROWS = 2_000  # always exact below this many matching rows
+HNSW_ROWS_PER_EF = 6  # exact wins below 6 * M * ef matching rows (measured, above)
+CALIBRATION_K = 10
+CALIBRATION_QUERIES = 500
+SWEEPS: dict[str, tuple[dict[str, Any], ...]] = {
+    "hnsw": tuple({"ef": ef} for ef in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)),
+    "cagra": tuple({"itopk_size": t} for t in (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)),
+    "ivf_flat": tuple({"n_probes": p} for p in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)),
+    "ivf_pq": tuple({"n_probes": p, "refine_ratio": r} for p in (4, 8, 16, 32, 64, 128, 256) for r in (1.0, 2.0, 4.0)),
+}
+FILTER_CACHE_ENTRIES = 16
+FILTER_CACHE_VECTOR_BYTES = 64 << 20  # a filter's gathered rows are kept for exact plans up to this size
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # "ann" (the index), "ann-filtered" (the index with the filter as a bitmap), "exact"
+    index_type: str | None
+    params: dict[str, Any]
+    matched: int | None = None  # rows the filter keeps (None: no filter)
+    selectivity: float | None = None
+    recall_target: float | None = None
+    calibrated_recall: float | None = None
+    why: str | None = None
+
+    @classmethod
+    def unfiltered(cls, index_type: str | None, params: dict[str, Any]) -> "Plan":
+        exact = index_type in (None, "brute_force")
+        return cls("exact" if exact else "ann", index_type, {} if exact else dict(params))
+
+    def report(self) -> dict[str, Any] | None:
+        """What the response says about the plan; None for a plain search."""
+        if self.matched is None and self.recall_target is None:
+            return None
+        out: dict[str, Any] = {"plan": self.kind, "params": self.params}
+        if self.matched is not None:
+            out.update(matched_rows=self.matched, selectivity=round(self.selectivity or 0.0, 6))
+        if self.recall_target is not None:
+            out.update(recall_target=self.recall_target, calibrated_recall=self.calibrated_recall)
+        if self.why:
+            out["why"] = self.why
+        return out
+
+
+def filtered(plan: Plan, matched: int, live: int, k: int, graph_degree: int = 32) -> Plan:
+    """Exact over the matching rows, or the index with the filter and its effort raised."""
+    selectivity = matched / live if live else 0.0
+    plan = replace(plan, matched=matched, selectivity=selectivity)
+    if plan.kind == "exact" or matched == 0:
+        return replace(plan, kind="exact", params={})
+    raised = raise_effort(plan.index_type, plan.params, selectivity, k)
+    if matched <= max(EXACT_MIN_ROWS, ann_rows(raised, live, graph_degree)):
+        return replace(plan, kind="exact", params={},
+                       why=f"{matched} matching rows: fewer than an ANN search would touch")
+    return replace(plan, kind="ann-filtered", params=raised)
+
+
+def raise_effort(index_type: str | None, params: dict[str, Any], selectivity: float, k: int) -> dict[str, Any]:
+    factor = max(selectivity, 1e-9) ** -EFFORT_EXPONENT
+    out = dict(params)
+    for name in ("ef", "itopk_size"):
+        if name in out:
+            out[name] = int(min(LIMITS[name][1], max(k, math.ceil(out[name] * factor))))
+    if "n_probes" in out:
+        out["n_probes"] = int(min(LIMITS["n_probes"][1], math.ceil(out["n_probes"] / max(selectivity, 1e-9))))
+    return out
+
+
+def ann_rows(params: dict[str, Any], live: int, m: int) -> float:
+    """About how many rows' worth of distance work an ANN search with `params` costs."""
+    if "ef" in params or "itopk_size" in params:
+        return HNSW_ROWS_PER_EF * m * params.get("ef", params.get("itopk_size", 64))
+    if "n_probes" in params:
+        n_lists = max(1.0, math.sqrt(live))  # the default list count (ann.default_n_lists)
+        return min(live, params["n_probes"] * live / n_lists)
+    return 0.0
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    """recall@k of one index over its parameter sweep, measured on a held-out sample of stored vectors."""
+
+    index_type: str
+    rows: int
+    k: int
+    queries: int
+    points: list[dict[str, Any]]  # {"params", "recall", "latency_us"}, in sweep order
+    seconds: float = 0.0
+    at: float = field(default_factory=time.time)
+
+    def report(self) -> dict[str, Any]:
+        return {"index_type": self.index_type, "rows": self.rows, "k": self.k, "queries": self.queries,
+                "seconds": round(self.seconds, 2), "at": self.at, "points": self.points}
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any]) -> "Calibration":
+        return cls(report["index_type"], report["rows"], report["k"], report["queries"], report["points"],
+                   report.get("seconds", 0.0), report.get("at", 0.0))
+
+    def cheapest(self, target: float) -> dict[str, Any] | None:
+        """The fastest measured setting whose recall reaches the target."""
+        good = [p for p in self.points if p["recall"] >= target]
+        return min(good, key=lambda p: p["latency_us"]) if good else None
+
+
+def targeted(plan: Plan, calibration: Calibration | None, target: float, k: int) -> Plan:
+    plan = replace(plan, recall_target=target)
+    if plan.kind == "exact":
+        return replace(plan, calibrated_recall=1.0)
+    if calibration is None or calibration.index_type != plan.index_type:
+        return replace(plan, kind="exact", params={}, calibrated_recall=1.0,
+                       why="the index is not calibrated yet: exact search")
+    point = calibration.cheapest(target)
+    if point is None:
+        return replace(plan, kind="exact", params={}, calibrated_recall=1.0,
+                       why=f"no calibrated setting reaches recall {target}: exact search")
+    params = {**plan.params, **point["params"]}
+    scale = max(1.0, k / calibration.k)  # a deeper k needs a proportionally deeper graph search
+    for name in ("ef", "itopk_size"):
+        if name in params:
+            params[name] = int(min(LIMITS[name][1], math.ceil(params[name] * scale)))
+    return replace(plan, params=params, calibrated_recall=point["recall"])
+
+
+def calibrate(index_type: str, live: Callable[[], tuple[np.ndarray, np.ndarray]],
+              exact: Callable[[np.ndarray, int], np.ndarray], search: Callable[[np.ndarray, int, dict], np.ndarray],
+              sample: int = CALIBRATION_QUERIES, k: int = CALIBRATION_K, seed: int = 7) -> Calibration | None:
+    """Measure recall@k over the sweep for `index_type`. `live()` gives (ids, vectors) of the live rows;
+    `exact(queries, n)` and `search(queries, n, params)` give ids, -1 padded."""
+    sweep = SWEEPS.get(index_type)
+    if sweep is None:
+        return None
+    started = time.perf_counter()
+    ids, vectors = live()
+    if len(ids) <= k + 1:
+        return None
+    picked = np.sort(np.random.default_rng(seed).choice(len(ids), size=min(sample, len(ids)), replace=False))
+    queries, own = vectors[picked], ids[picked]
+    truth = _without_self(exact(queries, k + 1), own, k)
+    points = []
+    for params in sweep:
+        begun = time.perf_counter()
+        got = _without_self(search(queries, k + 1, params), own, k)
+        took = (time.perf_counter() - begun) / len(queries)
+        hits = sum(len(set(g[g >= 0].tolist()) & set(t[t >= 0].tolist())) for g, t in zip(got, truth))
+        possible = int((truth >= 0).sum())
+        recall = round(hits / possible, 4) if possible else 1.0
+        points.append({"params": params, "recall": recall, "latency_us": round(took * 1e6, 1)})
+        if recall >= 0.999:  # further settings only cost more
+            break
+    return Calibration(index_type, len(ids), k, len(queries), points, time.perf_counter() - started)
+
+
+def _without_self(found: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
+    """Each row's first k ids other than the query's own (a held-out query is not its own neighbour)."""
+    out = np.full((len(found), k), -1, dtype=np.int64)
+    for i, row in enumerate(found):
+        row = row[(row != own[i]) & (row >= 0)][:k]
+        out[i, : len(row)] = row
+    return out
+
+
+# -- filters -------------------------------------------------------------------------------------------------
+@dataclass
+class FilterRows:
+    mask: np.ndarray  # over rows 0..n_rows-1, dead rows False
+    count: int
+    _rows: np.ndarray | None = None
+    _vectors: np.ndarray | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._rows = np.flatnonzero(self.mask)
+        return self._rows
+
+    def vectors(self, all_vectors: np.ndarray) -> np.ndarray:
+        """The matching rows' vectors, gathered once (kept while small enough)."""
+        if self._vectors is not None:
+            return self._vectors
+        gathered = all_vectors[self.rows]
+        if gathered.nbytes <= FILTER_CACHE_VECTOR_BYTES:
+            self._vectors = gathered
+        return gathered
+
+
+class FilterCache:
+    """The rows of recently used filters, valid while the collection does not change (the key holds its
+    watermark and layout): a filter used by many searches in a row is evaluated once."""
+
+    def __init__(self, entries: int = FILTER_CACHE_ENTRIES) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple, FilterRows] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
+        full = (where, key)
+        with self._lock:
+            found = self._items.get(full)
+            if found is not None:
+                self._items.move_to_end(full)
+                self.hits += 1
+                return found
+        mask = evaluate(where)
+        found = FilterRows(mask, int(np.count_nonzero(mask)))
+        with self._lock:
+            self.misses += 1
+            self._items[full] = found
+            while len(self._items) > self.entries:
+                self._items.popitem(last=False)
+        return found
+
+
+def parsed_payloads(payloads: list[Any] | None, n: int) -> list[Any] | None:
+    """Change-log payloads as dicts (JSON text parsed once, outside any lock)."""
+    if payloads is None:
+        return None
+    if len(payloads) != n:
+        raise ValueError(f"{len(payloads)} payloads for {n} rows")
+    return [orjson.loads(p) if isinstance(p, (bytes, str)) else p for p in payloads]
