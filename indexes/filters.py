@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Union
 
+import orjson
+
 from .errors import InvalidInput
 
 MAX_DEPTH = 8  # nested $and / $or / $not
@@ -209,6 +211,8 @@ def to_sql(node: Node, args: list[Any]) -> str:
         return "(" + " OR ".join(to_sql(n, args) for n in node.items) + ")"
     if isinstance(node, Not):
         return f"(NOT {to_sql(node.item, args)})"
+    if node.op == "eq" and not isinstance(node.value, float):  # containment: the GIN index on payload serves it
+        return f"coalesce(payload @> {_arg(args, orjson.dumps({node.field: node.value}).decode())}::jsonb, false)"
     f = _arg(args, node.field) + "::text"
     if node.op == "exists":
         return f"coalesce(payload ? {f}, false)"

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 import asyncpg
 import numpy as np
 
-from . import pgvector_search, reports, snapshots
+from . import filters, pgvector_search, reports, snapshots
 from .ann import INDEX_TYPES, check_build_shape, check_params, resolve_type, search_params
 from .batching import MicroBatcher
 from .distance import METRICS, exact_search, from_engine, prepare
@@ -63,6 +63,25 @@ class SearchAnswer:
     engine: str
     took_ms: float
     fallback: str | None = None
+
+
+def check_target(recall_target: float | None, params: dict[str, Any] | None) -> None:
+    if recall_target is None:
+        return
+    if params:
+        raise InvalidInput("give either search params or a recall_target, not both", field="recall_target")
+    if not 0 < recall_target <= 1:
+        raise InvalidInput("must be above 0 and at most 1", field="recall_target")
+
+
+def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None, rebuild: bool = True) -> None:
+    """Rebuild, then measure the new index's recall over its parameter sweep (for recall targets)."""
+    if rebuild:
+        index.rebuild(say)
+    if index.index is not None:
+        if say:
+            say("calibrating recall over the search-parameter sweep")
+        index.calibrate()
 
 
 class CollectionManager:
@@ -234,6 +253,8 @@ class CollectionManager:
             if r is not None:
                 engines.insert(0, r.index.backend.name)
                 state = r.state()
+                if r.loaded:
+                    state.update(await r.run(r.index.planner_report))
             state["pgvector_index"] = "building" if name in self.fallback_builds else await pgvector_search.has_index(
                 self.pool, c)
             own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
@@ -314,7 +335,8 @@ class CollectionManager:
 
     async def _upsert_now(self, name: str, points: Points) -> int:
         commit = await self._write(name, lambda c: self.store.upsert(c, points), lambda c, commit: (
-            commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids, points.vectors)))
+            commit, Changes(commit.prev, commit.seq, np.empty(0, np.int64), points.ids, points.vectors,
+                            payloads=points.payloads)))
         return commit.seq
 
     async def delete(self, name: str, ids: np.ndarray) -> tuple[int, int]:
@@ -438,7 +460,7 @@ class CollectionManager:
         async def rebuild() -> None:
             index = r.index
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.build_executors[self._kind_of(r)], index.rebuild, say)
+            await loop.run_in_executor(self.build_executors[self._kind_of(r)], build_and_calibrate, index, say)
             await self._save_snapshot(r)
 
         r.rebuild_started = time.monotonic()
@@ -467,10 +489,15 @@ class CollectionManager:
 
     async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
                      params: dict[str, Any] | None = None, payload_filter: dict[str, Any] | None = None,
-                     single: bool = False, consistency: str | None = None, seq: int | None = None) -> SearchAnswer:
+                     single: bool = False, consistency: str | None = None, seq: int | None = None,
+                     recall_target: float | None = None) -> SearchAnswer:
+        """`payload_filter` is the filter language of indexes/filters.py; `recall_target` (instead of `params`)
+        picks calibrated parameters on the resident engine (indexes/planner.py)."""
         arrived = time.monotonic()
         level = consistency or self.consistency.default
         check_level(level, seq)
+        where = filters.parse(payload_filter)
+        check_target(recall_target, params)
         c = await self.collection(name)
         if queries.shape[1] != c.dim:
             raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
@@ -493,11 +520,11 @@ class CollectionManager:
                 if engine != "auto":
                     raise NotCaughtUp(why, field="consistency") from exc
                 order, fallback = ["pgvector"], why + "; served by pgvector"
-        return await self._search(c, r, order, queries, k, engine, params, payload_filter, single, fallback)
+        return await self._search(c, r, order, queries, k, engine, params, where, single, fallback, recall_target)
 
     async def _search(self, c: Collection, r: Replica | None, order: list[str], queries: np.ndarray, k: int,
-                      engine: str, params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
-                      single: bool, fallback: str | None) -> SearchAnswer:
+                      engine: str, params: dict[str, Any] | None, where: filters.Node | None,
+                      single: bool, fallback: str | None, recall_target: float | None) -> SearchAnswer:
         if engine == "auto" and order == ["pgvector"] and r is not None and fallback is None:
             fallback = (f"the resident index failed to load ({r.error})" if r.error
                         else "the resident index is still loading")
@@ -512,9 +539,9 @@ class CollectionManager:
                 try:
                     if choice == "pgvector":
                         pg_params = pgvector_search.check_search_params(params if engine == "pgvector" else None)
-                        result = await pgvector_search.search(self.pool, c, queries, k, pg_params, payload_filter)
+                        result = await pgvector_search.search(self.pool, c, queries, k, pg_params, where)
                     else:
-                        result = await self._search_resident(r, queries, k, params, payload_filter, single)
+                        result = await self._search_resident(r, queries, k, params, where, single, recall_target)
                 except (InvalidInput, EngineUnavailable):
                     raise
                 except asyncpg.UndefinedTableError:
@@ -538,15 +565,15 @@ class CollectionManager:
         raise EngineUnavailable("no engine can serve this collection", field="engine")
 
     async def _search_resident(self, r: Replica, queries: np.ndarray, k: int, params: dict[str, Any] | None,
-                               payload_filter: dict[str, Any] | None, single: bool) -> SearchResult:
+                               where: filters.Node | None, single: bool, recall_target: float | None) -> SearchResult:
         index = r.index
         index_type = index.index.config.index_type if index.index is not None else resolve_type(
             r.collection.index_type, index.count)
         checked_items = search_params(index_type, params)
         checked = dict(checked_items)
-        if payload_filter:
-            allowed = await self.store.ids_matching(r.collection, payload_filter)
-            return await r.run(index.search, queries, k, checked, allowed)
+        if where is not None or recall_target is not None:
+            # The resident payload index evaluates the filter: no PostgreSQL query on this path.
+            return await r.run(index.search, queries, k, checked, where, recall_target)
         if single and len(queries) == 1:
             key = (r.collection.name, k, checked_items)
             ids, distances, watermark = await self.batchers[self._kind_of(r)].submit(key, queries[0])
@@ -570,7 +597,7 @@ class CollectionManager:
 
     # -- recall ----------------------------------------------------------------------------------------
     async def recall(self, name: str, k: int, engine: str, params: dict[str, Any] | None, sample: int,
-                     queries: np.ndarray | None, seed: int) -> dict[str, Any]:
+                     queries: np.ndarray | None, seed: int, recall_target: float | None = None) -> dict[str, Any]:
         """recall@k of `engine` against exact search over the same stored vectors."""
         c = await self.collection(name)
         r = self.resident.get(name)
@@ -591,7 +618,8 @@ class CollectionManager:
         truth_scores, truth_rows = await asyncio.to_thread(exact_search, np, data, prepare(np, queries, c.metric), k,
                                                            c.metric)
         # The same replica state the exact answer came from: no catch-up in between.
-        answer = await self.search(name, queries, k, engine, params, consistency="eventually")
+        answer = await self.search(name, queries, k, engine, params, consistency="eventually",
+                                   recall_target=recall_target)
         truth_d = from_engine(np, truth_scores, c.metric)
         hits = 0
         for qi, got in enumerate(answer.result.ids):
@@ -603,7 +631,8 @@ class CollectionManager:
                     hits += 1
         denominator = sum(min(k, len(ids)) for _ in range(len(queries)))
         return {"recall": hits / denominator, "k": k, "queries": len(queries), "engine": answer.engine,
-                "fallback": answer.fallback, "params": params or {}, "search_ms": answer.took_ms}
+                "fallback": answer.fallback, "params": params or {}, "search_ms": answer.took_ms,
+                "plan": answer.result.plan}
 
     # -- start-up and snapshots ------------------------------------------------------------------------
     async def _load_all(self) -> None:
@@ -638,9 +667,10 @@ class CollectionManager:
                 log.warning("collection %s: unusable snapshot (%s): rebuilding from PostgreSQL", c.name, exc)
                 r.index, state = r.new_index(), None
         await r.ensure_fresh(time.monotonic())  # everything after the snapshot, or everything
-        if state is None or r.index.needs_rebuild():
-            await asyncio.get_running_loop().run_in_executor(self.build_executors[self._kind_of(r)], r.index.rebuild,
-                                                             None)
+        rebuild = state is None or r.index.needs_rebuild()
+        if rebuild or r.index.calibration is None:
+            await asyncio.get_running_loop().run_in_executor(self.build_executors[self._kind_of(r)],
+                                                             build_and_calibrate, r.index, None, rebuild)
         r.loaded_from = "snapshot" if state is not None else "postgres"
         log.info("collection %s: %d vectors resident on %s at seq %d in %.2f s (from %s)", c.name, r.index.count,
                  r.index.backend.name, r.watermark, time.perf_counter() - started, r.loaded_from)

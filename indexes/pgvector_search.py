@@ -10,8 +10,8 @@ from typing import Any
 
 import asyncpg
 import numpy as np
-import orjson
 
+from . import filters
 from .errors import InvalidInput
 from .resident import SearchResult
 from .store import OPCLASSES, Collection
@@ -99,9 +99,11 @@ async def has_index(pool: asyncpg.Pool, c: Collection) -> bool:
 
 
 async def search(pool: asyncpg.Pool, c: Collection, queries: np.ndarray, k: int, params: dict[str, int],
-                 payload_filter: dict[str, Any] | None) -> SearchResult:
+                 payload_filter: filters.Node | None) -> SearchResult:
     op = c.operator
-    where = "WHERE payload @> $3::jsonb" if payload_filter else ""
+    extra: list[Any] = [None, None]  # $1 the query, $2 k; the filter's values follow
+    where = f"WHERE {filters.to_sql(payload_filter, extra)}" if payload_filter is not None else ""
+    extra = extra[2:]
     # A filtered approximate scan stops early; iterative scans keep going until k rows pass the filter,
     # and the outer ORDER BY restores strict order after the relaxed scan ("+ 0" keeps it a sort on PG 17+).
     sql = (f"WITH r AS MATERIALIZED (SELECT id, embedding {op} $1 AS distance FROM {c.table} {where} "
@@ -111,11 +113,10 @@ async def search(pool: asyncpg.Pool, c: Collection, queries: np.ndarray, k: int,
     async with pool.acquire() as conn, conn.transaction():
         for name, value in params.items():
             await conn.execute("SELECT set_config($1, $2, true)", SEARCH_KNOBS[name][0], str(value))
-        if payload_filter:
+        if payload_filter is not None:
             await conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
             await conn.execute("SELECT set_config('ivfflat.iterative_scan', 'relaxed_order', true)")
         stmt = await conn.prepare(sql)
-        extra = (orjson.dumps(payload_filter).decode(),) if payload_filter else ()
         for q in queries:
             rows = await stmt.fetch(q, k, *extra)
             ids.append([r["id"] for r in rows])

@@ -249,7 +249,10 @@ class FilterCache:
 
 
 def parsed_payloads(payloads: list[Any] | None, n: int) -> list[Any] | None:
-    """Change-log payloads as dicts (JSON text parsed once, outside any lock)."""
+    """Change-log payloads as dicts (JSON text parsed once, outside any lock): a JSON array of them, or a list
+    with JSON text or a dict per row."""
+    if isinstance(payloads, (bytes, str)):  # a change-log read: one JSON array
+        payloads = orjson.loads(payloads)
     if payloads is None:
         return None
     if len(payloads) != n:

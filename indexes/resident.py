@@ -63,7 +63,8 @@ class Changes:
     ids: np.ndarray
     vectors: np.ndarray
     commits: list[tuple[int, float]] = field(default_factory=list)  # (seq, commit time as epoch seconds)
-    payloads: list[Any] | None = None  # per written id: JSON text, a dict or None (None for all: none has one)
+    # Per written id, in order: a list (JSON text, a dict or None each) or one JSON array; None: none has one.
+    payloads: list[Any] | str | None = None
 
     @property
     def rows(self) -> int:
@@ -307,7 +308,7 @@ class ResidentCollection:
                 return SearchResult(empty, [list(e) for e in empty], watermark, plan.report())
             if plan.kind == "exact" and where is not None:
                 scores, rows = self._exact_subset(q, k, matched.rows, matched.vectors(self._vectors))
-            elif plan.kind == "exact":
+            elif plan.kind == "exact" and index_type not in (None, "brute_force"):  # no setting reaches a target
                 scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
             else:
                 keep = matched.mask if where is not None else self.keep_mask()
@@ -359,7 +360,7 @@ class ResidentCollection:
         """Measure the current index's recall over its parameter sweep (planner.calibrate) and keep the result
         with the index. Runs outside the lock but for each search; a swap meanwhile discards the result."""
         index = self.index
-        if index is None:
+        if index is None or index.config.index_type not in planner.SWEEPS:
             return None
 
         def exact(queries: np.ndarray, n: int) -> np.ndarray:
@@ -385,6 +386,15 @@ class ResidentCollection:
             if self.index is index and found is not None:
                 self.calibration = found
         return found
+
+    def planner_report(self) -> dict[str, Any]:
+        """The payload fields the filter index holds (live rows per kind of value), the calibration of the index,
+        and the filter cache's use."""
+        with self.lock.read():
+            fields = self.payloads.describe(self._alive[: self.n_rows])
+            calibration = self.calibration.report() if self.calibration is not None else None
+        return {"payload_fields": fields, "calibration": calibration,
+                "filter_cache": {"hits": self.filters.hits, "misses": self.filters.misses}}
 
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         """Prepared vectors of live ids (for recall sampling)."""
@@ -413,8 +423,12 @@ class ResidentCollection:
             alive, arrays = self._alive[:n].copy(), (self._ids, self._vectors)
             out = {"watermark": self.watermark, "digest": digest.show(self.digest),
                    "index_type": self.index.config.index_type if self.index is not None else None,
-                   "index_bytes": self.index.to_bytes() if self.index is not None else None}
-        return {"ids": arrays[0][:n].copy(), "vectors": arrays[1][:n].copy(), "alive": alive, **out}
+                   "index_bytes": self.index.to_bytes() if self.index is not None else None,
+                   "calibration": self.calibration.report() if self.calibration is not None else None}
+            payload_meta, payload_arrays = self.payloads.state()  # columns are replaced, never shrunk: copy now
+            payload_arrays = {name: a.copy() for name, a in payload_arrays.items()}
+        return {"ids": arrays[0][:n].copy(), "vectors": arrays[1][:n].copy(), "alive": alive,
+                "payload_meta": payload_meta, "payload_arrays": payload_arrays, **out}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a snapshot's state. Its content must hash to the digest it recorded, or ValueError."""
@@ -423,13 +437,18 @@ class ResidentCollection:
         found = digest.show(digest.total(hashes[alive]))
         if found != state["digest"]:
             raise ValueError(f"snapshot content digest {found} differs from the recorded {state['digest']}")
+        payloads = PayloadIndex.restore(state["payload_meta"], state["payload_arrays"])
+        if payloads.rows != len(ids):
+            raise ValueError(f"snapshot payload index has {payloads.rows} rows for {len(ids)} vectors")
+        calibration = state.get("calibration")
         index = None
         if state["index_type"] is not None:
             config = IndexConfig(state["index_type"], self.metric, self.dim, self.build_params)
             index = self.backend.load(config, state["index_bytes"])
         with self.lock.write():
-            self._set_rows(ids, vectors, alive, hashes)
+            self._set_rows(ids, vectors, alive, hashes, payloads)
             self._swap_index(index)
+            self.calibration = planner.Calibration.from_report(calibration) if calibration else None
             self.watermark = int(state["watermark"])
 
 

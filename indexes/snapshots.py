@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("switchyard.snapshots")
 
-FORMAT = 2
+FORMAT = 3  # 3: the payload index and the calibration
 ARRAYS = ("ids", "vectors", "alive")
 ENGINES = ("cuvs", "faiss")
 
@@ -40,13 +40,15 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     # Workers sharing a data dir, and threads of one, each write their own temp file; the last rename wins.
     tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}-{threading.get_ident()}.tmp")
     header = {**meta, "format": FORMAT, "watermark": int(state["watermark"]), "token": state.get("token"),
-              "digest": state["digest"], "index_type": state["index_type"]}
+              "digest": state["digest"], "index_type": state["index_type"], "calibration": state.get("calibration"),
+              "payloads": state["payload_meta"]}
     with open(tmp, "wb") as raw:
         with zipfile.ZipFile(raw, "w", compression=zipfile.ZIP_STORED) as z:
             z.writestr("meta.json", json.dumps(header))
-            for name in ARRAYS:
+            arrays = {**{name: state[name] for name in ARRAYS}, **state["payload_arrays"]}
+            for name, array in arrays.items():
                 with z.open(f"{name}.npy", "w", force_zip64=True) as f:
-                    np.save(f, state[name], allow_pickle=False)
+                    np.save(f, array, allow_pickle=False)
             if state["index_bytes"] is not None:
                 z.writestr("index.bin", state["index_bytes"])
         raw.flush()
@@ -74,6 +76,8 @@ def load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
                 log.warning("snapshot %s was made for another configuration %s: rebuilding", path, mismatch)
                 return None
             state: dict[str, Any] = {name: np.load(z.open(f"{name}.npy"), allow_pickle=False) for name in ARRAYS}
+            state["payload_arrays"] = {name[:-4]: np.load(z.open(name), allow_pickle=False) for name in z.namelist()
+                                       if name.startswith("payload") and name.endswith(".npy")}
             state["index_bytes"] = z.read("index.bin") if "index.bin" in z.namelist() else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
         log.warning("snapshot %s is unreadable (%s): rebuilding", path, exc)
@@ -86,6 +90,8 @@ def load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
     state["token"] = meta.get("token")
     state["digest"] = meta.get("digest")
     state["index_type"] = meta["index_type"]
+    state["calibration"] = meta.get("calibration")
+    state["payload_meta"] = meta["payloads"]
     return state
 
 

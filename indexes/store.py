@@ -227,8 +227,12 @@ class CollectionStore:
             deleted = [] if since == 0 else await conn.fetch(
                 "SELECT DISTINCT id FROM vector_tombstones WHERE collection_id = $1 AND seq > $2", c.id, since)
             ids, _, vectors = await self._copy_rows(conn, c, since)
+            # Payloads in the same order, as one JSON array (parsed off the event loop, by the replica).
+            payloads = await conn.fetchval(
+                f"SELECT CASE WHEN bool_or(payload IS NOT NULL) THEN json_agg(payload ORDER BY seq)::text END "
+                f"FROM {c.table} WHERE seq > $1", since)
         gone = np.fromiter((r["id"] for r in deleted), dtype=np.int64, count=len(deleted))
-        return Changes(since, head, gone, ids, vectors, [(r["seq"], r["at"]) for r in commits])
+        return Changes(since, head, gone, ids, vectors, [(r["seq"], r["at"]) for r in commits], payloads)
 
     async def _read_few_changes(self, c: Collection, since: int) -> Changes | None:
         """The changes after `since` in one statement, or None when more than FEW_ROWS rows changed."""
@@ -240,7 +244,9 @@ class CollectionStore:
             f"WHERE collection_id = $1 AND seq > $2) AS ats, "
             f"(SELECT array_agg(DISTINCT id) FROM vector_tombstones WHERE collection_id = $1 AND seq > $2) AS deleted, "
             f"(SELECT string_agg(int8send(id) || vector_send(embedding), ''::bytea ORDER BY seq) FROM "
-            f"(SELECT id, seq, embedding FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS rows "
+            f"(SELECT id, seq, embedding FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS rows, "
+            f"(SELECT json_agg(payload ORDER BY seq)::text FROM "
+            f"(SELECT seq, payload FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS payloads "
             f"FROM vector_collections vc WHERE vc.id = $1", c.id, since, FEW_ROWS)
         if row is None:
             raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
@@ -250,7 +256,8 @@ class CollectionStore:
             return None
         ids, vectors = pgcopy.decode_sent_rows(row["rows"] or b"", c.dim)
         gone = np.array(row["deleted"] or [], dtype=np.int64)
-        return Changes(since, row["head"], gone, ids, vectors, list(zip(row["seqs"] or [], row["ats"] or [])))
+        return Changes(since, row["head"], gone, ids, vectors, list(zip(row["seqs"] or [], row["ats"] or [])),
+                       row["payloads"])
 
     @staticmethod
     async def _copy_rows(conn: asyncpg.Connection, c: Collection, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -309,13 +316,6 @@ class CollectionStore:
         return await self.pool.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE $1",
             prefix + "%")
-
-    async def ids_matching(self, c: Collection, payload_filter: dict[str, Any]) -> np.ndarray:
-        """Ids whose payload contains every key/value of the filter (jsonb @>, served by the GIN index)."""
-        rows = await self.pool.fetch(f"SELECT id FROM {c.table} WHERE payload @> $1::jsonb",
-                                     orjson.dumps(payload_filter).decode())
-        return np.fromiter((r["id"] for r in rows), dtype=np.int64, count=len(rows))
-
 
 
 def _no_changes(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,7 +21,6 @@ from .jsonnum import Float, Int, IntList
 from .openapi import exactly_one_of
 
 RAW_VECTORS = "application/octet-stream"
-Scalar = str | int | float | bool | None
 
 
 class SearchOptions(BaseModel):
@@ -31,7 +30,16 @@ class SearchOptions(BaseModel):
     params: dict[str, int | float] | None = Field(default=None, description=(
         "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
         "cagra {itopk_size, search_width}; pgvector {ef_search, probes}."))
-    filter: dict[str, Scalar] | None = Field(default=None, description="Payload equality filter: every key must match.")
+    filter: dict[str, Any] | None = Field(default=None, description=(
+        "Payload filter, MongoDB-style: `{\"color\": \"red\"}` (equality), `{\"price\": {\"$gte\": 10, \"$lt\": 20}}`, "
+        "`$eq $ne $in $nin $gt $gte $lt $lte $exists` on top-level payload keys, `$and $or $not` to compose; "
+        "range bounds are numbers or ISO-8601 dates. The same meaning on every engine; see the README's "
+        "'Filtered search'. A bad filter is a 422 naming the path inside it."),
+        examples=[{"$and": [{"category": {"$in": ["books", "music"]}}, {"price": {"$lt": 20}}]}])
+    recall_target: float | None = Field(default=None, description=(
+        "Instead of `params`: the recall@10 wanted (e.g. 0.95). The resident engine uses the cheapest search "
+        "parameters whose recall, calibrated after the index's last build, reaches it (exact search if none "
+        "does); the answer's `plan` says which."))
     consistency: Literal["strong", "session", "bounded", "eventually"] | None = Field(default=None, description=(
         "What the resident replica must have applied first: `strong` every commit before this search, `session` "
         "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
@@ -53,7 +61,7 @@ class SearchRequest(SearchOptions):
         return self
 
 
-RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq"}
+RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
 
 
 @functools.lru_cache(maxsize=1024)

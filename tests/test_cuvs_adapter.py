@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from indexes import filters
 from indexes.ann import IndexConfig, check_params
 from indexes.distance import exact_search, prepare
 
@@ -340,12 +341,12 @@ def test_resident_collection_on_cuvs(cuvs_index, data):
     ids = np.arange(100_000, 100_000 + N, dtype=np.int64)
     for index_type in ("brute_force", "ivf_flat", "cagra"):
         r = ResidentCollection("c", DIM, "l2", index_type, {}, cuvs_index.CuvsBackend())
-        r.upsert(ids[:15_000], xb[:15_000], seq=1)
+        r.upsert(ids[:15_000], xb[:15_000], seq=1, payloads=[{"odd": i % 2} for i in range(15_000)])
         r.rebuild()
-        r.upsert(ids[15_000:], xb[15_000:], seq=2)
+        r.upsert(ids[15_000:], xb[15_000:], seq=2, payloads=[{"odd": i % 2} for i in range(15_000, N)])
         r.delete(ids[:100], seq=3)
         hits = r.search(xb[[50, 16_000]], 5, SEARCH[index_type])
         assert ids[50] not in hits.ids[0] and hits.ids[1][0] == ids[16_000]
-        allowed = ids[15_000::2]
-        hits = r.search(xb[[16_000, 16_001]], 5, SEARCH[index_type], allowed_ids=allowed)
+        allowed = ids[100::2]  # even rows, less the deleted ones
+        hits = r.search(xb[[16_000, 16_001]], 5, SEARCH[index_type], where=filters.parse({"odd": 0}))
         assert set(sum(hits.ids, [])) <= set(allowed.tolist()) and hits.ids[0][0] == ids[16_000]

@@ -112,6 +112,10 @@ class SearchOut(BaseModel):
     consistency: str = Field(description="The level the search was served at.")
     watermark: int | None = Field(default=None, description=(
         "The change seq the resident replica had applied when it answered (null: pgvector read PostgreSQL)."))
+    plan: dict[str, Any] | None = Field(default=None, description=(
+        "Filtered or recall-targeted searches on the resident engine: `plan` (`exact` over the matching rows, "
+        "`ann-filtered` the index with the filter as a bitmap, or `ann`), the `params` used, `matched_rows` and "
+        "`selectivity` of the filter, and `calibrated_recall` for a `recall_target`."))
 
 
 class RecallRequest(BaseModel):
@@ -122,6 +126,7 @@ class RecallRequest(BaseModel):
     sample: Int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
     queries: list[list[Float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
     seed: Int = 0
+    recall_target: float | None = Field(default=None, description="Search as a search with this recall_target would.")
 
 
 def json_body(model: type[BaseModel], more: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -235,13 +240,16 @@ async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
     body = parsed.options
     consistency = body.consistency or vectors.consistency.default
     answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
-                                  single=single, consistency=consistency, seq=body.seq)
+                                  single=single, consistency=consistency, seq=body.seq,
+                                  recall_target=body.recall_target)
     ids, distances = answer.result.ids, answer.result.distances
     if single:
         ids, distances = ids[0], distances[0]
-    return orjson.dumps({"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
-                         "fallback": answer.fallback, "consistency": consistency,
-                         "watermark": answer.result.watermark})
+    out = {"ids": ids, "distances": distances, "engine": answer.engine, "took_ms": answer.took_ms,
+           "fallback": answer.fallback, "consistency": consistency, "watermark": answer.result.watermark}
+    if answer.result.plan is not None:
+        out["plan"] = answer.result.plan
+    return orjson.dumps(out)
 
 
 async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
@@ -273,7 +281,8 @@ async def recall(name: CollectionName, body: RecallRequest, runtime: RuntimeDep)
     if body.queries is not None:
         c = await vectors.collection(name)
         queries = as_matrix(body.queries, c.dim, "queries")
-    return await vectors.recall(name, body.k, body.engine, body.params, body.sample, queries, body.seed)
+    return await vectors.recall(name, body.k, body.engine, body.params, body.sample, queries, body.seed,
+                                body.recall_target)
 
 
 @router.post("/collections/{name}/build", status_code=202, summary="Rebuild (compact) the resident index and "
