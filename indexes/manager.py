@@ -36,6 +36,7 @@ from .follower import Follower
 from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
+from .planner import CALIBRATION_QUERIES
 from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
 from .tasks import stop_tasks
 from .vectors import MAX_K, Points
@@ -74,14 +75,17 @@ def check_target(recall_target: float | None, params: dict[str, Any] | None) -> 
         raise InvalidInput("must be above 0 and at most 1", field="recall_target")
 
 
-def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None, rebuild: bool = True) -> None:
-    """Rebuild, then measure the new index's recall over its parameter sweep (for recall targets)."""
-    if rebuild:
-        index.rebuild(say)
-    if index.index is not None:
-        if say:
-            say("calibrating recall over the search-parameter sweep")
-        index.calibrate()
+def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None) -> None:
+    """Rebuild holding a sample out of the index, measure the new index's recall over its parameter sweep with
+    that sample as queries (for recall targets), then add the sample to the index."""
+    index.rebuild(say, hold_out=CALIBRATION_QUERIES)
+    try:
+        if index.held_out is not None:
+            if say:
+                say("calibrating recall over the search-parameter sweep")
+            index.calibrate()
+    finally:
+        index.absorb()
 
 
 class CollectionManager:
@@ -667,10 +671,9 @@ class CollectionManager:
                 log.warning("collection %s: unusable snapshot (%s): rebuilding from PostgreSQL", c.name, exc)
                 r.index, state = r.new_index(), None
         await r.ensure_fresh(time.monotonic())  # everything after the snapshot, or everything
-        rebuild = state is None or r.index.needs_rebuild()
-        if rebuild or r.index.calibration is None:
+        if state is None or r.index.needs_rebuild():
             await asyncio.get_running_loop().run_in_executor(self.build_executors[self._kind_of(r)],
-                                                             build_and_calibrate, r.index, None, rebuild)
+                                                             build_and_calibrate, r.index, None)
         r.loaded_from = "snapshot" if state is not None else "postgres"
         log.info("collection %s: %d vectors resident on %s at seq %d in %.2f s (from %s)", c.name, r.index.count,
                  r.index.backend.name, r.watermark, time.perf_counter() - started, r.loaded_from)

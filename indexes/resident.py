@@ -103,6 +103,7 @@ class ResidentCollection:
         self.payloads = PayloadIndex()  # row for row with the vectors
         self.filters = planner.FilterCache()
         self.calibration: planner.Calibration | None = None  # of the current index (None: not calibrated yet)
+        self.held_out: tuple[int, int] | None = None  # rows the last rebuild left out of the index, to calibrate
         self.index: AnnIndex | None = None
         self.watermark = 0
         self.digest = 0
@@ -242,19 +243,26 @@ class ResidentCollection:
             return True
         return self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
 
-    def rebuild(self, progress: Callable[[str], None] | None = None) -> None:
+    def rebuild(self, progress: Callable[[str], None] | None = None, hold_out: int = 0) -> None:
         """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:
         the build runs outside the lock, and what changed during it is carried over at the swap. The caller
-        runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict."""
+        runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict.
+        `hold_out` live rows (chosen at random) are left out of the build, in the exact delta, as calibration
+        queries the index has never seen (`calibrate`); `absorb` then adds them."""
         generation, snapshot_rows, alive, (ids_now, vectors_now, hashes_now) = self._layout()
         rows = np.flatnonzero(alive)
-        base_ids, base_vectors, base_hashes = ids_now[rows], vectors_now[rows], hashes_now[rows]
         config = self.config_for(len(rows))
+        n_indexed = len(rows)
+        if hold_out and config.index_type in planner.SWEEPS and len(rows) >= planner.MIN_CALIBRATION_ROWS:
+            held = np.zeros(len(rows), dtype=bool)
+            held[np.random.default_rng(len(rows)).choice(len(rows), size=hold_out, replace=False)] = True
+            rows, n_indexed = np.concatenate([rows[~held], rows[held]]), len(rows) - hold_out
+        base_ids, base_vectors, base_hashes = ids_now[rows], vectors_now[rows], hashes_now[rows]
         index = None
-        if len(rows) >= min_train_rows(config.index_type, config.params) and len(rows) > 0:
+        if n_indexed >= min_train_rows(config.index_type, config.params) and n_indexed > 0:
             if progress:
-                progress(f"building {config.index_type} over {len(rows)} vectors")
-            index = self.backend.build(config, base_vectors)
+                progress(f"building {config.index_type} over {n_indexed} vectors")
+            index = self.backend.build(config, base_vectors[:n_indexed])
         with self.lock.write():
             # Rows are only appended within a generation, so `rows` still names the same rows: check it by id.
             if self.generation != generation or not np.array_equal(self._ids[rows], base_ids):
@@ -269,9 +277,20 @@ class ResidentCollection:
             hashes = np.concatenate([base_hashes, self._hashes[tail]])
             payloads = self.payloads.take(np.concatenate([rows, np.arange(snapshot_rows, self.n_rows)]))
             self._set_rows(ids, vectors, alive, hashes, payloads)
-            if index is not None and index.supports_add and self.n_rows > index.size:
-                index.add(self._vectors[index.size: self.n_rows])
             self._swap_index(index)
+            self.held_out = (n_indexed, len(rows)) if index is not None and n_indexed < len(rows) else None
+            if self.held_out is None:
+                self._absorb()
+
+    def absorb(self) -> None:
+        """Add the rows after the index (held-out calibration queries, writes since) to an index that can add."""
+        with self.lock.write():
+            self.held_out = None
+            self._absorb()
+
+    def _absorb(self) -> None:
+        if self.index is not None and self.index.supports_add and self.n_rows > self.index.size:
+            self.index.add(self._vectors[self.index.size: self.n_rows])
 
     def _set_rows(self, ids: np.ndarray, vectors: np.ndarray, alive: np.ndarray, hashes: np.ndarray,
                   payloads: PayloadIndex) -> None:
@@ -337,17 +356,7 @@ class ResidentCollection:
         parts = []
         size = self.indexed_rows
         if size:
-            index_keep = keep[:size] if keep is not None else None
-            if not filtered and self._own_deletes():
-                index_keep = None  # the index drops its dead rows itself, from its resident bitset
-            if index_keep is None or self.index.supports_filter:
-                parts.append(self.index.search(q, k, params, index_keep))
-            else:  # no filter in this index: over-fetch past the rows that will be dropped
-                excluded = size - int(index_keep.sum())
-                fetch = min(size, k + min(excluded, MAX_OVERFETCH))
-                s, r = self.index.search(q, fetch, params, None)
-                bad = (r < 0) | ~index_keep[np.maximum(r, 0)]
-                parts.append((s, np.where(bad, -1, r)))
+            parts.append(self._search_index(q, k, params, keep, filtered))
         if self.n_rows > size:
             delta_keep = keep[size:] if keep is not None else None
             s, r = exact_search(np, self._vectors[size:self.n_rows], q, k, self.metric, delta_keep)
@@ -357,29 +366,31 @@ class ResidentCollection:
         return merge_topk(np, self.metric, k, *parts) if len(parts) > 1 or parts[0][1].shape[1] != k else parts[0]
 
     def calibrate(self) -> planner.Calibration | None:
-        """Measure the current index's recall over its parameter sweep (planner.calibrate) and keep the result
-        with the index. Runs outside the lock but for each search; a swap meanwhile discards the result."""
-        index = self.index
-        if index is None or index.config.index_type not in planner.SWEEPS:
-            return None
+        """Measure the index's recall@10 over its parameter sweep (planner.calibrate), with the rows the last
+        rebuild held out as queries and exact search over the indexed rows as truth; keep it with the index.
+        Runs outside the lock but for each search; a swap meanwhile discards the result."""
+        with self.lock.read():
+            index, held = self.index, self.held_out
+            if index is None or held is None or index.config.index_type not in planner.SWEEPS:
+                return None
+            queries = self._vectors[held[0]:held[1]].copy()
+            size = index.size
+            data, ids, keep = self._vectors[:size], self._ids[:size], self._alive[:size].copy()
+        k = planner.CALIBRATION_K
+        step = max(1, (128 << 20) // max(1, 4 * size))  # a score matrix of at most 128 MB at a time
+        truth = np.concatenate([exact_search(np, data, queries[i:i + step], k, self.metric, keep)[1]
+                                for i in range(0, len(queries), step)])
 
-        def exact(queries: np.ndarray, n: int) -> np.ndarray:
-            ids, vectors = live
-            step = max(1, (128 << 20) // max(1, 4 * len(vectors)))  # a score matrix of at most 128 MB at a time
-            rows = np.concatenate([exact_search(np, vectors, queries[i:i + step], n, self.metric)[1]
-                                   for i in range(0, len(queries), step)])
-            return np.where(rows >= 0, ids.take(rows, mode="clip"), -1)
-
-        def search(queries: np.ndarray, n: int, params: dict[str, Any]) -> np.ndarray:
+        def search(params: dict[str, Any]) -> np.ndarray:
             with self.lock.read():
                 if self.index is not index:
                     raise RebuildConflict("the index changed during calibration")
-                _, rows = self._search_rows(queries, n, params, self.keep_mask())
-                return np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)
+                keep_now = self.keep_mask()
+                _, rows = self._search_index(queries, k, params, None if keep_now is None else keep_now[:size])
+            return rows
 
-        live = self.live()
         try:
-            found = planner.calibrate(index.config.index_type, lambda: live, exact, search)
+            found = planner.calibrate(index.config.index_type, truth, search, len(ids))
         except RebuildConflict:
             return None
         with self.lock.write():
@@ -395,6 +406,22 @@ class ResidentCollection:
             calibration = self.calibration.report() if self.calibration is not None else None
         return {"payload_fields": fields, "calibration": calibration,
                 "filter_cache": {"hits": self.filters.hits, "misses": self.filters.misses}}
+
+    def _search_index(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
+                      filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The ANN index's top-k of its own rows, none outside `keep`."""
+        size = self.indexed_rows
+        index_keep = keep[:size] if keep is not None else None
+        if not filtered and self._own_deletes():
+            index_keep = None  # the index drops its dead rows itself, from its resident bitset
+        if index_keep is None or self.index.supports_filter:
+            return self.index.search(q, k, params, index_keep)
+        # No filter in this index: over-fetch past the rows that will be dropped.
+        excluded = size - int(index_keep.sum())
+        fetch = min(size, k + min(excluded, MAX_OVERFETCH))
+        s, r = self.index.search(q, fetch, params, None)
+        bad = (r < 0) | ~index_keep[np.maximum(r, 0)]
+        return s, np.where(bad, -1, r)
 
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         """Prepared vectors of live ids (for recall sampling)."""
