@@ -39,6 +39,7 @@ HNSW_ROWS_PER_EF = 6  # exact wins below 6 * M * ef matching rows (measured, abo
 CALIBRATION_K = 10
 CALIBRATION_QUERIES = 500  # rows a rebuild holds out of the index as calibration queries ...
 MIN_CALIBRATION_ROWS = 5_000  # ... when it has at least this many
+RECALIBRATE_GROWTH = 1.25  # an index grown by more than this since its calibration is rebuilt (and calibrated)
 SWEEPS: dict[str, tuple[dict[str, Any], ...]] = {
     "hnsw": tuple({"ef": ef} for ef in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)),
     "cagra": tuple({"itopk_size": t} for t in (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)),

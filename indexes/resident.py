@@ -229,7 +229,19 @@ class ResidentCollection:
     def compact(self) -> bool:
         """A rebuild would change nothing: no dead rows, and every row in an index of the type `auto` picks."""
         return (self.n_dead == 0 and self.delta_rows == 0 and self.index is not None
-                and self.index.config.index_type == self.config_for(self.count).index_type)
+                and self.index.config.index_type == self.config_for(self.count).index_type
+                and not self.calibration_stale)
+
+    @property
+    def calibration_stale(self) -> bool:
+        """The index can be calibrated and has no calibration, or has grown by more than a quarter since (its
+        recall at a given setting falls as it grows): a rebuild measures it again."""
+        if self.index is None or self.index.config.index_type not in planner.SWEEPS:
+            return False
+        c = self.calibration
+        if c is None or c.index_type != self.index.config.index_type:
+            return self.count >= planner.MIN_CALIBRATION_ROWS
+        return self.indexed_rows > planner.RECALIBRATE_GROWTH * (c.rows + c.queries)
 
     def needs_rebuild(self) -> bool:
         """Worth rebuilding: many dead rows, a large exact delta, or `auto` would now pick another type. Called on
@@ -241,7 +253,8 @@ class ResidentCollection:
             return self.index is not None and self.n_dead > max(0.5, p.dead_fraction) * live
         if self.index is None or self.index.config.index_type != config.index_type:
             return True
-        return self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
+        return (self.n_dead > p.dead_fraction * live or self.delta_rows > max(p.delta_rows, p.delta_fraction * live)
+                or self.calibration_stale)
 
     def rebuild(self, progress: Callable[[str], None] | None = None, hold_out: int = 0) -> None:
         """Compact dead rows and build a fresh index over the live ones. Searches and changes go on meanwhile:

@@ -1,0 +1,299 @@
+"""Filtered search and recall targets: Switchyard's planner against pgvector HNSW with the same predicate, one run.
+
+    python loadtests/bench_filters.py                       # 1,000,000 x 128, 200 queries
+    python loadtests/bench_filters.py --n 100000 --duration 3
+
+Steps: a seeded mixture (loadtests/datasets.py) with an integer attribute `attr`, uniform in [0, 1,000,000); a
+fresh `switchyard serve` (embedded PostgreSQL), one Arrow bulk load with the attribute in each payload, which
+builds the resident HNSW index (and calibrates it); the same rows in a plain table of the same PostgreSQL with
+`attr` as a real integer column under a b-tree index and an HNSW index (m=16, ef_construction=64), queried
+directly with asyncpg prepared statements and `hnsw.iterative_scan = relaxed_order` (pgvector's answer to filtered
+recall; PostgreSQL's planner may also pick the b-tree and sort, as it would for a user). For filters keeping 99%,
+50%, 10%, 1% and 0.1% of rows (`attr < p * 1,000,000`, VectorDBBench's int-filter cases) and for no filter, each
+system's search parameter is swept: recall@10 against exact search over the matching rows, QPS for one client and
+for 32 client threads (one query per request; clients share the cores with the servers). Then recall targets
+0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under loadtests/results/filters/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
+from bench_vectors import progress_bar
+from datasets import mixture
+
+RESULTS = Path(__file__).resolve().parent / "results" / "filters"
+ATTR_RANGE = 1_000_000
+SELECTIVITIES = (None, 0.99, 0.5, 0.1, 0.01, 0.001)  # None: no filter
+TARGET = 0.95
+
+
+def truth_for(base: np.ndarray, attr: np.ndarray, queries: np.ndarray, p: float | None, k: int) -> np.ndarray:
+    import faiss
+
+    rows = np.arange(len(base)) if p is None else np.flatnonzero(attr < p * ATTR_RANGE)
+    flat = faiss.IndexFlatL2(base.shape[1])
+    flat.add(base[rows])
+    found = flat.search(queries, k)[1]
+    return np.where(found >= 0, rows[np.maximum(found, 0)], -1)
+
+
+def recall_of(found: list[list[int]], truth: np.ndarray) -> float:
+    return float(np.mean([len(set(f) & set(t[t >= 0].tolist())) / max(1, int((t >= 0).sum()))
+                          for f, t in zip(found, truth)]))
+
+
+def bulk_load(service: Service, name: str, base: np.ndarray, attr: np.ndarray, build: dict[str, Any]) -> dict:
+    import pyarrow as pa
+
+    client = JsonClient(service.port)
+    client.call("POST", "/v1/collections", {"name": name, "dim": base.shape[1], "metric": "l2",
+                                            "index": {"type": "hnsw", "params": build},
+                                            "pgvector_index": {"type": "none"}})
+    table = pa.table({"id": pa.array(np.arange(len(base), dtype=np.int64)),
+                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(base.reshape(-1)), base.shape[1]),
+                      "payload": pa.array([f'{{"attr": {int(a)}}}' for a in attr])})
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    started = time.perf_counter()
+    job = client.call("PUT", f"/v1/collections/{name}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
+    message = ""
+    while True:
+        state = client.call("GET", job["location"])
+        if state["message"] != message:
+            message = state["message"] or ""
+            progress_bar(message, state["done"], state["total"])
+        if state["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(1)
+    print()
+    if state["state"] != "succeeded":
+        raise RuntimeError(f"bulk load failed: {state['message']}")
+    return {**state["result"], "total_s": round(time.perf_counter() - started, 2)}
+
+
+# -- pgvector, queried directly ---------------------------------------------------------------------------
+async def _pg_connect(dsn: str):
+    import asyncpg
+    from pgvector.asyncpg import register_vector
+
+    conn = await asyncpg.connect(dsn)
+    await register_vector(conn)
+    return conn
+
+
+async def pg_load(dsn: str, base: np.ndarray, attr: np.ndarray) -> dict[str, float]:
+    conn = await _pg_connect(dsn)
+    try:
+        await conn.execute("DROP TABLE IF EXISTS peer_items")
+        await conn.execute(f"CREATE TABLE peer_items (id bigint PRIMARY KEY, attr integer NOT NULL, "
+                           f"embedding vector({base.shape[1]}) NOT NULL)")
+        started = time.perf_counter()
+        await conn.copy_records_to_table("peer_items", records=((i, int(attr[i]), base[i]) for i in range(len(base))),
+                                         columns=["id", "attr", "embedding"])
+        loaded = time.perf_counter() - started
+        await conn.execute("SET maintenance_work_mem = '6GB'")
+        await conn.execute("SET max_parallel_maintenance_workers = 2")
+        started = time.perf_counter()
+        await conn.execute("CREATE INDEX ON peer_items USING hnsw (embedding vector_l2_ops) "
+                           "WITH (m = 16, ef_construction = 64)")
+        hnsw_s = time.perf_counter() - started
+        await conn.execute("CREATE INDEX ON peer_items (attr)")
+        await conn.execute("ANALYZE peer_items")
+        return {"copy_s": round(loaded, 2), "hnsw_build_s": round(hnsw_s, 2)}
+    finally:
+        await conn.close()
+
+
+class PgClient:
+    def __init__(self, dsn: str, k: int, ef: int, p: float | None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.conn = self.loop.run_until_complete(_pg_connect(dsn))
+        self.loop.run_until_complete(self.conn.execute(f"SET hnsw.ef_search = {int(ef)}"))
+        self.loop.run_until_complete(self.conn.execute("SET hnsw.iterative_scan = relaxed_order"))
+        where = "" if p is None else f"WHERE attr < {int(p * ATTR_RANGE)}"
+        self.stmt = self.loop.run_until_complete(self.conn.prepare(
+            f"SELECT id FROM peer_items {where} ORDER BY embedding <-> $1 LIMIT {k}"))
+
+    def search(self, q: np.ndarray) -> list[int]:
+        return [r[0] for r in self.loop.run_until_complete(self.stmt.fetch(q))]
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.conn.close())
+        self.loop.close()
+
+
+# -- Switchyard over HTTP ---------------------------------------------------------------------------------
+class SyClient:
+    def __init__(self, port: int, name: str, k: int, p: float | None, params: dict[str, Any] | None,
+                 target: float | None = None) -> None:
+        self.http, self.path = JsonClient(port), f"/v1/collections/{name}/search"
+        self.body: dict[str, Any] = {"k": k, "engine": "cpu"}
+        if p is not None:
+            self.body["filter"] = {"attr": {"$lt": int(p * ATTR_RANGE)}}
+        if params:
+            self.body["params"] = params
+        if target is not None:
+            self.body["recall_target"] = target
+        self.last_plan: dict[str, Any] | None = None
+
+    def search(self, q: np.ndarray) -> list[int]:
+        answer = self.http.call("POST", self.path, {**self.body, "vector": q.tolist()})
+        self.last_plan = answer.get("plan")
+        return answer["ids"]
+
+    def close(self) -> None:
+        self.http.conn.close()
+
+
+def measure(make, queries: np.ndarray, truth: np.ndarray, duration: float, load: MachineLoad) -> dict[str, Any]:
+    probe = make()
+    found = [probe.search(q) for q in queries]
+    plan = getattr(probe, "last_plan", None)
+    probe.close()
+    out: dict[str, Any] = {"recall": round(recall_of(found, truth), 4), "plan": plan}
+    for clients in (1, 32):
+        def client(_: int):
+            c = make()
+
+            def call(i: int) -> int:
+                c.search(queries[i % len(queries)])
+                return 1
+            call.close = c.close  # type: ignore[attr-defined]
+            return call
+        with load.section() as section:
+            result = run_clients(clients, duration, client)
+        out[f"clients_{clients}"] = {**result, "other_cores": section.get("other_cores")}
+    return out
+
+
+def best(points: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    good = [p for p in points if p["recall"] >= TARGET]
+    if good:
+        return max(good, key=lambda p: p[mode]["qps"])
+    return max(points, key=lambda p: p["recall"]) if points else None
+
+
+def plot(path: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row["filter"] for row in report["filtered"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, mode in zip(axes, ("clients_1", "clients_32")):
+        x = np.arange(len(labels))
+        for offset, system in ((-0.2, "switchyard"), (0.2, "pgvector")):
+            qps = [(row[system]["best"][mode] or {}).get("qps", 0) if row[system]["best"] else 0 for row in report["filtered"]]
+            rec = [row[system]["best"]["recall"] if row[system]["best"] else 0 for row in report["filtered"]]
+            bars = ax.bar(x + offset, qps, width=0.4, label=system)
+            for bar, r in zip(bars, rec):
+                ax.annotate(f"{r:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), fontsize=7,
+                            ha="center", va="bottom")
+        ax.set_xticks(x, labels)
+        ax.set_yscale("log")
+        ax.set_ylabel("QPS at the best setting with recall@10 >= 0.95 (label: its recall)")
+        ax.set_title(mode.replace("_", " "))
+        ax.legend()
+    fig.suptitle(f"filtered search, {report['data']['n']:,} x {report['data']['dim']}, k={report['k']}, "
+                 f"{report['versions']['cores']} cores shared by clients and servers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per QPS measurement")
+    ap.add_argument("--sy-ef", default="64,128,256", help="Switchyard ef values swept (the planner raises them)")
+    ap.add_argument("--pg-ef", default="40,100,200,400", help="pgvector hnsw.ef_search values swept")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+
+    base, queries = mixture(args.n, args.queries, args.dim, seed=0)
+    attr = np.random.default_rng(1).integers(0, ATTR_RANGE, args.n)
+    report: dict[str, Any] = {"data": {"n": args.n, "dim": args.dim, "queries": args.queries, "source": "mixture"},
+                              "k": args.k, "versions": versions("faiss-cpu", "asyncpg", "pgvector", "numpy"),
+                              "filtered": [], "recall_targets": []}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-filters-") as tmp:
+        service = Service(Path(tmp) / "data")
+        service.start()
+        try:
+            load = MachineLoad(service.pids)
+            print(f"loading {args.n:,} x {args.dim} into Switchyard (bulk load, HNSW build, calibration)")
+            report["switchyard_load"] = bulk_load(service, "filtered", base, attr, {"m": 32, "ef_construction": 40})
+            print("loading the same rows into a pgvector table (COPY, HNSW m=16 ef_construction=64, b-tree on attr)")
+            report["pgvector_load"] = asyncio.run(pg_load(service.pg_dsn, base, attr))
+            print(report["switchyard_load"], report["pgvector_load"], flush=True)
+            for p in SELECTIVITIES:
+                label = "none" if p is None else f"{p:.1%}"
+                truth = truth_for(base, attr, queries, p, args.k)
+                wait_for_quiet()
+                row: dict[str, Any] = {"filter": label, "selectivity": p, "switchyard": {"sweep": []},
+                                       "pgvector": {"sweep": []}}
+                for ef in map(int, args.sy_ef.split(",")):
+                    point = measure(lambda: SyClient(service.port, "filtered", args.k, p, {"ef": ef}), queries, truth,
+                                    args.duration, load)
+                    row["switchyard"]["sweep"].append({"ef": ef, **point})
+                    print(f"  {label:>6} switchyard ef={ef}: recall {point['recall']:.3f}, "
+                          f"QPS {point['clients_1']['qps']:.0f} / {point['clients_32']['qps']:.0f}, "
+                          f"plan {(point['plan'] or {}).get('plan')}", flush=True)
+                for ef in map(int, args.pg_ef.split(",")):
+                    point = measure(lambda: PgClient(service.pg_dsn, args.k, ef, p), queries, truth, args.duration, load)
+                    row["pgvector"]["sweep"].append({"ef_search": ef, **point})
+                    print(f"  {label:>6} pgvector ef_search={ef}: recall {point['recall']:.3f}, "
+                          f"QPS {point['clients_1']['qps']:.0f} / {point['clients_32']['qps']:.0f}", flush=True)
+                for system in ("switchyard", "pgvector"):
+                    row[system]["best"] = best(row[system]["sweep"], "clients_1")
+                    row[system]["best_32"] = best(row[system]["sweep"], "clients_32")
+                sy, pg = row["switchyard"]["best"], row["pgvector"]["best"]
+                sy32, pg32 = row["switchyard"]["best_32"], row["pgvector"]["best_32"]
+                row["ratio_1"] = round(sy["clients_1"]["qps"] / pg["clients_1"]["qps"], 2)
+                row["ratio_32"] = round(sy32["clients_32"]["qps"] / pg32["clients_32"]["qps"], 2)
+                row["pgvector_reaches_target"] = pg["recall"] >= TARGET
+                report["filtered"].append(row)
+            truth = truth_for(base, attr, queries, None, args.k)
+            for target in (0.9, 0.95, 0.99):
+                point = measure(lambda: SyClient(service.port, "filtered", args.k, None, None, target), queries, truth,
+                                args.duration, load)
+                report["recall_targets"].append({"target": target, **point})
+                print(f"  recall_target {target}: measured {point['recall']:.3f}, QPS "
+                      f"{point['clients_1']['qps']:.0f} / {point['clients_32']['qps']:.0f}, plan {point['plan']}",
+                      flush=True)
+            report["calibration"] = JsonClient(service.port).call("GET", "/v1/collections/filtered")["index_state"][
+                "calibration"]
+        finally:
+            service.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"filters-{args.n}x{args.dim}"
+    save_json(stem.with_suffix(".json"), report)
+    plot(stem.with_suffix(".png"), report)
+    print(f"\n{'filter':>7} | {'switchyard 1c':>22} | {'pgvector 1c':>22} | ratio | {'switchyard 32c':>14} | "
+          f"{'pgvector 32c':>14} | ratio")
+    for row in report["filtered"]:
+        sy, pg, sy32, pg32 = (row["switchyard"]["best"], row["pgvector"]["best"], row["switchyard"]["best_32"],
+                              row["pgvector"]["best_32"])
+        print(f"{row['filter']:>7} | {sy['clients_1']['qps']:>8.0f} @ {sy['recall']:.3f} ef={sy['ef']:<4} | "
+              f"{pg['clients_1']['qps']:>8.0f} @ {pg['recall']:.3f} ef={pg['ef_search']:<4} | {row['ratio_1']:>5} | "
+              f"{sy32['clients_32']['qps']:>6.0f} @ {sy32['recall']:.3f} | {pg32['clients_32']['qps']:>6.0f} @ "
+              f"{pg32['recall']:.3f} | {row['ratio_32']:>5}")
+    print(f"wrote {stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
