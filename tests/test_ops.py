@@ -51,7 +51,9 @@ def test_readyz_is_503_when_the_database_disappears(server_dsn, make_settings):
             run(_execute(server_dsn, f'DROP DATABASE "{name}" WITH (FORCE)'))
             r = client.get("/readyz")
             assert r.status_code == 503
-            assert r.json()["checks"]["database"].startswith("unreachable")
+            database = r.json()["checks"]["database"]
+            # The readiness query failed, or the supervisor had already seen the database go (a race either way).
+            assert database.startswith("unreachable") if isinstance(database, str) else database["state"] != "ok"
             assert client.get("/healthz").status_code == 200  # alive, just not ready
 
 
