@@ -219,7 +219,7 @@ class FilterCache:
         self.hits = self.misses = 0
 
     def rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
-        full = (where, key)
+        full = (repr(where), key)  # repr, not the tree: True == 1.0 in Python, but {"f": true} is no {"f": 1}
         with self._lock:
             found = self._items.get(full)
             if found is not None:

@@ -99,6 +99,8 @@ with np.errstate(invalid="ignore"):
         ({"$or": [{"color": "blue"}, {"flag": True}]}, (COLOR == "blue") | FLAG_TRUE),
         ({"$not": {"color": {"$exists": True}}}, COLOR == ""),
         ({"flag": None}, FLAG_NULL),
+        ({"flag": 1}, np.zeros(N, dtype=bool)),  # booleans are not numbers (and True == 1 must not share a cache entry)
+        ({"flag": True}, FLAG_TRUE),
         ({"tags": {"$exists": True}}, HAS & ATTR["tags"]),
         ({"tags": "a"}, np.zeros(N, dtype=bool)),  # arrays match only $exists
         ({"$and": [{"n": {"$lt": 50}}, {"$not": {"color": "green"}}]}, NUM & (ATTR["n"] < 50) & (COLOR != "green")),
