@@ -148,12 +148,10 @@ def _field(name: str, raw: Any, path: str, counter: list[int]) -> Node:
             if not isinstance(value, bool):
                 raise InvalidInput("$exists takes true or false", field=here)
             node = Cond(name, "exists", True)
-            node = node if value else Not(node)
-            items.append(_count(node, counter, here))
-            continue
         else:
             node = Cond(name, op[1:], _bound(value, here))
-        items.append(_count(Not(node) if op in ("$ne", "$nin") else node, counter, here))
+        negated = op in ("$ne", "$nin") or (op == "$exists" and value is False)
+        items.append(_count(Not(node) if negated else node, counter, here))
     return items[0] if len(items) == 1 else And(tuple(items))
 
 
@@ -184,17 +182,6 @@ def _bound(value: Any, path: str) -> tuple[str, float]:
             return ("date", moment)
     raise InvalidInput("a range bound must be a number or an ISO-8601 date such as 2024-05-01 or "
                        "2024-05-01T12:00:00Z", field=path)
-
-
-def fields(node: Node | None) -> set[str]:
-    """The payload keys a filter reads."""
-    if node is None:
-        return set()
-    if isinstance(node, Cond):
-        return {node.field}
-    if isinstance(node, Not):
-        return fields(node.item)
-    return set().union(*(fields(n) for n in node.items))
 
 
 # -- SQL over jsonb (pgvector) -------------------------------------------------------------------------------

@@ -85,17 +85,13 @@ class PayloadIndex:
         self.capacity = 0
 
     def append(self, payloads: list[Any] | None, n: int) -> None:
-        """The payloads of `n` new rows (JSON text, a dict, or None each; None for all: none has one)."""
+        """The payloads of `n` new rows (a dict or None each, as `parsed` gives them; None: none has one)."""
         start = self.rows
         self._reserve(start + n)
         if payloads is not None:
             for i, payload in enumerate(payloads):
-                if payload is None:
-                    continue
                 if not isinstance(payload, dict):
-                    payload = orjson.loads(payload)
-                    if not isinstance(payload, dict):
-                        continue
+                    continue
                 for key, value in payload.items():
                     column = self.columns.get(key)
                     if column is None:
@@ -206,3 +202,15 @@ class PayloadIndex:
                 raise ValueError(f"payload column {entry['key']!r} has {len(column.kind)} rows, not {out.rows}")
             out.columns[entry["key"]] = column
         return out
+
+
+def parsed(payloads: list[Any] | None, n: int) -> list[Any] | None:
+    """Change-log payloads as dicts (JSON text parsed once, outside any lock): a JSON array of them, or a list
+    with JSON text or a dict per row."""
+    if isinstance(payloads, (bytes, str)):  # a change-log read: one JSON array
+        payloads = orjson.loads(payloads)
+    if payloads is None:
+        return None
+    if len(payloads) != n:
+        raise ValueError(f"{len(payloads)} payloads for {n} rows")
+    return [orjson.loads(p) if isinstance(p, (bytes, str)) else p for p in payloads]

@@ -24,13 +24,12 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
-import orjson
 
-from .ann import LIMITS
+from .ann import LIMITS, default_n_lists
 from .filters import Node
 
 EFFORT_EXPONENT = 0.55  # ef / n_probes grow as selectivity ** -0.55 (measured, above)
@@ -80,20 +79,21 @@ class Plan:
         return out
 
 
-def filtered(plan: Plan, matched: int, live: int, k: int, graph_degree: int = 32) -> Plan:
-    """Exact over the matching rows, or the index with the filter and its effort raised."""
+def filtered(plan: Plan, matched: int, live: int, k: int, build: dict[str, Any]) -> Plan:
+    """Exact over the matching rows, or the index with the filter and its effort raised. `build`: the index's
+    build parameters."""
     selectivity = matched / live if live else 0.0
     plan = replace(plan, matched=matched, selectivity=selectivity)
     if plan.kind == "exact" or matched == 0:
         return replace(plan, kind="exact", params={})
-    raised = raise_effort(plan.index_type, plan.params, selectivity, k)
-    if matched <= max(EXACT_MIN_ROWS, ann_rows(raised, live, graph_degree)):
+    raised = raise_effort(plan.params, selectivity, k)
+    if matched <= max(EXACT_MIN_ROWS, ann_rows(raised, build, live)):
         return replace(plan, kind="exact", params={},
                        why=f"{matched} matching rows: fewer than an ANN search would touch")
     return replace(plan, kind="ann-filtered", params=raised)
 
 
-def raise_effort(index_type: str | None, params: dict[str, Any], selectivity: float, k: int) -> dict[str, Any]:
+def raise_effort(params: dict[str, Any], selectivity: float, k: int) -> dict[str, Any]:
     factor = max(selectivity, 1e-9) ** -EFFORT_EXPONENT
     out = dict(params)
     for name in ("ef", "itopk_size"):
@@ -104,12 +104,14 @@ def raise_effort(index_type: str | None, params: dict[str, Any], selectivity: fl
     return out
 
 
-def ann_rows(params: dict[str, Any], live: int, m: int) -> float:
-    """About how many rows' worth of distance work an ANN search with `params` costs."""
+def ann_rows(params: dict[str, Any], build: dict[str, Any], live: int) -> float:
+    """About how many rows' worth of distance work an ANN search with `params` costs, for an index built with
+    `build` (HNSW's m, or CAGRA's graph degree as its CPU twin halves it; IVF's list count)."""
     if "ef" in params or "itopk_size" in params:
-        return HNSW_ROWS_PER_EF * m * params.get("ef", params.get("itopk_size", 64))
+        m = build.get("m") or build.get("graph_degree", 64) // 2
+        return HNSW_ROWS_PER_EF * m * params.get("ef", params.get("itopk_size"))
     if "n_probes" in params:
-        n_lists = max(1.0, math.sqrt(live))  # the default list count (ann.default_n_lists)
+        n_lists = build.get("n_lists") or default_n_lists(live)
         return min(live, params["n_probes"] * live / n_lists)
     return 0.0
 
@@ -128,13 +130,7 @@ class Calibration:
     at: float = field(default_factory=time.time)
 
     def report(self) -> dict[str, Any]:
-        return {"index_type": self.index_type, "rows": self.rows, "k": self.k, "queries": self.queries,
-                "seconds": round(self.seconds, 2), "at": self.at, "points": self.points}
-
-    @classmethod
-    def from_report(cls, report: dict[str, Any]) -> "Calibration":
-        return cls(report["index_type"], report["rows"], report["k"], report["queries"], report["points"],
-                   report.get("seconds", 0.0), report.get("at", 0.0))
+        return asdict(self)
 
     def cheapest(self, target: float) -> dict[str, Any] | None:
         """The fastest measured setting whose recall reaches the target."""
@@ -181,7 +177,7 @@ def calibrate(index_type: str, truth: np.ndarray, search: Callable[[dict[str, An
         points.append({"params": params, "recall": recall, "latency_us": round(took * 1e6, 1)})
         if recall >= 0.999:
             break
-    return Calibration(index_type, rows, k, len(truth), points, time.perf_counter() - started)
+    return Calibration(index_type, rows, k, len(truth), points, round(time.perf_counter() - started, 2))
 
 
 # -- filters -------------------------------------------------------------------------------------------------
@@ -234,15 +230,3 @@ class FilterCache:
             while len(self._items) > self.entries:
                 self._items.popitem(last=False)
         return found
-
-
-def parsed_payloads(payloads: list[Any] | None, n: int) -> list[Any] | None:
-    """Change-log payloads as dicts (JSON text parsed once, outside any lock): a JSON array of them, or a list
-    with JSON text or a dict per row."""
-    if isinstance(payloads, (bytes, str)):  # a change-log read: one JSON array
-        payloads = orjson.loads(payloads)
-    if payloads is None:
-        return None
-    if len(payloads) != n:
-        raise ValueError(f"{len(payloads)} payloads for {n} rows")
-    return [orjson.loads(p) if isinstance(p, (bytes, str)) else p for p in payloads]

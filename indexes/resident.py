@@ -23,7 +23,7 @@ from . import digest, planner
 from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
 from .distance import exact_search, from_engine, merge_topk, prepare
 from .filters import Node
-from .payloads import PayloadIndex
+from .payloads import PayloadIndex, parsed
 from .rwlock import ReadWriteLock
 # A write of up to this many rows goes straight into an index that can add (HNSW): cheap, and under the write
 # lock. Larger ones wait in the delta (searched exactly) for a background rebuild: HNSW adds of 5,000 768-d rows
@@ -194,7 +194,7 @@ class ResidentCollection:
         watermark is idempotent: every id it names ends in its state at `head`, and the others did not change."""
         prepared = prepare(np, changes.vectors, self.metric)
         hashes = digest.row_hashes(changes.ids, prepared)
-        payloads = planner.parsed_payloads(changes.payloads, len(changes.ids))  # outside the lock
+        payloads = parsed(changes.payloads, len(changes.ids))  # outside the lock
         with self.lock.write():
             if changes.head <= self.watermark:
                 return False
@@ -334,7 +334,8 @@ class ResidentCollection:
                 plan = planner.targeted(plan, self.calibration, recall_target, k)
             if where is not None:
                 matched = self.filters.rows(where, self._filter_key(), self._evaluate)
-                plan = planner.filtered(plan, matched.count, self.count, k, self._graph_degree())
+                plan = planner.filtered(plan, matched.count, self.count, k,
+                                        self.index.config.params if self.index is not None else {})
             if self.count == 0 or plan.matched == 0:
                 empty: list[list[Any]] = [[] for _ in range(len(q))]
                 return SearchResult(empty, [list(e) for e in empty], watermark, plan.report())
@@ -348,17 +349,13 @@ class ResidentCollection:
             ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
         return _shape(ids, from_engine(np, scores, self.metric), watermark, plan.report())
 
-    def _filter_key(self) -> tuple[int, int, int, int]:
-        """What a filter's rows depend on: any change (a write moves the watermark) or new layout misses."""
-        return (self.generation, self.watermark, self.n_rows, self.n_dead)
+    def _filter_key(self) -> tuple[int, int]:
+        """What a filter's rows depend on: every change moves the watermark, every new layout the generation."""
+        return (self.generation, self.watermark)
 
     def _evaluate(self, where: Node) -> np.ndarray:
         n = self.n_rows
         return self.payloads.evaluate(where, n) & self._alive[:n]
-
-    def _graph_degree(self) -> int:
-        p = self.index.config.params if self.index is not None else {}
-        return int(p.get("m") or p.get("graph_degree", 64) // 2)
 
     def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         scores, local = exact_search(np, vectors, q, k, self.metric)
@@ -388,7 +385,7 @@ class ResidentCollection:
                 return None
             queries = self._vectors[held[0]:held[1]].copy()
             size = index.size
-            data, ids, keep = self._vectors[:size], self._ids[:size], self._alive[:size].copy()
+            data, keep = self._vectors[:size], self._alive[:size].copy()
         k = planner.CALIBRATION_K
         step = max(1, (128 << 20) // max(1, 4 * size))  # a score matrix of at most 128 MB at a time
         truth = np.concatenate([exact_search(np, data, queries[i:i + step], k, self.metric, keep)[1]
@@ -403,7 +400,7 @@ class ResidentCollection:
             return rows
 
         try:
-            found = planner.calibrate(index.config.index_type, truth, search, len(ids))
+            found = planner.calibrate(index.config.index_type, truth, search, size)
         except RebuildConflict:
             return None
         with self.lock.write():
@@ -488,7 +485,7 @@ class ResidentCollection:
         with self.lock.write():
             self._set_rows(ids, vectors, alive, hashes, payloads)
             self._swap_index(index)
-            self.calibration = planner.Calibration.from_report(calibration) if calibration else None
+            self.calibration = planner.Calibration(**calibration) if calibration else None
             self.watermark = int(state["watermark"])
 
 

@@ -34,6 +34,9 @@ CHANNEL = "switchyard_vectors"
 SMALL_WRITE_ROWS = 1000  # up to this many rows an upsert binds arrays; above, binary COPY into a staged table
 FEW_ROWS = 2000  # catch-ups of up to this many rows read in one statement
 HEAD = "(SELECT coalesce(max(seq), 0) FROM vector_commits WHERE collection_id = {id})"
+# The payloads of the rows read, in seq order, as one JSON array (NULL when none has one): one string for the
+# replica to parse off the event loop.
+PAYLOADS_JSON = "CASE WHEN bool_or(payload IS NOT NULL) THEN json_agg(payload ORDER BY seq)::text END"
 
 
 @dataclass(frozen=True)
@@ -227,10 +230,7 @@ class CollectionStore:
             deleted = [] if since == 0 else await conn.fetch(
                 "SELECT DISTINCT id FROM vector_tombstones WHERE collection_id = $1 AND seq > $2", c.id, since)
             ids, _, vectors = await self._copy_rows(conn, c, since)
-            # Payloads in the same order, as one JSON array (parsed off the event loop, by the replica).
-            payloads = await conn.fetchval(
-                f"SELECT CASE WHEN bool_or(payload IS NOT NULL) THEN json_agg(payload ORDER BY seq)::text END "
-                f"FROM {c.table} WHERE seq > $1", since)
+            payloads = await conn.fetchval(f"SELECT {PAYLOADS_JSON} FROM {c.table} WHERE seq > $1", since)
         gone = np.fromiter((r["id"] for r in deleted), dtype=np.int64, count=len(deleted))
         return Changes(since, head, gone, ids, vectors, [(r["seq"], r["at"]) for r in commits], payloads)
 
@@ -243,11 +243,11 @@ class CollectionStore:
             f"(SELECT array_agg(extract(epoch FROM committed_at)::float8 ORDER BY seq) FROM vector_commits "
             f"WHERE collection_id = $1 AND seq > $2) AS ats, "
             f"(SELECT array_agg(DISTINCT id) FROM vector_tombstones WHERE collection_id = $1 AND seq > $2) AS deleted, "
-            f"(SELECT string_agg(int8send(id) || vector_send(embedding), ''::bytea ORDER BY seq) FROM "
-            f"(SELECT id, seq, embedding FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS rows, "
-            f"(SELECT json_agg(payload ORDER BY seq)::text FROM "
-            f"(SELECT seq, payload FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) AS payloads "
-            f"FROM vector_collections vc WHERE vc.id = $1", c.id, since, FEW_ROWS)
+            f"w.rows, w.payloads FROM vector_collections vc, LATERAL ("  # one scan gives rows and payloads
+            f"SELECT string_agg(int8send(id) || vector_send(embedding), ''::bytea ORDER BY seq) AS rows, "
+            f"{PAYLOADS_JSON} AS payloads "
+            f"FROM (SELECT id, seq, embedding, payload FROM {c.table} WHERE seq > $2 ORDER BY seq LIMIT $3) r) w "
+            f"WHERE vc.id = $1", c.id, since, FEW_ROWS)
         if row is None:
             raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
         if row["head"] <= since:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
-from bench_vectors import progress_bar
+from bench_vectors import bulk_load
 from datasets import mixture
 
 RESULTS = Path(__file__).resolve().parent / "results" / "filters"
@@ -51,34 +50,12 @@ def recall_of(found: list[list[int]], truth: np.ndarray) -> float:
                           for f, t in zip(found, truth)]))
 
 
-def bulk_load(service: Service, name: str, base: np.ndarray, attr: np.ndarray, build: dict[str, Any]) -> dict:
-    import pyarrow as pa
-
-    client = JsonClient(service.port)
-    client.call("POST", "/v1/collections", {"name": name, "dim": base.shape[1], "metric": "l2",
-                                            "index": {"type": "hnsw", "params": build},
-                                            "pgvector_index": {"type": "none"}})
-    table = pa.table({"id": pa.array(np.arange(len(base), dtype=np.int64)),
-                      "vector": pa.FixedSizeListArray.from_arrays(pa.array(base.reshape(-1)), base.shape[1]),
-                      "payload": pa.array([f'{{"attr": {int(a)}}}' for a in attr])})
-    sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    started = time.perf_counter()
-    job = client.call("PUT", f"/v1/collections/{name}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
-    message = ""
-    while True:
-        state = client.call("GET", job["location"])
-        if state["message"] != message:
-            message = state["message"] or ""
-            progress_bar(message, state["done"], state["total"])
-        if state["state"] in ("succeeded", "failed"):
-            break
-        time.sleep(1)
-    print()
-    if state["state"] != "succeeded":
-        raise RuntimeError(f"bulk load failed: {state['message']}")
-    return {**state["result"], "total_s": round(time.perf_counter() - started, 2)}
+def load_collection(service: Service, name: str, base: np.ndarray, attr: np.ndarray,
+                    build: dict[str, Any]) -> dict[str, Any]:
+    JsonClient(service.port).call("POST", "/v1/collections", {
+        "name": name, "dim": base.shape[1], "metric": "l2", "index": {"type": "hnsw", "params": build},
+        "pgvector_index": {"type": "none"}})
+    return bulk_load(service.port, name, base, [f'{{"attr": {int(a)}}}' for a in attr])
 
 
 # -- pgvector, queried directly ---------------------------------------------------------------------------
@@ -237,7 +214,8 @@ def main() -> None:
         try:
             load = MachineLoad(service.pids)
             print(f"loading {args.n:,} x {args.dim} into Switchyard (bulk load, HNSW build, calibration)")
-            report["switchyard_load"] = bulk_load(service, "filtered", base, attr, {"m": 32, "ef_construction": 40})
+            report["switchyard_load"] = load_collection(service, "filtered", base, attr,
+                                                        {"m": 32, "ef_construction": 40})
             print("loading the same rows into a pgvector table (COPY, HNSW m=16 ef_construction=64, b-tree on attr)")
             report["pgvector_load"] = asyncio.run(pg_load(service.pg_dsn, base, attr))
             print(report["switchyard_load"], report["pgvector_load"], flush=True)

@@ -179,12 +179,14 @@ def progress_bar(label: str, done: int, total: int | None) -> None:
     print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total or '?'} {label:<60}", end="", flush=True)
 
 
-def bulk_load(port: int, collection: str, base: np.ndarray) -> dict[str, Any]:
+def bulk_load(port: int, collection: str, base: np.ndarray, payloads: list[str] | None = None) -> dict[str, Any]:
+    """One Arrow bulk load (ids 0..n-1, optional JSON payloads) as a job, followed to its end with a progress bar."""
     import pyarrow as pa
 
     ids = pa.array(np.arange(len(base), dtype=np.int64))
     vectors = pa.FixedSizeListArray.from_arrays(pa.array(base.reshape(-1)), base.shape[1])
-    table = pa.table({"id": ids, "vector": vectors})
+    columns = {"id": ids, "vector": vectors, **({"payload": pa.array(payloads)} if payloads is not None else {})}
+    table = pa.table(columns)
     sink = io.BytesIO()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from fastapi.testclient import TestClient
 
@@ -30,3 +32,27 @@ def assert_problem(response, status: int, slug: str, field: str | None = None) -
     if field is not None:
         assert body.get("field") == field, body
     return body
+
+
+def wait_job(client: TestClient, location: str) -> dict:
+    """Poll a job until it ends; its last state."""
+    for _ in range(1200):
+        job = client.get(location).json()
+        if job["state"] in ("succeeded", "failed"):
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job did not finish: {job}")
+
+
+@contextmanager
+def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestClient]:
+    """A ready service on a fresh database of the test server, with `made`: collections a module made."""
+    from conftest import fresh_database
+    from service.app import create_app
+    from service.settings import Settings
+
+    with fresh_database(server_dsn, database) as dsn:
+        with TestClient(create_app(Settings(database_url=dsn, data_dir=data_dir))) as client:
+            wait_ready(client)
+            client.made = {}
+            yield client

@@ -7,11 +7,11 @@ this machine has no CUDA device or no cuVS).
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
 
+from helpers import service_client, wait_job
 from service.devices import probe_cuda
 from vector_data import b64, clustered, oracle, recall
 
@@ -51,19 +51,8 @@ ENGINES = [
 @pytest.fixture(scope="module")
 def app(server_dsn, tmp_path_factory):
     """One service for the module; collections are made per engine and metric as needed."""
-    from fastapi.testclient import TestClient
-
-    from conftest import fresh_database
-    from helpers import wait_ready
-    from service.app import create_app
-    from service.settings import Settings
-
-    with fresh_database(server_dsn, "vectors_conformance") as dsn:
-        app = create_app(Settings(database_url=dsn, data_dir=tmp_path_factory.mktemp("conformance")))
-        with TestClient(app) as client:
-            wait_ready(client)
-            client.made = {}
-            yield client
+    with service_client(server_dsn, "vectors_conformance", tmp_path_factory.mktemp("conformance")) as client:
+        yield client
 
 
 def collection_for(client, engine_id: str, metric: str) -> str:
@@ -80,12 +69,7 @@ def collection_for(client, engine_id: str, metric: str) -> str:
     r = client.put(f"/v1/collections/{name}/points", json={"ids": list(range(N)), "vectors_b64": b64(DATA),
                                                            "payloads": [{"group": i % 4} for i in range(N)]})
     assert r.status_code == 200, r.text
-    job = client.post(f"/v1/collections/{name}/build").json()
-    for _ in range(600):
-        state = client.get(job["location"]).json()
-        if state["state"] in ("succeeded", "failed"):
-            break
-        time.sleep(0.05)
+    state = wait_job(client, client.post(f"/v1/collections/{name}/build").json()["location"])
     assert state["state"] == "succeeded", state
     if engine == "cpu":  # the index really is built: no answer comes from the exact delta
         index_state = client.get(f"/v1/collections/{name}").json()["index_state"]

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from fastapi.testclient import TestClient
 
-from helpers import wait_ready
+from helpers import wait_job, wait_ready
 from service.app import create_app
 from test_cli import free_port, serving
 from test_cli import wait_ready as wait_ready_http
@@ -29,15 +29,6 @@ def running(make_settings, data_dir: Path) -> TestClient:
     client.__enter__()
     wait_ready(client)
     return client
-
-
-def wait_job(client, location: str) -> dict:
-    for _ in range(1200):
-        job = client.get(location).json()
-        if job["state"] in ("succeeded", "failed"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job did not finish: {job}")
 
 
 def top1(client, name: str, vectors: np.ndarray, engine: str = "cpu") -> list[int]:
