@@ -11,6 +11,11 @@ more than an HNSW search of a 128-d vector. Lone means no other search reached t
 the loop (requests that arrive together do: one yield lets them); under concurrency searches keep going to the
 thread in batches, which inlining would serialise. `can_inline(key)` may veto it (say, while a writer holds the
 engine's lock, which would stall the loop).
+
+`try_now(key, vector)` is the same inline search for a caller that cannot wait at all (the HTTP protocol's
+synchronous lane, service/hot_protocol.py): it answers at once or returns None, and the caller takes the
+asynchronous path. Within one turn of the event loop it answers at most `burst` searches: past that, requests are
+arriving together and go to the worker thread as a batch, so the loop keeps reading while FAISS runs.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class _Lane:
 
 class MicroBatcher:
     def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0,
-                 inline_below_s: float = 0.0, can_inline: Callable[[Hashable], bool] | None = None) -> None:
+                 inline_below_s: float = 0.0, can_inline: Callable[[Hashable], bool] | None = None,
+                 burst: int = 4) -> None:
         self.run = run
         self.executor = executor
         self.max_batch = max_batch
@@ -47,6 +53,8 @@ class MicroBatcher:
         self._lanes: dict[Hashable, _Lane] = defaultdict(_Lane)
         self._lone_cost: dict[Hashable, float] = {}  # moving average of a lone query's engine time, per key
         self._arriving = 0  # searches between their arrival and the decision to inline them or not
+        self.burst = burst
+        self._this_turn = 0  # searches try_now answered in this turn of the event loop
         self.batches = 0
         self.queries = 0
         self.inline = 0
@@ -64,6 +72,23 @@ class MicroBatcher:
         lane = self._lanes.get(key)
         return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
                 and (self.can_inline is None or self.can_inline(key)))
+
+    def try_now(self, key: Hashable, vector: np.ndarray) -> Any | None:
+        """The inline search, now, or None: not cheap enough, the key's lane is busy, another search is deciding,
+        or this turn of the loop has already answered `burst` searches (see the module's docstring)."""
+        if not (self.inline_below_s and self._arriving == 0 and self._this_turn < self.burst and self._inline_ok(key)):
+            return None
+        if self._this_turn == 0:
+            asyncio.get_running_loop().call_soon(self._new_turn)  # runs once this turn's callbacks are done
+        self._this_turn += 1
+        result = self._timed(key, vector[None, :])[0]
+        self.batches += 1
+        self.queries += 1
+        self.inline += 1
+        return result
+
+    def _new_turn(self) -> None:
+        self._this_turn = 0
 
     async def submit(self, key: Hashable, vector: np.ndarray) -> Any:
         if self.inline_below_s and self._inline_ok(key):

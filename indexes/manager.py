@@ -90,7 +90,7 @@ def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | 
 
 class CollectionManager:
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, dsn: str | None = None, max_batch: int = 64,
-                 batch_window_s: float = 0.0, inline_search_s: float = 0.0,
+                 batch_window_s: float = 0.0, inline_search_s: float = 0.0, inline_burst: int = 4,
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None, guard: Any = None) -> None:
@@ -106,6 +106,7 @@ class CollectionManager:
         self._creating: set[str] = set()  # collections this process is creating: it registers their replicas
         self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
+        self.inline_burst = inline_burst
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
         # Admission control (service/admission.py): slot(engine) around each engine call, cooling(engine) to
@@ -135,7 +136,7 @@ class CollectionManager:
         self.batchers[kind] = MicroBatcher(self._run_batch, self.executors[kind], max_batch=self.max_batch,
                                            window_s=self.batch_window_s,
                                            inline_below_s=self.inline_search_s if kind == "cpu" else 0.0,
-                                           can_inline=self._uncontended)
+                                           can_inline=self._uncontended, burst=self.inline_burst)
 
     @property
     def resident_kind(self) -> str | None:
@@ -525,6 +526,42 @@ class CollectionManager:
                     raise NotCaughtUp(why, field="consistency") from exc
                 order, fallback = ["pgvector"], why + "; served by pgvector"
         return await self._search(c, r, order, queries, k, engine, params, where, single, fallback, recall_target)
+
+    def search_now(self, name: str, query: np.ndarray, k: int, engine: str, params: dict[str, Any] | None,
+                   consistency: str | None, seq: int | None) -> SearchAnswer | None:
+        """One unfiltered query answered at once on the event loop, or None: whatever would have to wait (a
+        catch-up for the consistency level, an engine slot, the micro-batcher's thread), fail, or leave the
+        resident engine goes through search(), which answers it or says why not. Searches are reads, so the
+        caller may run the same request again there."""
+        arrived = time.monotonic()
+        c, r = self.catalog.get(name), self.resident.get(name)
+        level = consistency or self.consistency.default
+        if (c is None or r is None or not r.loaded or query.shape != (c.dim,) or not 1 <= k <= MAX_K
+                or engine not in ("auto", "cpu") or self._kind_of(r) != "cpu"):
+            return None
+        index, served = r.index, ENGINE_KIND["cpu"]
+        try:
+            check_level(level, seq)
+            key = (name, k, search_params(index.index.config.index_type if index.index is not None else resolve_type(
+                c.index_type, index.count), params))
+        except InvalidInput:
+            return None
+        if (not r.satisfies(level, seq, arrived, self.consistency.bound_s) or self.guard.cooling(served)
+                or not (slot := self.guard.try_slot(served))):
+            return None
+        started = time.perf_counter()
+        try:
+            found = self.batchers["cpu"].try_now(key, query)
+        except Exception:  # noqa: BLE001 - search() runs it again and reports the failure as usual
+            found = None
+        took = time.perf_counter() - started
+        slot.release(took if found is not None else None)
+        if found is None:
+            return None
+        self.guard.succeeded(served)
+        self.observe(served, "search", took, True)
+        ids, distances, watermark = found
+        return SearchAnswer(SearchResult([ids], [distances], watermark), served, round(took * 1000, 3))
 
     async def _search(self, c: Collection, r: Replica | None, order: list[str], queries: np.ndarray, k: int,
                       engine: str, params: dict[str, Any] | None, where: filters.Node | None,

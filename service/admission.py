@@ -145,6 +145,16 @@ class Gate:
         self.active -= 1
 
 
+class Unbounded:
+    """try_slot's slot with admission control off."""
+
+    def release(self, held_s: float | None = None) -> None:
+        pass
+
+
+UNBOUNDED = Unbounded()
+
+
 @dataclass
 class TokenBucket:
     rate: float  # tokens per second
@@ -215,6 +225,24 @@ class Admission:
         """`async with admission.slot(engine):` around one engine call. With bound_run=False the deadline bounds
         only the wait for a slot, not the call: writes are never cut off between their COMMIT and their ack."""
         return Slot(self, engine, bound_run)
+
+    def try_slot(self, engine: str) -> "Gate | Unbounded | None":
+        """A slot of `engine` now, for a call that runs at once on the event loop, or None where slot() could
+        have to wait, refuse, charge a quota or bound the call by a deadline (the caller then takes that path).
+        The caller gives it back with `.release(held_s)` (None: the call did not run)."""
+        if not self.enabled:
+            return UNBOUNDED
+        breaker = self.breakers.get(engine)
+        if ((breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until)
+                or self.settings.quota_engine_seconds_per_s or current_deadline() is not None):
+            return None
+        gate = self.gate(engine)
+        if gate.active >= gate.limit or gate.waiters:
+            return None
+        gate.active += 1
+        if self.metrics is not None:
+            self.metrics.admitted(engine)
+        return gate
 
     def shed(self, engine: str, reason: str) -> None:
         if self.metrics is not None:

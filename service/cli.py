@@ -18,6 +18,8 @@ from pydantic import ValidationError
 
 from .settings import Settings
 
+SYNC_SEARCH = "service.hot_protocol:SyncSearchProtocol"  # uvicorn's httptools protocol with a synchronous search lane
+
 
 def _settings(args: argparse.Namespace) -> Settings:
     # Command-line options override the environment; they go through the environment so that every
@@ -43,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
         uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, **common)
+                    workers=settings.workers, http=SYNC_SEARCH if settings.sync_search else "auto", **common)
         return 0
     # The engine process (this one) listens on unix sockets in a private directory with a short path (socket
     # names are limited to about 100 bytes); the fronts, a child process tree, listen on the port.

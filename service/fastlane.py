@@ -20,18 +20,15 @@ import time
 from types import SimpleNamespace
 from typing import Awaitable, Callable
 
-from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from indexes.errors import VectorError
 
 from .access_log import log_request
 from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
 from .deadlines import set_deadline
 from .errors import ProblemError
 from .metrics import StatusSend
-from .vector_requests import RAW_VECTORS
+from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
 from .settings import Settings
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
@@ -48,17 +45,21 @@ HEAVY_PREFIXES = ("/v1/olap/", "/v1/spatial/")  # SSB, SQL and geometry: at most
 # A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
 # or None when the request fails (the full app then answers it).
 Answer = Callable[[bool, str, bytes, str, str, float], Awaitable["bytes | None"]]
-# What parsing or answering a bad request raises: the full app formats each as its problem+json.
-REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
+# A search's answer computed at once, without awaiting anything: (collection, body, media type, query string) ->
+# the JSON answer, or None when it cannot be (the request then takes the ASGI path).
+AnswerNow = Callable[[str, bytes, str, str], "bytes | None"]
+NOW_MAX_BODY = 1 << 20  # bodies the protocol's synchronous lane may hold: a few single-vector searches' worth
 
 
 class HotLane:
     """Picks out hot requests for `answer`; the app it wraps answers everything else, and any hot request that
     fails (replayed to it)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, answer: Answer, admission: Admission | None = None) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, answer: Answer, admission: Admission | None = None,
+                 answer_now: AnswerNow | None = None) -> None:
         self.app = app
         self.answer = answer
+        self.now = answer_now  # None: no synchronous lane (a front process, or the lane turned off)
         self.admission = admission  # None in a front process: the engine process admits
         self.quota = bool(settings.quota_requests_per_s)  # a front process names the principal; the engine counts
         self.default_timeout = settings.request_timeout_s
@@ -71,6 +72,45 @@ class HotLane:
         if name == "app":  # not set yet: never recurse
             raise AttributeError(name)
         return getattr(self.app, name)  # app.state, app.openapi(), dependency_overrides ...: the FastAPI app's
+
+    def takes_now(self, method: bytes, url: bytes, length: int) -> bool:
+        """Whether a request may be answered by answer_now, from its request line and declared length alone."""
+        return (self.now is not None and method == b"POST" and 0 < length <= NOW_MAX_BODY
+                and url.startswith(b"/v1/collections/") and url.partition(b"?")[0].endswith(b"/search"))
+
+    def answer_now(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]], raw: bytes) -> bytes | None:
+        """A search answered at once from the HTTP protocol itself (service/hot_protocol.py), before any ASGI
+        machinery, with the same checks, in-flight accounting and metrics as __call__; or None: the request then
+        goes through __call__ as any other, which answers it or its error. Requests with a deadline, a quota to
+        charge or a forwarded client always go that way."""
+        path, _, query = url.partition(b"?")
+        match = HOT.match(path.decode("latin-1"))
+        if self.now is None or method != b"POST" or match is None or match.group(2) != "search" or self.quota \
+                or self.default_timeout is not None:
+            return None
+        media, authorization = JSON, None
+        for name, value in headers:
+            if name == b"content-type":
+                media = value.split(b";")[0].strip().lower()
+            elif name == b"authorization":
+                authorization = value
+            elif name == TIMEOUT_HEADER or name == CLIENT_HEADER:
+                return None
+        if not self._accepts(len(raw), media, authorization, True):
+            return None
+        pressure = self.pressure
+        if pressure is not None and not pressure.admit(True):
+            return None
+        start, answer = time.perf_counter(), None
+        try:
+            answer = self.now(match.group(1), raw, media.decode(), query.decode("latin-1"))
+        finally:
+            if pressure is not None:
+                pressure.leave(True, HOT_KINDS[True] if answer is not None else None, time.perf_counter() - start)
+        if answer is not None and self.sample and random.random() < self.sample:
+            log_request({"client": None, "method": "POST", "path": path.decode("latin-1"), "query_string": query},
+                        200, time.perf_counter() - start, sampled=True)
+        return answer
 
     def _accepts(self, length: int, media: bytes, authorization: bytes | None, search: bool) -> bool:
         """Whether this request is ours: authorised, declared length within the limit, a body we parse."""
@@ -199,6 +239,21 @@ def local_answer(runtime: object) -> Answer:
         except REQUEST_ERRORS:
             return None
         observe_hot(runtime.metrics, search, time.perf_counter() - start)
+        return body
+
+    return answer
+
+
+def local_answer_now(runtime: object) -> AnswerNow:
+    """Searches a process that holds the engines answers from its HTTP protocol, at once when it can."""
+    from .routes.vectors import search_now
+
+    def answer(name: str, raw: bytes, media: str, query_string: str) -> bytes | None:
+        start = time.perf_counter()
+        body = search_now(runtime, name, raw, media, query_string)
+        if body is not None:
+            observe_hot(runtime.metrics, True, time.perf_counter() - start)
+            runtime.metrics.sync_searches.inc()
         return body
 
     return answer

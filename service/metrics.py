@@ -35,6 +35,10 @@ class Metrics:
             "switchyard_http_request_duration_seconds", "HTTP request latency by route template, method and status.",
             ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.sync_searches = Counter(
+            "switchyard_sync_searches_total", "Searches answered from the HTTP protocol itself, without an ASGI cycle "
+            "(service/hot_protocol.py); also counted in switchyard_http_requests_total.", registry=self.registry,
+        )
         self.engine_queries = Counter(
             "switchyard_engine_queries_total", "Engine calls by engine, operation and outcome.",
             ["domain", "engine", "operation", "outcome"], registry=self.registry,

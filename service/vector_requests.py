@@ -15,12 +15,16 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from indexes.errors import VectorError
 from indexes.vectors import MAX_K, decode_base64, encode_payloads, unshaped_matrix
 
+from .errors import ProblemError
 from .jsonnum import Float, Int, IntList
 from .openapi import exactly_one_of
 
 RAW_VECTORS = "application/octet-stream"
+# What parsing or answering a bad request raises: the full app formats each as its problem+json.
+REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
 
 
 class SearchOptions(BaseModel):

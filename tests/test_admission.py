@@ -283,6 +283,31 @@ def test_breaker_routes_around_a_failing_engine_then_probes_it():
     run(go())
 
 
+def test_a_slot_taken_at_once_only_where_slot_would_neither_wait_refuse_charge_nor_bound():
+    async def go():
+        admission = Admission(settings(batch_max=1))  # faiss: 2 slots
+        first, second = admission.try_slot("faiss"), admission.try_slot("faiss")
+        assert first is second is admission.gate("faiss") and admission.try_slot("faiss") is None  # full
+        waiting = asyncio.ensure_future(admission.slot("faiss").__aenter__())
+        await asyncio.sleep(0)
+        assert admission.gate("faiss").waiters and admission.try_slot("faiss") is None
+        first.release(0.001)
+        await waiting  # the freed slot went to the waiter, not to a call that could run at once
+        assert admission.gate("faiss").active == 2 and admission.try_slot("faiss") is None
+        second.release(None)
+        assert admission.try_slot("faiss") is not None
+        for _ in range(3):
+            admission.failed("cuvs")
+        assert admission.try_slot("cuvs") is None  # cooling down: slot() would refuse
+        assert Admission(settings(quota_engine_seconds_per_s=1.0)).try_slot("faiss") is None  # slot() charges
+        set_deadline(time.monotonic() + 5)
+        assert admission.try_slot("pgvector") is None  # slot() bounds the call
+        off = Admission(settings(admission=False))
+        assert off.try_slot("faiss") is not None and off.gate("faiss").active == 0
+
+    run(go())
+
+
 def test_a_deadline_bounds_the_engine_call_and_frees_the_slot():
     async def go():
         admission = Admission(settings())

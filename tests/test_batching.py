@@ -88,3 +88,47 @@ def test_an_engine_error_reaches_the_caller_inline_or_not():
             await batcher.submit("c", np.ones(2))  # on a thread
 
     run(go())
+
+
+def test_try_now_answers_at_once_only_what_submit_would_inline_and_at_most_burst_per_turn():
+    engine, release = Engine(), threading.Event()
+    batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.01, burst=3)
+
+    async def go():
+        assert batcher.try_now("c", np.ones(2)) is None  # its cost is unknown yet
+        await batcher.submit("c", np.ones(2))  # measured on a worker thread
+        loop_thread = threading.get_ident()
+        turn = [batcher.try_now("c", np.full(2, i)) for i in range(5)]
+        await asyncio.sleep(0)  # the next turn of the loop
+        again = batcher.try_now("c", np.full(2, 7.0))
+        engine.seconds = 0.05  # two searches arriving together: a batch in flight on the worker thread ...
+        held = [asyncio.ensure_future(batcher.submit("c", np.ones(2))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert batcher._lanes["c"].busy
+        busy = batcher.try_now("c", np.ones(2))
+        await asyncio.gather(*held)
+        engine.seconds = 0.0
+        return loop_thread, turn, again, busy
+
+    loop_thread, turn, again, busy = run(go())
+    assert [r[0] for r in turn[:3]] == [0.0, 2.0, 4.0] and all(r[1] == loop_thread for r in turn[:3])
+    assert turn[3:] == [None, None]  # past the burst: requests arriving together go to the thread as a batch
+    assert again[0] == 14.0
+    assert busy is None  # ... is never overtaken by an inline search
+
+
+def test_try_now_leaves_slow_or_vetoed_searches_and_passes_engine_errors():
+    slow = MicroBatcher(Engine(seconds=0.02), ThreadPoolExecutor(1), inline_below_s=0.005)
+    vetoed = MicroBatcher(Engine(), ThreadPoolExecutor(1), inline_below_s=0.005, can_inline=lambda key: False)
+    failing = Engine()
+    flaky = MicroBatcher(failing, ThreadPoolExecutor(1), inline_below_s=0.005)
+
+    async def go():
+        for batcher in (slow, vetoed, flaky):
+            await batcher.submit("c", np.ones(2))
+        assert slow.try_now("c", np.ones(2)) is None and vetoed.try_now("c", np.ones(2)) is None
+        failing.fail = True
+        with pytest.raises(RuntimeError, match="engine failed"):
+            flaky.try_now("c", np.ones(2))
+
+    run(go())

@@ -16,7 +16,7 @@ from ..deps import RuntimeDep, domain, v1_router
 from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
 from ..spool import spool
-from ..vector_requests import (RAW_VECTORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
+from ..vector_requests import (RAW_VECTORS, REQUEST_ERRORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
                                parse_search, parse_upsert)
 
 router = v1_router(tags=["vectors"])
@@ -242,6 +242,10 @@ async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
     answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
                                   single=single, consistency=consistency, seq=body.seq,
                                   recall_target=body.recall_target)
+    return search_json(answer, single, consistency)
+
+
+def search_json(answer: Any, single: bool, consistency: str) -> bytes:
     ids, distances = answer.result.ids, answer.result.distances
     if single:
         ids, distances = ids[0], distances[0]
@@ -250,6 +254,27 @@ async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
     if answer.result.plan is not None:
         out["plan"] = answer.result.plan
     return orjson.dumps(out)
+
+
+def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_string: str) -> bytes | None:
+    """run_search's answer computed at once, without awaiting anything, or None: a request that is not one plain
+    query served by the resident CPU engine right away, or that fails in any way (run_search then answers it,
+    errors included). Called by the HTTP protocol itself (service/hot_protocol.py)."""
+    vectors = runtime.vectors
+    c = vectors.catalog.get(name) if vectors is not None else None
+    try:
+        parsed = parse_search(raw, content_type, query_string)
+        body = parsed.options
+        if c is None or not parsed.single or body.filter is not None or body.recall_target is not None:
+            return None
+        queries = fit_matrix(parsed.queries, c.dim, parsed.field)
+        if len(queries) != 1:
+            return None
+        consistency = body.consistency or vectors.consistency.default
+        answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq)
+    except REQUEST_ERRORS:
+        return None
+    return None if answer is None else search_json(answer, True, consistency)
 
 
 async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",

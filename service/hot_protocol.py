@@ -1,0 +1,119 @@
+"""Uvicorn's httptools protocol with a synchronous lane for plain searches: answered from the parser's callbacks.
+
+Each request uvicorn serves costs an ASGI cycle: a task, receive/send coroutines and their message dicts, about
+45 us of CPU here before any of our code runs (against ~125 us for a whole HNSW search of a 128-d vector). A
+single-vector search that the resident CPU engine can answer at once (loaded, consistent enough, a free engine
+slot, cheap enough to run on the event loop) needs none of it: when the body is complete, this protocol asks the
+hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself. Whatever answer_now
+declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body already read, so
+errors, auth failures, deadlines and metrics are the app's own. Requests pipelined behind one still in the app
+wait for it, as uvicorn makes them.
+
+It subclasses uvicorn's HttpToolsProtocol and relies on its per-request attributes (url, headers, cycle,
+pipeline); tests/test_hot_protocol.py checks the behaviour through a real server. `switchyard serve` selects it
+(SWITCHYARD_SYNC_SEARCH=false leaves uvicorn's own protocol).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .fastlane import HotLane
+
+log = logging.getLogger("switchyard")
+
+
+def find_lane(app: Any) -> HotLane | None:
+    """The hot lane inside uvicorn's wrappers of the app (proxy headers, message logger), if any."""
+    for _ in range(8):
+        if isinstance(app, HotLane):
+            return app
+        app = vars(app).get("app") if hasattr(app, "__dict__") else None
+        if app is None:
+            return None
+    return None
+
+
+class SyncSearchProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lane = find_lane(self.app)
+        self.held: list[bytes] | None = None  # the body of a request the synchronous lane may answer
+        self.stopping = False
+
+    def on_message_begin(self) -> None:
+        # A request pipelined behind one answered here must not inherit the keep-alive timer armed for it.
+        self._unset_keepalive_if_required()
+        super().on_message_begin()
+
+    def shutdown(self) -> None:
+        if self.held is None:
+            super().shutdown()
+        else:  # a body is arriving: answer it, then close
+            self.stopping = True
+
+    def on_headers_complete(self) -> None:
+        if self.lane is not None and self._may_answer_now():
+            self.held = []  # the ASGI cycle, if one is needed, is made when the body is complete
+            if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.expect_100_continue = False
+            return
+        super().on_headers_complete()
+
+    def _may_answer_now(self) -> bool:
+        if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
+            return False
+        length = -1
+        for name, value in self.headers:
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else -1
+            elif name == b"transfer-encoding":
+                return False
+        return self.lane.takes_now(self.parser.get_method(), self.url, length)
+
+    def on_body(self, body: bytes) -> None:
+        if self.held is not None:
+            self.held.append(body)
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.held is None:
+            super().on_message_complete()
+            return
+        raw, self.held = b"".join(self.held), None
+        try:
+            answer = self.lane.answer_now(self.parser.get_method(), self.url, self.headers, raw)
+        except Exception:  # noqa: BLE001 - the ASGI path runs it again and answers whatever happens there
+            log.exception("the synchronous search lane failed; the request goes through the app")
+            answer = None
+        if answer is None:
+            super().on_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
+            self.cycle.body, self.cycle.more_body = raw, False
+            self.cycle.keep_alive = self.cycle.keep_alive and not self.stopping
+            self.cycle.message_event.set()
+            return
+        self._respond(answer)
+
+    def _respond(self, body: bytes) -> None:
+        """What uvicorn's cycle writes for a 200 JSON answer, then what it does once a response is complete."""
+        keep_alive = (self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+                      and not self.stopping)
+        head = [STATUS_LINE[200]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        head += [b"\r\n", body]
+        self.transport.write(b"".join(head))
+        self.server_state.total_requests += 1
+        if not keep_alive:
+            self.transport.close()
+        elif not self.transport.is_closing():
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)

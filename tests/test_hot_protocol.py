@@ -1,0 +1,173 @@
+"""The HTTP protocol's synchronous search lane (service/hot_protocol.py), through a real `switchyard serve`.
+
+Plain single-vector searches the resident CPU engine can answer at once are answered from the protocol itself;
+everything else, errors included, must be answered exactly as before by the app. Checked against a numpy oracle,
+over keep-alive connections, pipelined requests, HTTP/1.0 and `Expect: 100-continue`.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers import assert_problem
+from loadtests.processes import local_service
+from vector_data import clustered, oracle
+
+DIM = 16
+KEY = "sync-lane-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+RAW = {"Content-Type": "application/octet-stream"}
+SEARCH_ROUTE = 'route="/v1/collections/{name}/search"'
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sync-lane")
+    data = clustered(600, DIM, seed=31)
+    with local_service(1, folder / "data", folder / "serve.log", env={"SWITCHYARD_API_KEY": KEY}) as url:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+            assert client.post("/v1/collections", json={"name": "s1", "dim": DIM}).status_code == 201
+            r = client.put("/v1/collections/s1/points", json={
+                "ids": list(range(600)), "vectors": data.tolist(), "payloads": [{"even": i % 2 == 0} for i in range(600)]})
+            assert r.status_code == 200, r.text
+            for q in clustered(5, DIM, seed=32):  # the engine's cost of a lone search is learnt on a thread first
+                client.post("/v1/collections/s1/search?k=5", content=q.tobytes(), headers=RAW)
+            yield client, data
+
+
+def metric(client: httpx.Client, name: str, *labels: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name) and all(label in line for label in labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def synced(client: httpx.Client) -> float:
+    return metric(client, "switchyard_sync_searches_total")
+
+
+def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(served):
+    client, data = served
+    queries = clustered(20, DIM, seed=33)
+    truth, distances = oracle(data, queries, 7, "l2")
+    before, requests_before = synced(client), metric(client, "switchyard_http_requests_total", SEARCH_ROUTE,
+                                                     'status="200"')
+    for i, q in enumerate(queries):
+        raw = client.post("/v1/collections/s1/search?k=7&engine=cpu", content=q.astype("<f4").tobytes(), headers=RAW)
+        listed = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 7})
+        for r in (raw, listed):
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["ids"] == truth[i].tolist() and np.allclose(body["distances"], distances[i], atol=1e-4)
+            assert body["engine"] == "faiss" and body["consistency"] == "bounded" and body["fallback"] is None
+    # nearly all of them by the protocol (a lone search may still go to the thread while its cost is relearnt)
+    assert synced(client) - before >= 35
+    assert metric(client, "switchyard_http_requests_total", SEARCH_ROUTE, 'status="200"') - requests_before == 40
+
+
+def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
+    client, data = served
+    q = data[3]
+    before = synced(client)
+    assert_problem(client.post("/v1/collections/s1/search", content=b"\x00" * 12, headers=RAW), 422,
+                   "validation-error", "body")
+    assert_problem(client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 0}), 422,
+                   "validation-error", "k")
+    assert_problem(client.post("/v1/collections/s1/search?ef=abc", content=q.tobytes(), headers=RAW), 422,
+                   "validation-error", "ef")
+    assert_problem(client.post("/v1/collections/nope/search", json={"vector": q.tolist()}), 404, "not-found")
+    assert_problem(httpx.post(f"{client.base_url}/v1/collections/s1/search", content=q.tobytes(), headers=RAW), 401,
+                   "unauthorized")
+    assert_problem(client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "engine": "gpu"}), 409,
+                   "engine-unavailable", "engine")
+    strong = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "consistency": "strong"})
+    filtered = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "filter": {"even": False}})
+    batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})
+    deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(), headers={**RAW, "X-Request-Timeout": "5"})
+    assert strong.json()["ids"][0] == 3 and strong.json()["consistency"] == "strong"
+    assert filtered.json()["ids"][0] % 2 == 1 and filtered.json()["plan"]["matched_rows"] == 300
+    assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
+    assert synced(client) == before  # none of these was the protocol's to answer
+
+
+def exchange(port: int, payload: bytes, responses: int) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """Send raw bytes on one connection and read `responses` HTTP responses (status line, headers, body)."""
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(payload)
+        buffer = b""
+        while len(out) < responses:
+            while b"\r\n\r\n" not in buffer:
+                chunk = s.recv(65536)
+                assert chunk, f"connection closed after {len(out)} responses"
+                buffer += chunk
+            head, buffer = buffer.split(b"\r\n\r\n", 1)
+            status, *lines = head.split(b"\r\n")
+            headers = {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines)}
+            length = int(headers.get(b"content-length", b"0"))
+            while len(buffer) < length:
+                buffer += s.recv(65536)
+            body, buffer = buffer[:length], buffer[length:]
+            out.append((status, headers, body))
+        closed = False
+        if out and out[-1][1].get(b"connection") == b"close":
+            s.settimeout(5)
+            closed = s.recv(1) == b""
+        out.append((b"closed" if closed else b"open", {}, b""))
+    return out
+
+
+def request(path: str, body: bytes = b"", method: str = "POST", version: str = "1.1", **headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: test", f"Authorization: Bearer {KEY}"]
+    if method == "POST":
+        lines += ["Content-Type: application/octet-stream", f"Content-Length: {len(body)}"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_pipelined_requests_are_answered_in_order_whichever_lane_serves_them(served):
+    client, data = served
+    port = client.base_url.port
+    q = data[10].astype("<f4").tobytes()
+    strong = "/v1/collections/s1/search?k=2&consistency=strong"  # waits for a catch-up: the app answers it
+    plain = "/v1/collections/s1/search?k=2"
+    client.post(plain, content=q, headers=RAW)  # each (k, params) learns its lone cost on a thread first
+    before = synced(client)
+    # One write: the first search is answered by the protocol, the probe starts an ASGI cycle, and the search
+    # behind it waits for that cycle (as uvicorn queues pipelined requests).
+    answers = exchange(port, request(plain, q) + request("/healthz", method="GET") + request(plain, q), 3)
+    assert synced(client) - before == 1
+    # The app's answer to the first comes before the second's, which the protocol could have given at once.
+    answers += exchange(port, request(strong, q) + request(plain, q), 2)
+    assert synced(client) - before == 1
+    assert [a[0].split(b" ")[1] for a in answers if a[0] not in (b"open", b"closed")] == [b"200"] * 5
+    assert answers[3][0] == answers[6][0] == b"open"  # keep-alive
+    bodies = [httpx.Response(200, content=a[2]).json() for a in (answers[0], answers[2], answers[4], answers[5])]
+    assert [b["consistency"] for b in bodies] == ["bounded", "bounded", "strong", "bounded"]
+    assert all(b["ids"] == [10, bodies[0]["ids"][1]] for b in bodies)
+
+
+def test_http_1_0_closes_and_expect_100_continue_is_honoured(served):
+    client, data = served
+    port = client.base_url.port
+    q = data[20].astype("<f4").tobytes()
+    client.post("/v1/collections/s1/search?k=1", content=q, headers=RAW)  # the lone cost of k=1, learnt
+    before = synced(client)
+    old = exchange(port, request("/v1/collections/s1/search?k=1", q, version="1.0"), 1)
+    assert old[0][0].startswith(b"HTTP/1.1 200") and old[0][1][b"connection"] == b"close" and old[1][0] == b"closed"
+    assert httpx.Response(200, content=old[0][2]).json()["ids"] == [20]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request("/v1/collections/s1/search?k=1", q, Expect="100-continue")[:-len(q)])  # headers only
+        interim = s.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(q)
+        answer = interim[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+        while not re.search(rb"\r\n\r\n.*\]", answer, re.S):
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"ids":[20]' in answer
+    assert synced(client) - before == 2
