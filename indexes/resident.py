@@ -326,6 +326,8 @@ class ResidentCollection:
         """Top-k live rows. `where` restricts them to a payload filter (planner.py picks exact search over the
         matching rows or the ANN index with them as a filter); `recall_target` picks calibrated parameters."""
         q = prepare(np, queries, self.metric)
+        if where is None and recall_target is None:
+            return self._search_plain(q, k, params)
         with self.lock.read():
             watermark = self.watermark
             index_type = self.index.config.index_type if self.index is not None else None
@@ -348,6 +350,17 @@ class ResidentCollection:
                 scores, rows = self._search_rows(q, k, plan.params, keep, where is not None)
             ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
         return _shape(ids, from_engine(np, scores, self.metric), watermark, plan.report())
+
+    def _search_plain(self, q: np.ndarray, k: int, params: dict[str, Any]) -> SearchResult:
+        """search() without a filter or a recall target, which needs no planner: most searches, so kept short."""
+        with self.lock.read():
+            watermark = self.watermark
+            if self.count == 0:
+                return SearchResult([[] for _ in range(len(q))], [[] for _ in range(len(q))], watermark)
+            exact = self.index is None or self.index.config.index_type == "brute_force"
+            scores, rows = self._search_rows(q, k, {} if exact else params, self.keep_mask())
+            ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
+        return _shape(ids, from_engine(np, scores, self.metric), watermark)
 
     def _filter_key(self) -> tuple[int, int]:
         """What a filter's rows depend on: every change moves the watermark, every new layout the generation."""
@@ -492,9 +505,9 @@ class ResidentCollection:
 def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None,
            plan: dict[str, Any] | None = None) -> SearchResult:
     """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
-    out_ids, out_d = [], []
-    for row_ids, row_d in zip(ids.tolist(), distances.tolist()):
-        n = next((j for j, v in enumerate(row_ids) if v < 0), len(row_ids))
-        out_ids.append(row_ids[:n])
-        out_d.append(row_d[:n])
+    out_ids, out_d = ids.tolist(), distances.tolist()
+    for i, row_ids in enumerate(out_ids):
+        if -1 in row_ids:  # the engines mark a missing result -1, and only at the end of a row
+            n = row_ids.index(-1)
+            out_ids[i], out_d[i] = row_ids[:n], out_d[i][:n]
     return SearchResult(out_ids, out_d, watermark, plan)

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,8 @@ SYNC_SEARCH = "service.hot_protocol:SyncSearchProtocol"  # uvicorn's httptools p
 def _settings(args: argparse.Namespace) -> Settings:
     # Command-line options override the environment; they go through the environment so that every
     # Uvicorn worker process builds the same Settings.
-    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("fronts", "FRONTS"), ("data_dir", "DATA_DIR"),
+    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("fronts", "FRONTS"), ("uds", "UDS"),
+                        ("data_dir", "DATA_DIR"),
                         ("database_url", "DATABASE_URL"), ("log_level", "LOG_LEVEL")):
         value = getattr(args, option, None)
         if value is not None:
@@ -44,8 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
                   access_log=False)  # service/access_log.py logs requests off the event loop instead
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
-        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, http=SYNC_SEARCH if settings.sync_search else "auto", **common)
+        _serve_here(settings, common)
         return 0
     # The engine process (this one) listens on unix sockets in a private directory with a short path (socket
     # names are limited to about 100 bytes); the fronts, a child process tree, listen on the port.
@@ -70,6 +71,42 @@ def _serve(args: argparse.Namespace) -> int:
             front.kill()
         shutil.rmtree(sockets, ignore_errors=True)
     return 0
+
+
+def _serve_here(settings: Settings, common: dict) -> None:
+    """This process (or its full replicas) serves HTTP on the port, and on the unix socket SWITCHYARD_UDS too when
+    it is set: a client on the same host (an application, a load tester) then skips TCP, as PostgreSQL's local
+    clients do."""
+    import uvicorn
+
+    options = dict(factory=True, host=settings.host, port=settings.port, workers=settings.workers,
+                   http=SYNC_SEARCH if settings.sync_search else "auto", **common)
+    if settings.uds is None:
+        uvicorn.run("service.app:create_app", **options)
+        return
+    from uvicorn.supervisors import Multiprocess
+
+    config = uvicorn.Config("service.app:create_app", **options)
+    server = uvicorn.Server(config)
+    path = str(settings.uds)
+    if os.path.exists(path):
+        os.remove(path)  # left by a process that did not stop cleanly
+    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    local.bind(path)
+    os.chmod(path, 0o660)
+    sockets = [config.bind_socket(), local]
+    try:
+        if config.workers > 1:
+            Multiprocess(config, sockets=sockets).run()
+        else:
+            server.run(sockets=sockets)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    if config.workers == 1 and not server.started:
+        sys.exit(3)  # uvicorn's start-up failure code
 
 
 def _exit_with_parent() -> None:
@@ -234,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fronts", type=int, help=(
         "HTTP front processes before the one engine process (SWITCHYARD_FRONTS; default: one per core on 4 or "
         "more cores, none on fewer)"))
+    serve.add_argument("--uds", help="also listen on this unix socket, for local clients (SWITCHYARD_UDS; no fronts)")
     serve.set_defaults(run=_serve)
 
     migrate = sub.add_parser("migrate", help="apply pending database migrations and exit")

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,6 +28,8 @@ class Settings(BaseSettings):
         "HTTP front processes before the one engine process (README: Process layout). Default: one per core on "
         "machines with 4 or more, none (the engine process serves HTTP itself) on fewer, where the hop between "
         "processes costs more than it frees."))
+    uds: Path | None = Field(default=None, description=(
+        "Also listen on this unix socket (besides host:port): local clients skip TCP. Not with front processes."))
     engine_socket: Path | None = Field(default=None, description=(
         "Set by `switchyard serve`: the engine process's unix socket for parsed searches and upserts."))
     engine_http: Path | None = Field(default=None, description=(
@@ -150,7 +152,13 @@ class Settings(BaseSettings):
         # compose passes SWITCHYARD_API_KEY="" when the variable is unset: that means "no key", not "the empty key".
         return None if isinstance(key, str) and key.strip() == "" else key
 
-    @field_validator("data_dir", "ssb_import_dir", "replication_trace_dir")
+    @model_validator(mode="after")
+    def _uds_without_fronts(self) -> "Settings":
+        if self.uds is not None and self.fronts:
+            raise ValueError("SWITCHYARD_UDS needs the engine process to serve HTTP itself: set SWITCHYARD_FRONTS=0")
+        return self
+
+    @field_validator("data_dir", "ssb_import_dir", "replication_trace_dir", "uds")
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         return path.expanduser().resolve() if path is not None else None
@@ -158,7 +166,7 @@ class Settings(BaseSettings):
     @property
     def front_processes(self) -> int:
         """How many front processes `serve` starts: none for full replicas (workers > 1)."""
-        if self.workers > 1:
+        if self.workers > 1 or self.uds is not None:
             return 0
         if self.fronts is not None:
             return self.fronts

@@ -29,7 +29,8 @@ SEARCH_ROUTE = 'route="/v1/collections/{name}/search"'
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sync-lane")
     data = clustered(600, DIM, seed=31)
-    with local_service(1, folder / "data", folder / "serve.log", env={"SWITCHYARD_API_KEY": KEY}) as url:
+    env = {"SWITCHYARD_API_KEY": KEY, "SWITCHYARD_UDS": str(folder / "sy.sock")}
+    with local_service(1, folder / "data", folder / "serve.log", env=env) as url:
         with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
             assert client.post("/v1/collections", json={"name": "s1", "dim": DIM}).status_code == 201
             r = client.put("/v1/collections/s1/points", json={
@@ -37,7 +38,7 @@ def served(tmp_path_factory):
             assert r.status_code == 200, r.text
             for q in clustered(5, DIM, seed=32):  # the engine's cost of a lone search is learnt on a thread first
                 client.post("/v1/collections/s1/search?k=5", content=q.tobytes(), headers=RAW)
-            yield client, data
+            yield client, data, folder / "sy.sock"
 
 
 def metric(client: httpx.Client, name: str, *labels: str) -> float:
@@ -52,7 +53,7 @@ def synced(client: httpx.Client) -> float:
 
 
 def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(served):
-    client, data = served
+    client, data, _ = served
     queries = clustered(20, DIM, seed=33)
     truth, distances = oracle(data, queries, 7, "l2")
     before, requests_before = synced(client), metric(client, "switchyard_http_requests_total", SEARCH_ROUTE,
@@ -71,7 +72,7 @@ def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(serve
 
 
 def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
-    client, data = served
+    client, data, _ = served
     q = data[3]
     before = synced(client)
     assert_problem(client.post("/v1/collections/s1/search", content=b"\x00" * 12, headers=RAW), 422,
@@ -93,6 +94,28 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     assert filtered.json()["ids"][0] % 2 == 1 and filtered.json()["plan"]["matched_rows"] == 300
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
     assert synced(client) == before  # none of these was the protocol's to answer
+
+
+def test_the_unix_socket_serves_the_same_api(served):
+    client, data, path = served
+    before = synced(client)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://switchyard", headers=AUTH) as local:
+        answers = [local.post("/v1/collections/s1/search?k=3", content=data[i].tobytes(), headers=RAW).json()["ids"][0]
+                   for i in range(5)]
+        assert answers == list(range(5))
+        assert local.get("/v1/collections/s1").json()["count"] == 600
+        assert_problem(local.post("/v1/collections/s1/search", content=b"\x00", headers=RAW), 422, "validation-error")
+    assert synced(client) - before >= 4
+
+
+def test_a_unix_socket_needs_the_engine_process_to_serve_http():
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    with pytest.raises(ValidationError, match="SWITCHYARD_FRONTS=0"):
+        Settings(uds="/tmp/x.sock", fronts=2)
+    assert Settings(uds="/tmp/x.sock").front_processes == 0
 
 
 def exchange(port: int, payload: bytes, responses: int) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
@@ -131,7 +154,7 @@ def request(path: str, body: bytes = b"", method: str = "POST", version: str = "
 
 
 def test_pipelined_requests_are_answered_in_order_whichever_lane_serves_them(served):
-    client, data = served
+    client, data, _ = served
     port = client.base_url.port
     q = data[10].astype("<f4").tobytes()
     strong = "/v1/collections/s1/search?k=2&consistency=strong"  # waits for a catch-up: the app answers it
@@ -153,7 +176,7 @@ def test_pipelined_requests_are_answered_in_order_whichever_lane_serves_them(ser
 
 
 def test_http_1_0_closes_and_expect_100_continue_is_honoured(served):
-    client, data = served
+    client, data, _ = served
     port = client.base_url.port
     q = data[20].astype("<f4").tobytes()
     client.post("/v1/collections/s1/search?k=1", content=q, headers=RAW)  # the lone cost of k=1, learnt

@@ -50,7 +50,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--label-percentages", type=_floats, default=[], metavar="P,P",
                      help="also run the label-filter case for these label shares, e.g. 0.01,0.5 (labels and their "
                           "ground truth are generated for .npy and synthetic data)")
-    run.add_argument("--url", help="a running Switchyard, e.g. http://127.0.0.1:8000")
+    run.add_argument("--url", help="a running Switchyard, e.g. http://127.0.0.1:8000 or unix:/path/to.sock")
+    run.add_argument("--switchyard-transport", choices=["unix", "tcp"], default="unix", help=(
+        "with --start-service: how the client reaches the service (default unix: its unix socket, SWITCHYARD_UDS, "
+        "as VectorDBBench's pgvector client reaches the embedded PostgreSQL through its unix socket)"))
     run.add_argument("--start-service", action="store_true",
                      help="start `switchyard serve` with an embedded PostgreSQL in a temporary data dir")
     run.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY"))
@@ -113,7 +116,7 @@ def run_vectordbbench(plan_file: Path, plan: dict, out: Path, scratch: Path) -> 
            "LOG_FILE": str(logs / "vectordb_bench.log"), "LOG_LEVEL": "INFO",
            "RESULTS_LOCAL_DIR": str(out / "vectordbbench-results"),
            "DATASET_LOCAL_DIR": str(scratch / "vectordbbench-datasets"),
-           offline.ENV: urlsplit(plan["switchyard"]["url"]).hostname,
+           offline.ENV: urlsplit(plan["switchyard"]["url"]).hostname or "localhost",
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with open(logs / "vectordbbench-console.log", "w") as console:
         proc = subprocess.Popen([sys.executable, "-m", "loadtests.vectordbbench.bench", str(plan_file)], cwd=REPO,
@@ -138,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             url = args.url
             if args.start_service:
                 env = dict(item.split("=", 1) for item in args.switchyard_env)
+                if args.switchyard_transport == "unix":
+                    env["SWITCHYARD_UDS"] = str(scratch / "switchyard.sock")
                 url = stack.enter_context(local_service(1, scratch / "switchyard", out / "logs" / "switchyard-serve.log",
                                                         env=env, command=switchyard_command()))
+                if args.switchyard_transport == "unix":
+                    url = "unix:" + env["SWITCHYARD_UDS"]
                 print(f"switchyard serve at {url}", flush=True)
             dsn = args.pgvector_dsn
             if dsn is None:

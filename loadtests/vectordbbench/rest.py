@@ -26,10 +26,15 @@ class HttpError(RuntimeError):
 
 class Rest:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 3600.0) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"expected http://host:port, got {url!r}")
-        self.base = f"http://{parts.hostname}:{parts.port or 80}"
+        """`url`: http://host:port, or unix:/path/to.sock for a service listening there (SWITCHYARD_UDS)."""
+        self.socket_path = url[len("unix:"):] if url.startswith("unix:") else None
+        if self.socket_path is not None:
+            self.base = "http://localhost"
+        else:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"expected http://host:port or unix:/path, got {url!r}")
+            self.base = f"http://{parts.hostname}:{parts.port or 80}"
         self.timeout_s = timeout_s
         # "Expect:" stops libcurl waiting for a 100-continue round trip before bodies over 1 KB.
         common = ["Expect:"] + ([f"Authorization: Bearer {api_key}"] if api_key else [])
@@ -44,6 +49,8 @@ class Rest:
         if curl is None:
             curl = pycurl.Curl()
             curl.setopt(pycurl.TCP_NODELAY, 1)
+            if self.socket_path is not None:
+                curl.setopt(pycurl.UNIX_SOCKET_PATH, self.socket_path)
             curl.setopt(pycurl.TIMEOUT_MS, int(self.timeout_s * 1000))
             curl.setopt(pycurl.NOSIGNAL, 1)  # threads: no SIGALRM for timeouts
             self._local.curl = curl

@@ -167,6 +167,10 @@ def markdown(report: dict) -> str:
     if switchyard.get("ef_search", hnsw["ef_search"]) != hnsw["ef_search"] or switchyard.get("env"):
         lines += [f"Switchyard searched with ef={switchyard.get('ef_search', hnsw['ef_search'])}"
                   + (f", service settings {', '.join(switchyard['env'])}" if switchyard.get("env") else "") + ".", ""]
+    transport = "its unix socket" if str(switchyard.get("url", "")).startswith("unix:") else "TCP"
+    lines += [f"Switchyard's client reached it through {transport}; VectorDBBench's pgvector client reached "
+              "PostgreSQL through " + ("its unix socket" if "host=/" in str(plan.get("pgvector", {}).get("dsn", ""))
+                                       else "TCP") + ".", ""]
     for name, entry in report["cases"].items():
         concs = plan["concurrencies"]
         lines += [f"## {name}", "",

@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import orjson
 
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.vectors import MAX_K, arrow_chunks, as_matrix, check_arrow, check_batch, check_ids, checked_points, fit_matrix
+from indexes.vectors import (MAX_K, arrow_chunks, as_matrix, check_arrow, check_batch, check_finite, check_ids,
+                             checked_points, fit_matrix)
 
 from ..deps import RuntimeDep, domain, v1_router
 from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
 from ..spool import spool
 from ..vector_requests import (RAW_VECTORS, REQUEST_ERRORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
-                               parse_search, parse_upsert)
+                               parse_search, parse_upsert, raw_search_options)
 
 router = v1_router(tags=["vectors"])
 
@@ -262,13 +264,22 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
     errors included). Called by the HTTP protocol itself (service/hot_protocol.py)."""
     vectors = runtime.vectors
     c = vectors.catalog.get(name) if vectors is not None else None
+    if c is None:
+        return None
     try:
-        parsed = parse_search(raw, content_type, query_string)
-        body = parsed.options
-        if c is None or not parsed.single or body.filter is not None or body.recall_target is not None:
-            return None
-        queries = fit_matrix(parsed.queries, c.dim, parsed.field)
-        if len(queries) != 1:
+        if content_type == RAW_VECTORS:  # one vector of the collection's dimension: nothing to parse
+            body, batch = raw_search_options(query_string)
+            if batch or len(raw) != 4 * c.dim:
+                return None
+            queries = np.frombuffer(raw, dtype="<f4").reshape(1, c.dim)
+            check_finite(queries, "body")
+        else:
+            parsed = parse_search(raw, content_type, query_string)
+            body = parsed.options
+            if parsed.field != "vector":
+                return None
+            queries = fit_matrix(parsed.queries, c.dim, parsed.field)
+        if body.filter is not None or body.recall_target is not None:
             return None
         consistency = body.consistency or vectors.consistency.default
         answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq)
