@@ -357,8 +357,12 @@ class ResidentCollection:
             watermark = self.watermark
             if self.count == 0:
                 return SearchResult([[] for _ in range(len(q))], [[] for _ in range(len(q))], watermark)
-            exact = self.index is None or self.index.config.index_type == "brute_force"
-            scores, rows = self._search_rows(q, k, {} if exact else params, self.keep_mask())
+            index = self.index
+            if index is not None and not self.n_dead and self.n_rows == index.size:  # every row in the index, alive
+                scores, rows = index.search(q, k, {} if index.config.index_type == "brute_force" else params, None)
+            else:
+                exact = index is None or index.config.index_type == "brute_force"
+                scores, rows = self._search_rows(q, k, {} if exact else params, self.keep_mask())
             ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
         return _shape(ids, from_engine(np, scores, self.metric), watermark)
 

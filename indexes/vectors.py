@@ -45,8 +45,12 @@ def check_batch(n_queries: int, k: int, field: str) -> None:
 
 
 def check_finite(matrix: np.ndarray, field: str) -> None:
-    # One pass for the common case: NaN fails the comparison too. Then, only for a bad matrix, which value.
-    if not matrix.size or float(np.abs(matrix).max()) <= MAX_VALUE:
+    # One call for the common case: the sum of squares is at most MAX_VALUE**2 only if every value is within
+    # MAX_VALUE (NaN and Inf make it NaN or Inf, which fail the comparison). Otherwise look value by value: large
+    # sums can come from valid values too. Then, only for a bad matrix, which value.
+    if not matrix.size or float(np.vdot(matrix, matrix)) <= MAX_VALUE * MAX_VALUE:
+        return
+    if float(np.abs(matrix).max()) <= MAX_VALUE:
         return
     finite = np.isfinite(matrix)
     if not finite.all():

@@ -253,7 +253,7 @@ def local_answer_now(runtime: object) -> AnswerNow:
         body = search_now(runtime, name, raw, media, query_string)
         if body is not None:
             observe_hot(runtime.metrics, True, time.perf_counter() - start)
-            runtime.metrics.sync_searches.inc()
+            runtime.metrics.synced()
         return body
 
     return answer

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import assert_problem
 from loadtests.processes import local_service
-from vector_data import clustered, oracle
+from vector_data import b64, clustered, oracle
 
 DIM = 16
 KEY = "sync-lane-key"
@@ -66,9 +66,14 @@ def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(serve
             body = r.json()
             assert body["ids"] == truth[i].tolist() and np.allclose(body["distances"], distances[i], atol=1e-4)
             assert body["engine"] == "faiss" and body["consistency"] == "bounded" and body["fallback"] is None
+        # a batch of one, in each encoding, is answered as a batch
+        for r in (client.post("/v1/collections/s1/search?k=7&batch=true", content=q.astype("<f4").tobytes(), headers=RAW),
+                  client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()], "k": 7}),
+                  client.post("/v1/collections/s1/search", json={"vectors_b64": b64(q[None]), "k": 7})):
+            assert r.json()["ids"] == [truth[i].tolist()], r.text
     # nearly all of them by the protocol (a lone search may still go to the thread while its cost is relearnt)
-    assert synced(client) - before >= 35
-    assert metric(client, "switchyard_http_requests_total", SEARCH_ROUTE, 'status="200"') - requests_before == 40
+    assert synced(client) - before >= 90
+    assert metric(client, "switchyard_http_requests_total", SEARCH_ROUTE, 'status="200"') - requests_before == 100
 
 
 def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
@@ -88,7 +93,7 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
                    "engine-unavailable", "engine")
     strong = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "consistency": "strong"})
     filtered = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "filter": {"even": False}})
-    batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})
+    batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})  # two: the app
     deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(), headers={**RAW, "X-Request-Timeout": "5"})
     assert strong.json()["ids"][0] == 3 and strong.json()["consistency"] == "strong"
     assert filtered.json()["ids"][0] % 2 == 1 and filtered.json()["plan"]["matched_rows"] == 300

@@ -69,6 +69,31 @@ def test_metrics_count_requests_per_route_template_and_status(client):
     assert 'switchyard_engine_available{domain="vectors",engine="cuvs",kind="gpu"} 0.0' in text
 
 
+def test_tallied_metrics_render_exactly_what_direct_updates_would():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from service.metrics import LATENCY_BUCKETS, Metrics
+
+    metrics, direct = Metrics(), CollectorRegistry()
+    requests = Counter("switchyard_http_requests_total", "x", ["route", "method", "status"], registry=direct)
+    latency = Histogram("switchyard_http_request_duration_seconds", "x", ["route", "method", "status"],
+                        buckets=LATENCY_BUCKETS, registry=direct)
+    # values on bucket bounds, between them and past the last
+    samples = [0.0, 0.0005, 0.0007, 0.001, 0.3, 0.25, 61.0, 1e-9] * 3
+    for round_ in range(2):  # folded at each collection: the second render must not count the first twice
+        for i, seconds in enumerate(samples):
+            status = 200 if i % 3 else 422
+            metrics.observe_request("/v1/x", "POST", status, seconds)
+            requests.labels("/v1/x", "POST", str(status)).inc()
+            latency.labels("/v1/x", "POST", str(status)).observe(seconds)
+
+        def lines(text: bytes, prefix: str) -> list[str]:
+            return sorted(l for l in text.decode().splitlines() if l.startswith(prefix) and "_created" not in l)
+
+        for prefix in ("switchyard_http_requests_total", "switchyard_http_request_duration_seconds"):
+            assert lines(metrics.render(), prefix) == lines(generate_latest(direct), prefix), (round_, prefix)
+
+
 def test_engine_call_metrics_record_outcome_and_latency(client):
     metrics = client.app.state.switchyard.metrics
     with metrics.engine_call("vectors", "faiss", "search"):

@@ -269,23 +269,23 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
     try:
         if content_type == RAW_VECTORS:  # one vector of the collection's dimension: nothing to parse
             body, batch = raw_search_options(query_string)
-            if batch or len(raw) != 4 * c.dim:
+            if len(raw) != 4 * c.dim:
                 return None
-            queries = np.frombuffer(raw, dtype="<f4").reshape(1, c.dim)
+            queries, single = np.frombuffer(raw, dtype="<f4").reshape(1, c.dim), not batch
             check_finite(queries, "body")
-        else:
+        else:  # one vector, or a batch of one (answered as a batch)
             parsed = parse_search(raw, content_type, query_string)
-            body = parsed.options
-            if parsed.field != "vector":
-                return None
+            body, single = parsed.options, parsed.single
             queries = fit_matrix(parsed.queries, c.dim, parsed.field)
+            if len(queries) != 1:
+                return None
         if body.filter is not None or body.recall_target is not None:
             return None
         consistency = body.consistency or vectors.consistency.default
         answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq)
     except REQUEST_ERRORS:
         return None
-    return None if answer is None else search_json(answer, True, consistency)
+    return None if answer is None else search_json(answer, single, consistency)
 
 
 async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
