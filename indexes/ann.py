@@ -161,3 +161,6 @@ class AnnIndex(Protocol):
                keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]: ...
 
     def to_bytes(self) -> bytes: ...
+
+    # Optional: copy_for_growth() -> a copy of the index that rows may be added to with the result a build over
+    # all of them would give, or None (resident.py's rebuild then builds anew).

@@ -97,6 +97,14 @@ class FaissIndex:
     def size(self) -> int:
         return int(self.index.ntotal)
 
+    def copy_for_growth(self) -> "FaissIndex | None":
+        """A copy to add rows to, where adding them gives the index a build over all the rows would: flat and
+        HNSW indexes (building an HNSW graph is adding its rows in turn); None for IVF, whose lists were trained
+        on the rows it was built over."""
+        if self.config.index_type not in ("brute_force", "hnsw", "cagra"):
+            return None
+        return FaissIndex(self.config, faiss.clone_index(self.index), self.threads)
+
     def add(self, vectors: np.ndarray) -> None:
         _use_threads(len(vectors), self.threads)
         self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))

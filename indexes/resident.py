@@ -261,7 +261,14 @@ class ResidentCollection:
         the build runs outside the lock, and what changed during it is carried over at the swap. The caller
         runs one rebuild at a time; a layout change meanwhile (a restore) makes this one raise RebuildConflict.
         `hold_out` live rows (chosen at random) are left out of the build, in the exact delta, as calibration
-        queries the index has never seen (`calibrate`); `absorb` then adds them."""
+        queries the index has never seen (`calibrate`); `absorb` then adds them.
+
+        Where nothing is dead and the index is of the type a build would make, and adding rows to it gives the
+        index a build would (AnnIndex.copy_for_growth: HNSW's build is a sequence of adds), the delta is added
+        to a copy of the index instead: O(delta), not O(rows), so a collection filled by a stream of large
+        writes is built about once in all rather than once per rebuild (a 100,000 x 768 load rebuilt 4 times)."""
+        if self._extend(progress, hold_out):
+            return
         generation, snapshot_rows, alive, (ids_now, vectors_now, hashes_now) = self._layout()
         rows = np.flatnonzero(alive)
         config = self.config_for(len(rows))
@@ -294,6 +301,37 @@ class ResidentCollection:
             self.held_out = (n_indexed, len(rows)) if index is not None and n_indexed < len(rows) else None
             if self.held_out is None:
                 self._absorb()
+
+    def _extend(self, progress: Callable[[str], None] | None, hold_out: int) -> bool:
+        """rebuild() by adding the delta to a copy of the index, where that is the same (see rebuild); False
+        where a build is due. The copy is made under the lock (writers may add to the index), the adding after
+        it; the last `hold_out` rows of the delta stay out of the copy, for calibration."""
+        with self.lock.read():
+            index = self.index
+            if (index is None or self.n_dead or self.n_rows == index.size
+                    or index.config.index_type != self.config_for(self.count).index_type):
+                return False
+            copy = index.copy_for_growth() if hasattr(index, "copy_for_growth") else None
+            if copy is None:
+                return False
+            generation, start, end, vectors = self.generation, index.size, self.n_rows, self._vectors
+        added = end
+        if (hold_out and copy.config.index_type in planner.SWEEPS and end - start > hold_out
+                and end - hold_out >= planner.MIN_CALIBRATION_ROWS):
+            added = end - hold_out
+        if progress:
+            progress(f"adding {added - start} vectors to the {copy.config.index_type} index of {start}")
+        copy.add(vectors[start:added])  # rows below `end` stay as they are within this generation
+        with self.lock.write():
+            if self.generation != generation:
+                raise RebuildConflict(f"collection {self.name}: the layout changed during the rebuild")
+            self.rebuilds += 1
+            self.carried_over += self.n_rows - end
+            self._swap_index(copy)
+            self.held_out = (added, end) if added < end else None
+            if self.held_out is None:
+                self._absorb()
+        return True
 
     def absorb(self) -> None:
         """Add the rows after the index (held-out calibration queries, writes since) to an index that can add."""
