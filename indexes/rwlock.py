@@ -41,7 +41,7 @@ class ReadWriteLock:
     def _exit_read(self) -> None:
         with self._cond:
             self._readers -= 1
-            if not self._readers:
+            if not self._readers and self._writers_waiting:  # readers wait only while a writer writes or waits
                 self._cond.notify_all()
 
     def _enter_write(self) -> None:

@@ -18,7 +18,7 @@ import random
 import re
 import time
 from types import SimpleNamespace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -51,6 +51,13 @@ AnswerNow = Callable[[str, bytes, str, str], "bytes | None"]
 NOW_MAX_BODY = 1 << 20  # bodies the protocol's synchronous lane may hold: a few single-vector searches' worth
 
 
+class NowRequest(NamedTuple):
+    """A search the synchronous lane may answer once its body is read."""
+    collection: str
+    media: str
+    query: str
+
+
 class HotLane:
     """Picks out hot requests for `answer`; the app it wraps answers everything else, and any hot request that
     fails (replayed to it)."""
@@ -73,43 +80,47 @@ class HotLane:
             raise AttributeError(name)
         return getattr(self.app, name)  # app.state, app.openapi(), dependency_overrides ...: the FastAPI app's
 
-    def takes_now(self, method: bytes, url: bytes, length: int) -> bool:
-        """Whether a request may be answered by answer_now, from its request line and declared length alone."""
-        return (self.now is not None and method == b"POST" and 0 < length <= NOW_MAX_BODY
-                and url.startswith(b"/v1/collections/") and url.partition(b"?")[0].endswith(b"/search"))
-
-    def answer_now(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]], raw: bytes) -> bytes | None:
-        """A search answered at once from the HTTP protocol itself (service/hot_protocol.py), before any ASGI
-        machinery, with the same checks, in-flight accounting and metrics as __call__; or None: the request then
-        goes through __call__ as any other, which answers it or its error. Requests with a deadline, a quota to
-        charge or a forwarded client always go that way."""
+    def take_now(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> NowRequest | None:
+        """What answer_now needs of a request it may answer, from its request line and headers (before its body
+        is read), or None: the request goes through __call__ as any other, which answers it or its error.
+        Requests with a deadline, a quota to charge, a forwarded client or a body of undeclared length always go
+        that way."""
+        if self.now is None or method != b"POST" or self.quota or self.default_timeout is not None:
+            return None
         path, _, query = url.partition(b"?")
         match = HOT.match(path.decode("latin-1"))
-        if self.now is None or method != b"POST" or match is None or match.group(2) != "search" or self.quota \
-                or self.default_timeout is not None:
+        if match is None or match.group(2) != "search":
             return None
-        media, authorization = JSON, None
+        length, media, authorization = -1, JSON, None
         for name, value in headers:
-            if name == b"content-type":
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else -1
+            elif name == b"content-type":
                 media = value.split(b";")[0].strip().lower()
             elif name == b"authorization":
                 authorization = value
-            elif name == TIMEOUT_HEADER or name == CLIENT_HEADER:
+            elif name in (TIMEOUT_HEADER, CLIENT_HEADER, b"transfer-encoding"):
                 return None
-        if not self._accepts(len(raw), media, authorization, True):
+        if not (0 < length <= NOW_MAX_BODY and self._accepts(length, media, authorization, True)):
             return None
+        return NowRequest(match.group(1), media.decode(), query.decode("latin-1"))
+
+    def answer_now(self, request: NowRequest, raw: bytes) -> bytes | None:
+        """The search take_now accepted, answered at once from the HTTP protocol itself (service/hot_protocol.py),
+        before any ASGI machinery, with the same in-flight accounting and metrics as __call__; or None."""
         pressure = self.pressure
         if pressure is not None and not pressure.admit(True):
             return None
         start, answer = time.perf_counter(), None
         try:
-            answer = self.now(match.group(1), raw, media.decode(), query.decode("latin-1"))
+            answer = self.now(request.collection, raw, request.media, request.query)
         finally:
             if pressure is not None:
                 pressure.leave(True, HOT_KINDS[True] if answer is not None else None, time.perf_counter() - start)
         if answer is not None and self.sample and random.random() < self.sample:
-            log_request({"client": None, "method": "POST", "path": path.decode("latin-1"), "query_string": query},
-                        200, time.perf_counter() - start, sampled=True)
+            log_request({"client": None, "method": "POST", "path": f"/v1/collections/{request.collection}/search",
+                         "query_string": request.query.encode("latin-1")}, 200, time.perf_counter() - start,
+                        sampled=True)
         return answer
 
     def _accepts(self, length: int, media: bytes, authorization: bytes | None, search: bool) -> bool:

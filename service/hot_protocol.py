@@ -21,7 +21,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .fastlane import HotLane
+from .fastlane import HotLane, NowRequest
 
 log = logging.getLogger("switchyard")
 
@@ -41,13 +41,19 @@ class SyncSearchProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lane = find_lane(self.app)
-        self.held: list[bytes] | None = None  # the body of a request the synchronous lane may answer
+        self.held: list[bytes] | None = None  # the body of a request the synchronous lane may answer ...
+        self.taken: NowRequest | None = None  # ... and what the lane took of its headers
         self.stopping = False
+        self.answered = False  # whether the data being parsed completed a request answered here
 
-    def on_message_begin(self) -> None:
-        # A request pipelined behind one answered here must not inherit the keep-alive timer armed for it.
-        self._unset_keepalive_if_required()
-        super().on_message_begin()
+    def data_received(self, data: bytes) -> None:
+        self.answered = False
+        super().data_received(data)
+        # The keep-alive timer, as uvicorn arms it once a response is complete: here once all of this data was
+        # parsed, and only when no request is left in flight (a pipelined one may have started a cycle).
+        if (self.answered and self.held is None and (self.cycle is None or self.cycle.response_complete)
+                and self.timeout_keep_alive_task is None and not self.transport.is_closing()):
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def shutdown(self) -> None:
         if self.held is None:
@@ -56,24 +62,14 @@ class SyncSearchProtocol(HttpToolsProtocol):
             self.stopping = True
 
     def on_headers_complete(self) -> None:
-        if self.lane is not None and self._may_answer_now():
-            self.held = []  # the ASGI cycle, if one is needed, is made when the body is complete
+        if (self.lane is not None and not self.pipeline and (self.cycle is None or self.cycle.response_complete)
+                and (taken := self.lane.take_now(self.parser.get_method(), self.url, self.headers)) is not None):
+            self.taken, self.held = taken, []  # the ASGI cycle, if one is needed, is made when the body is complete
             if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.expect_100_continue = False
             return
         super().on_headers_complete()
-
-    def _may_answer_now(self) -> bool:
-        if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
-            return False
-        length = -1
-        for name, value in self.headers:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else -1
-            elif name == b"transfer-encoding":
-                return False
-        return self.lane.takes_now(self.parser.get_method(), self.url, length)
 
     def on_body(self, body: bytes) -> None:
         if self.held is not None:
@@ -87,7 +83,7 @@ class SyncSearchProtocol(HttpToolsProtocol):
             return
         raw, self.held = b"".join(self.held), None
         try:
-            answer = self.lane.answer_now(self.parser.get_method(), self.url, self.headers, raw)
+            answer = self.lane.answer_now(self.taken, raw)
         except Exception:  # noqa: BLE001 - the ASGI path runs it again and answers whatever happens there
             log.exception("the synchronous search lane failed; the request goes through the app")
             answer = None
@@ -112,8 +108,6 @@ class SyncSearchProtocol(HttpToolsProtocol):
         head += [b"\r\n", body]
         self.transport.write(b"".join(head))
         self.server_state.total_requests += 1
+        self.answered = True
         if not keep_alive:
             self.transport.close()
-        elif not self.transport.is_closing():
-            self._unset_keepalive_if_required()
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
