@@ -91,17 +91,9 @@ class HotLane:
         match = HOT.match(path.decode("latin-1"))
         if match is None or match.group(2) != "search":
             return None
-        length, media, authorization = -1, JSON, None
-        for name, value in headers:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else -1
-            elif name == b"content-type":
-                media = value.split(b";")[0].strip().lower()
-            elif name == b"authorization":
-                authorization = value
-            elif name in (TIMEOUT_HEADER, CLIENT_HEADER, b"transfer-encoding"):
-                return None
-        if not (0 < length <= NOW_MAX_BODY and self._accepts(length, media, authorization, True)):
+        length, media, authorization, timeout, forwarded, chunked = read_headers(headers)
+        if (timeout is not None or forwarded is not None or chunked or not 0 < length <= NOW_MAX_BODY
+                or not self._accepts(length, media, authorization, True)):
             return None
         return NowRequest(match.group(1), media.decode(), query.decode("latin-1"))
 
@@ -175,18 +167,7 @@ class HotLane:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None) -> None:
         """`match`: HOT's match of the path."""
-        length, media, authorization, timeout, forwarded = -1, JSON, None, None, None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else -1
-            elif name == b"content-type":
-                media = value.split(b";")[0].strip().lower()
-            elif name == b"authorization":
-                authorization = value
-            elif name == TIMEOUT_HEADER:
-                timeout = value
-            elif name == CLIENT_HEADER:
-                forwarded = value
+        length, media, authorization, timeout, forwarded, _ = read_headers(scope["headers"])
         if timeout is not None or self.default_timeout is not None or self.quota:
             try:
                 self._admit(scope, timeout, authorization, forwarded)
@@ -233,6 +214,26 @@ class HotLane:
             raise exc
         response = await handler(Request({**scope, "app": self.app}), exc)
         await response(scope, receive, send)
+
+
+def read_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes, bytes | None, bytes | None, bytes | None, bool]:
+    """What the lanes read of a request's headers: declared length (-1: none or not a number), media type,
+    Authorization, X-Request-Timeout, a front process's forwarded client, whether the body is chunked."""
+    length, media, authorization, timeout, forwarded, chunked = -1, JSON, None, None, None, False
+    for name, value in headers:
+        if name == b"content-length":
+            length = int(value) if value.isdigit() else -1
+        elif name == b"content-type":
+            media = value.split(b";")[0].strip().lower()
+        elif name == b"authorization":
+            authorization = value
+        elif name == TIMEOUT_HEADER:
+            timeout = value
+        elif name == CLIENT_HEADER:
+            forwarded = value
+        elif name == b"transfer-encoding":
+            chunked = True
+    return length, media, authorization, timeout, forwarded, chunked
 
 
 def local_answer(runtime: object) -> Answer:
