@@ -59,9 +59,10 @@ class MicroBatcher:
         self.queries = 0
         self.inline = 0
 
-    def _timed(self, key: Hashable, queries: np.ndarray) -> list[Any]:
+    def timed(self, key: Hashable, queries: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
+        """The key's search (`run`, or the batcher's own), its cost learnt when it is one query."""
         started = time.perf_counter()
-        results = self.run(key, queries)
+        results = self.run(key, queries) if run is None else run(queries)
         if len(queries) == 1:
             seconds = time.perf_counter() - started
             previous = self._lone_cost.get(key)
@@ -73,15 +74,16 @@ class MicroBatcher:
         return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
                 and (self.can_inline is None or self.can_inline(key)))
 
-    def try_now(self, key: Hashable, vector: np.ndarray) -> Any | None:
+    def try_now(self, key: Hashable, vector: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
         """The inline search, now, or None: not cheap enough, the key's lane is busy, another search is deciding,
-        or this turn of the loop has already answered `burst` searches (see the module's docstring)."""
+        or this turn of the loop has already answered `burst` searches (see the module's docstring). `run`: a
+        search of the key's own (a filtered one, say) instead of the batcher's; its cost is learnt by timed()."""
         if not (self.inline_below_s and self._arriving == 0 and self._this_turn < self.burst and self._inline_ok(key)):
             return None
         if self._this_turn == 0:
             asyncio.get_running_loop().call_soon(self._new_turn)  # runs once this turn's callbacks are done
         self._this_turn += 1
-        result = self._timed(key, vector[None, :])[0]
+        result = self.timed(key, vector[None, :], run)[0]
         self.batches += 1
         self.queries += 1
         self.inline += 1
@@ -99,7 +101,7 @@ class MicroBatcher:
             finally:
                 self._arriving -= 1
             if alone and self._inline_ok(key):
-                result = self._timed(key, vector[None, :])[0]
+                result = self.timed(key, vector[None, :])[0]
                 self.batches += 1
                 self.queries += 1
                 self.inline += 1
@@ -124,7 +126,7 @@ class MicroBatcher:
                     continue
                 queries = np.stack([v for v, _ in live])
                 try:
-                    results = await loop.run_in_executor(self.executor, self._timed, key, queries)
+                    results = await loop.run_in_executor(self.executor, self.timed, key, queries)
                 except Exception as exc:  # noqa: BLE001 - handed to every waiting request
                     for _, f in live:
                         if not f.done():

@@ -530,11 +530,12 @@ class CollectionManager:
         return await self._search(c, r, order, queries, k, engine, params, where, single, fallback, recall_target)
 
     def search_now(self, name: str, query: np.ndarray, k: int, engine: str, params: dict[str, Any] | None,
-                   consistency: str | None, seq: int | None) -> SearchAnswer | None:
-        """One unfiltered query answered at once on the event loop, or None: whatever would have to wait (a
-        catch-up for the consistency level, an engine slot, the micro-batcher's thread), fail, or leave the
-        resident engine goes through search(), which answers it or says why not. Searches are reads, so the
-        caller may run the same request again there."""
+                   consistency: str | None, seq: int | None, payload_filter: dict[str, Any] | None = None,
+                   recall_target: float | None = None) -> SearchAnswer | None:
+        """One query answered at once on the event loop, or None: whatever would have to wait (a catch-up for the
+        consistency level, an engine slot, the micro-batcher's thread), fail, or leave the resident engine goes
+        through search(), which answers it or says why not. Searches are reads, so the caller may run the same
+        request again there."""
         arrived = time.monotonic()
         c, r = self.catalog.get(name), self.resident.get(name)
         level = consistency or self.consistency.default
@@ -544,8 +545,14 @@ class CollectionManager:
         index, served = r.index, ENGINE_KIND["cpu"]
         try:
             check_level(level, seq)
-            key = (name, k, search_params(index.index.config.index_type if index.index is not None else resolve_type(
-                c.index_type, index.count), params))
+            checked_items = search_params(index.index.config.index_type if index.index is not None else resolve_type(
+                c.index_type, index.count), params)
+            where, run = filters.parse(payload_filter), None
+            if where is not None or recall_target is not None:
+                check_target(recall_target, params)
+                key, run = self._planned(r, k, checked_items, where, recall_target)
+            else:
+                key = (name, k, checked_items)
         except InvalidInput:
             return None
         if (not r.satisfies(level, seq, arrived, self.consistency.bound_s) or self.guard.cooling(served)
@@ -553,7 +560,7 @@ class CollectionManager:
             return None
         started = time.perf_counter()
         try:
-            found = self.batchers["cpu"].try_now(key, query)
+            found = self.batchers["cpu"].try_now(key, query, run)
         except Exception:  # noqa: BLE001 - search() runs it again and reports the failure as usual
             found = None
         took = time.perf_counter() - started
@@ -562,8 +569,10 @@ class CollectionManager:
             return None
         self.guard.succeeded(served)
         self.observe(served, "search", took, True)
-        ids, distances, watermark = found
-        return SearchAnswer(SearchResult([ids], [distances], watermark), served, round(took * 1000, 3))
+        if run is None:
+            ids, distances, watermark = found
+            found = SearchResult([ids], [distances], watermark)
+        return SearchAnswer(found, served, round(took * 1000, 3))
 
     async def _search(self, c: Collection, r: Replica | None, order: list[str], queries: np.ndarray, k: int,
                       engine: str, params: dict[str, Any] | None, where: filters.Node | None,
@@ -616,12 +625,24 @@ class CollectionManager:
         checked = dict(checked_items)
         if where is not None or recall_target is not None:
             # The resident payload index evaluates the filter: no PostgreSQL query on this path.
+            if single and len(queries) == 1:  # its cost learnt, so that search_now may answer the next ones
+                key, run = self._planned(r, k, checked_items, where, recall_target)
+                return (await r.run(self.batchers[self._kind_of(r)].timed, key, queries, run))[0]
             return await r.run(index.search, queries, k, checked, where, recall_target)
         if single and len(queries) == 1:
             key = (r.collection.name, k, checked_items)
             ids, distances, watermark = await self.batchers[self._kind_of(r)].submit(key, queries[0])
             return SearchResult([ids], [distances], watermark)
         return await r.run(index.search, queries, k, checked, None)
+
+    @staticmethod
+    def _planned(r: Replica, k: int, checked_items: tuple, where: filters.Node | None,
+                 recall_target: float | None) -> tuple[tuple, Callable[[np.ndarray], list[SearchResult]]]:
+        """A filtered or recall-targeted search of one query: its micro-batcher key (for its cost) and the search.
+        The filter's repr, not the tree, keys it: True == 1.0 in Python, but {"f": true} is no {"f": 1}."""
+        index, checked = r.index, dict(checked_items)
+        key = (r.collection.name, k, checked_items, repr(where), recall_target)
+        return key, lambda queries: [index.search(queries, k, checked, where, recall_target)]
 
     def _run_batch(self, key: tuple, queries: np.ndarray) -> list[tuple[list[int], list[float], int | None]]:
         name, k, params = key

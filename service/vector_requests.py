@@ -12,6 +12,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np
+import orjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -70,9 +71,9 @@ RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
 
 @functools.lru_cache(maxsize=1024)
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
-    """Options of a raw float32 search from its query string: k, engine, consistency, seq, `batch=true` (answer
-    lists even for one vector); any other name is a search parameter (`ef=64`). Returns (options, batch).
-    Remembered per query string (a client sends the same one with every vector); callers must not change the
+    """Options of a raw float32 search from its query string: k, engine, consistency, seq, recall_target, filter
+    (JSON text), `batch=true` (answer lists even for one vector); any other name is a search parameter (`ef=64`).
+    Returns (options, batch). Remembered per query string (a client sends the same one with every vector); callers must not change the
     options they get. Errors are not remembered: a bad query string is parsed, and refused, every time."""
     fields: dict[str, Any] = {}
     params: dict[str, float] = {}
@@ -80,6 +81,12 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
     for name, value in parse_qsl(query_string, keep_blank_values=True):
         if name in RAW_QUERY_FIELDS:
             fields[name] = value
+        elif name == "filter":  # the filter language, as JSON text
+            try:
+                fields["filter"] = orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise RequestValidationError([{"type": "json_invalid", "loc": ("query", "filter"), "input": value,
+                                               "msg": f"the filter is not JSON ({exc})"}]) from None
         elif name == "batch":
             batch = value.lower() in ("1", "true", "yes")
         else:

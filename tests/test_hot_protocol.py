@@ -7,8 +7,10 @@ over keep-alive connections, pipelined requests, HTTP/1.0 and `Expect: 100-conti
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -76,6 +78,31 @@ def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(serve
     assert metric(client, "switchyard_http_requests_total", SEARCH_ROUTE, 'status="200"') - requests_before == 100
 
 
+def test_filtered_searches_are_answered_by_the_protocol_too_with_the_filter_in_the_query_string(served):
+    client, data, _ = served
+    odd = np.arange(1, 600, 2)
+    queries = clustered(12, DIM, seed=34)
+    rows, distances = oracle(data[odd], queries, 5, "l2")
+    odd_filter = quote(json.dumps({"even": False}))
+    for q in queries[:2]:  # each (k, params, filter) learns its cost on a thread first
+        client.post(f"/v1/collections/s1/search?k=5&filter={odd_filter}", content=q.tobytes(), headers=RAW)
+        client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 5, "filter": {"even": False}})
+    before = synced(client)
+    for i, q in enumerate(queries[2:], 2):
+        raw = client.post(f"/v1/collections/s1/search?k=5&filter={odd_filter}", content=q.tobytes(), headers=RAW)
+        listed = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 5,
+                                                                 "filter": {"even": False}})
+        for r in (raw, listed):
+            body = r.json()
+            assert body["ids"] == odd[rows[i]].tolist() and np.allclose(body["distances"], distances[i], atol=1e-4)
+            assert body["plan"]["matched_rows"] == 300 and body["plan"]["plan"] == "exact"
+    assert synced(client) - before >= 18
+    assert_problem(client.post("/v1/collections/s1/search?filter=%7Bnot%20json", content=queries[0].tobytes(),
+                               headers=RAW), 422, "validation-error", "filter")
+    assert_problem(client.post(f"/v1/collections/s1/search?filter={quote(json.dumps({'even': {'$foo': 1}}))}",
+                               content=queries[0].tobytes(), headers=RAW), 422, "validation-error", "filter.even.$foo")
+
+
 def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     client, data, _ = served
     q = data[3]
@@ -92,11 +119,9 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     assert_problem(client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "engine": "gpu"}), 409,
                    "engine-unavailable", "engine")
     strong = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "consistency": "strong"})
-    filtered = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "filter": {"even": False}})
     batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})  # two: the app
     deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(), headers={**RAW, "X-Request-Timeout": "5"})
     assert strong.json()["ids"][0] == 3 and strong.json()["consistency"] == "strong"
-    assert filtered.json()["ids"][0] % 2 == 1 and filtered.json()["plan"]["matched_rows"] == 300
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
     assert synced(client) == before  # none of these was the protocol's to answer
 

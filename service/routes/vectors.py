@@ -279,10 +279,9 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
             queries = fit_matrix(parsed.queries, c.dim, parsed.field)
             if len(queries) != 1:
                 return None
-        if body.filter is not None or body.recall_target is not None:
-            return None
         consistency = body.consistency or vectors.consistency.default
-        answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq)
+        answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq,
+                                    body.filter, body.recall_target)
     except REQUEST_ERRORS:
         return None
     return None if answer is None else search_json(answer, single, consistency)
