@@ -56,6 +56,7 @@ class FaissIndex:
         # Unfiltered searches' parameter objects, per (k, params): FAISS only reads them, and making one cost
         # more than a small search. Bounded: cleared when full.
         self._unfiltered: dict[tuple, tuple[Any, int]] = {}
+        self._filtered: tuple | None = None  # (mask, shape, bitmap, (params, k)) of the last filtered search
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None) -> "FaissIndex":
@@ -124,10 +125,20 @@ class FaissIndex:
 
     def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
                keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        bitmap = None  # a local: alive while FAISS reads it, and searches running side by side have their own
+        filtered = None  # a local: its bitmap stays alive while FAISS reads it, whatever other searches cache
         if keep is not None:
-            bitmap = np.packbits(keep[: self.size], bitorder="little")
-            search_params, kk = self._search_parameters(k, params, faiss.IDSelectorBitmap(bitmap))
+            # A filter's mask is reused by every search with that filter until the collection changes (the
+            # planner's FilterCache): its bitmap and parameters are made once for it (packing 100,000 rows and
+            # making the objects cost about as much as a small search). The entry holds the mask, so no other
+            # array can take its id meanwhile.
+            base = keep if keep.base is None else keep.base
+            shape = (len(keep), k, *sorted(params.items()))
+            filtered = self._filtered
+            if filtered is None or filtered[0] is not base or filtered[1] != shape:
+                bitmap = np.packbits(keep[: self.size], bitorder="little")
+                filtered = (base, shape, bitmap, self._search_parameters(k, params, faiss.IDSelectorBitmap(bitmap)))
+                self._filtered = filtered
+            search_params, kk = filtered[3]
         else:
             key = (k, *sorted(params.items()))
             cached = self._unfiltered.get(key)
