@@ -91,6 +91,9 @@ def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[n
     import faiss
 
     metric = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
+    # One OpenMP thread (the setting is per calling thread): split over two, one query of 10,000 x 128 rows took
+    # 330 us of CPU and 165 us of wall time, against 58 us on one.
+    faiss.omp_set_num_threads(1)
     scores, rows = faiss.knn(np.ascontiguousarray(queries, dtype=np.float32),
                              np.ascontiguousarray(data, dtype=np.float32), k, metric=metric)
     scores = scores.astype(np.float32)
