@@ -37,3 +37,7 @@ class EngineFailed(VectorError):
 class NotCaughtUp(VectorError):
     """The resident replica could not reach the consistency level asked for within the time allowed, and the
     request named the engine, so nothing else may answer: try again shortly."""
+
+
+class ShardUnavailable(VectorError):
+    """No replica of one of the collection's shards can answer now (restarting or loading): try again shortly."""

@@ -37,6 +37,7 @@ from .replica import Applied, Replica, check_level
 from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
 from .planner import CALIBRATION_QUERIES
+from .shards import Shard
 from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
 from .tasks import stop_tasks
 from .vectors import MAX_K, Points
@@ -94,7 +95,7 @@ class CollectionManager:
                  batch_window_s: float = 0.0, inline_search_s: float = 0.0, inline_burst: int = 4,
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
-                 on_applied: Applied | None = None, guard: Any = None) -> None:
+                 on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None) -> None:
         self.store = CollectionStore(pool)
         self.pool = pool
         self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)
@@ -116,6 +117,7 @@ class CollectionManager:
         self.consistency = consistency or Consistency()
         self.policy = policy or RebuildPolicy()
         self.on_applied = on_applied or (lambda collection_id, seq, at: None)
+        self.shard = shard  # this process's replicas keep only this shard's ids (indexes/shards.py)
         self.loading: asyncio.Task | None = None
         self.catalog: dict[str, Collection] = {}  # name -> definition; definitions never change
         self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -247,8 +249,11 @@ class CollectionManager:
         async def run(fn: Callable[..., Any], *args: Any) -> Any:
             return await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
 
-        return Replica(c, new_index(), lambda since: self.store.read_changes(c, since), run, new_index,
-                       self.on_applied)
+        async def read_changes(since: int) -> Changes:
+            changes = await self.store.read_changes(c, since)
+            return changes if self.shard is None else self.shard.take(changes)
+
+        return Replica(c, new_index(), read_changes, run, new_index, self.on_applied)
 
     async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
         """The collection, its count, its replica here, and every process's replica (watermark, lag, digest)
@@ -307,9 +312,9 @@ class CollectionManager:
         if self.resident_kind is None or self.loading is None or not self.loading.done():
             return  # the initial load reads the catalog itself
         if self._syncing is None or self._syncing.done():
-            self._syncing = asyncio.ensure_future(self._sync_catalog_now())
+            self._syncing = asyncio.ensure_future(self.sync_catalog_now())
 
-    async def _sync_catalog_now(self) -> None:
+    async def sync_catalog_now(self) -> None:
         """Take in collections created by other processes and drop those they dropped."""
         current = {c.id: c for c in await self.store.list()}
         for r in list(self.by_id.values()):
@@ -380,6 +385,8 @@ class CollectionManager:
         r = self.by_id.get(c.id)
         if r is None or not r.loaded:
             return  # loading replicas catch up from the log when they finish
+        if self.shard is not None:
+            changes = self.shard.take(changes)
         try:
             await r.apply_own(commit, changes)
         except Exception as exc:  # noqa: BLE001 - the log still holds the change
@@ -417,12 +424,7 @@ class CollectionManager:
         c = await self.collection(name)
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
-        out: dict[str, Any] = {}
-        if r is not None and r.loaded:
-            started = time.perf_counter()
-            await self._rebuild(r, lambda message: say(0, None, message))
-            out["resident_build_s"] = round(time.perf_counter() - started, 3)
-            out["resident_index"] = r.index.index.config.index_type if r.index.index is not None else None
+        out = await self.rebuild_resident(name, lambda message: say(0, None, message))
         if name in self.fallback_builds or await pgvector_search.has_index(self.pool, c):
             return out
         if fallback == "background" and r is not None and r.loaded and r.index.index is not None:
@@ -435,6 +437,16 @@ class CollectionManager:
         out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
         out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
         return out
+
+    async def rebuild_resident(self, name: str, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Compact and rebuild this process's resident index of the collection, if it holds one."""
+        r = self.resident.get(name)
+        if r is None or not r.loaded:
+            return {}
+        started = time.perf_counter()
+        await self._rebuild(r, say)
+        return {"resident_build_s": round(time.perf_counter() - started, 3),
+                "resident_index": r.index.index.config.index_type if r.index.index is not None else None}
 
     async def _build_fallback(self, c: Collection) -> None:
         started = time.perf_counter()
@@ -501,15 +513,8 @@ class CollectionManager:
         """`payload_filter` is the filter language of indexes/filters.py; `recall_target` (instead of `params`)
         picks calibrated parameters on the resident engine (indexes/planner.py)."""
         arrived = time.monotonic()
-        level = consistency or self.consistency.default
-        check_level(level, seq)
-        where = filters.parse(payload_filter)
-        check_target(recall_target, params)
-        c = await self.collection(name)
-        if queries.shape[1] != c.dim:
-            raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
-        if not 1 <= k <= MAX_K:
-            raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
+        c, level, where = await self.check_search(name, queries, k, consistency, seq, params, payload_filter,
+                                                  recall_target)
         r = self.resident.get(name)
         order = self.engine_order(r, engine)
         fallback = None
@@ -528,6 +533,21 @@ class CollectionManager:
                     raise NotCaughtUp(why, field="consistency") from exc
                 order, fallback = ["pgvector"], why + "; served by pgvector"
         return await self._search(c, r, order, queries, k, engine, params, where, single, fallback, recall_target)
+
+    async def check_search(self, name: str, queries: np.ndarray, k: int, consistency: str | None, seq: int | None,
+                           params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
+                           recall_target: float | None) -> tuple[Collection, str, filters.Node | None]:
+        """A search's 422s, before any engine sees it: the collection, the consistency level and the parsed filter."""
+        level = consistency or self.consistency.default
+        check_level(level, seq)
+        where = filters.parse(payload_filter)
+        check_target(recall_target, params)
+        c = await self.collection(name)
+        if queries.shape[1] != c.dim:
+            raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
+        if not 1 <= k <= MAX_K:
+            raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
+        return c, level, where
 
     def search_now(self, name: str, query: np.ndarray, k: int, engine: str, params: dict[str, Any] | None,
                    consistency: str | None, seq: int | None, payload_filter: dict[str, Any] | None = None,

@@ -55,6 +55,7 @@ class Plan:
     index_type: str | None
     params: dict[str, Any]
     matched: int | None = None  # rows the filter keeps (None: no filter)
+    live: int | None = None  # rows it chose from
     selectivity: float | None = None
     recall_target: float | None = None
     calibrated_recall: float | None = None
@@ -71,7 +72,7 @@ class Plan:
             return None
         out: dict[str, Any] = {"plan": self.kind, "params": self.params}
         if self.matched is not None:
-            out.update(matched_rows=self.matched, selectivity=round(self.selectivity or 0.0, 6))
+            out.update(matched_rows=self.matched, live_rows=self.live, selectivity=round(self.selectivity or 0.0, 6))
         if self.recall_target is not None:
             out.update(recall_target=self.recall_target, calibrated_recall=self.calibrated_recall)
         if self.why:
@@ -83,7 +84,7 @@ def filtered(plan: Plan, matched: int, live: int, k: int, build: dict[str, Any])
     """Exact over the matching rows, or the index with the filter and its effort raised. `build`: the index's
     build parameters."""
     selectivity = matched / live if live else 0.0
-    plan = replace(plan, matched=matched, selectivity=selectivity)
+    plan = replace(plan, matched=matched, live=live, selectivity=selectivity)
     if plan.kind == "exact" or matched == 0:
         return replace(plan, kind="exact", params={})
     raised = raise_effort(plan.params, selectivity, k)

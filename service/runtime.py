@@ -94,8 +94,8 @@ class Runtime:
                 log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
             if s.replication_trace_dir is not None:
                 self.trace = ReplicationTrace(s.replication_trace_dir)
-            self.vectors = CollectionManager(
-                self.pool, s.data_dir, dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
+            vector_kwargs: dict[str, Any] = dict(
+                dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
                 inline_search_s=s.inline_search_us / 1e6, inline_burst=s.inline_burst,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
                 consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
@@ -103,6 +103,14 @@ class Runtime:
                 policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
                 on_applied=self._applied, guard=self.admission,
             )
+            if s.ray_address:
+                from .cluster.ray_layer import vector_shards
+                from .cluster.sharded import ShardedCollections
+
+                shard_set = await vector_shards(s, self.dsn)
+                self.vectors = ShardedCollections(self.pool, s.data_dir, shard_set, **vector_kwargs)
+            else:
+                self.vectors = CollectionManager(self.pool, s.data_dir, **vector_kwargs)
             self.spatial = SpatialManager(
                 self.pool, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
             )

@@ -136,6 +136,19 @@ class Settings(BaseSettings):
     gpu_memory_pool_mb: int = Field(default=0, ge=-1, description=(
         "RMM pool set up when the GPU engines start and shared by CuPy, cuDF, cudf-polars and cuVS: its initial "
         "size in MiB (it may grow to 90% of the device); 0: half the device's memory; -1: no pool."))
+    ray_address: str | None = Field(default=None, description=(
+        "Scale out on Ray: the cluster to join ('auto': the one this machine is part of, or ray://host:10001). "
+        "Vector collections are then split into shards held by Ray actors (see README, Running on a cluster)."))
+    shards: int = Field(default=2, ge=1, le=1024, description="On Ray: shards per vector collection, by id hash.")
+    shard_replicas: int = Field(default=2, ge=1, le=64, description=(
+        "On Ray: replicas of each shard; a search goes to one of them, the next one if it is down."))
+    shard_cpus: float = Field(default=1.0, ge=0, le=1024, description="On Ray: CPUs reserved for each shard replica.")
+    shard_gpus: float = Field(default=0.0, ge=0, le=64, description=(
+        "On Ray: GPUs reserved for each shard replica (1 on GPU clusters: one replica per device)."))
+    shard_call_timeout_s: float = Field(default=30.0, gt=0, le=3600, description=(
+        "On Ray: the longest an ingress waits for one shard replica's answer before asking another."))
+    ray_ingress_replicas: int = Field(default=1, ge=1, le=1024, description=(
+        "`switchyard serve --ray`: Ray Serve replicas of the HTTP ingress (the FastAPI app)."))
 
     @field_validator("database_url")
     @classmethod

@@ -1,0 +1,140 @@
+"""One replica of one vector shard: the resident indexes of the ids that hash to the shard, for every collection.
+
+A host is an ordinary object with async methods; on Ray it runs as an actor (service/cluster/ray_layer.py), and
+the tests can also run it in-process. It opens its own PostgreSQL pool and follows the change log like any other
+replica (LISTEN/NOTIFY, a poll as backstop), keeping only its shard's rows (indexes/shards.py), so a host that was
+killed and restarted replays what it missed from PostgreSQL: no write reaches it any other way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from indexes.engines import CuvsEngine, FaissEngine
+from indexes.errors import CollectionNotFound, EngineUnavailable
+from indexes.manager import CollectionManager, Consistency
+from indexes.resident import RebuildPolicy, SearchResult
+from indexes.shards import Shard
+
+from ..admission import Admission
+from ..database import open_pool
+from ..devices import probe_cuda
+from ..settings import Settings
+
+log = logging.getLogger("switchyard.cluster")
+
+
+class ShardHost:
+    def __init__(self, dsn: str, data_dir: str, shard: int, shards: int, replica: int,
+                 settings: dict[str, Any] | None = None) -> None:
+        self.dsn, self.shard, self.replica = dsn, Shard(shard, shards), replica
+        # Each replica keeps its own snapshots: two replicas of a shard may share a machine.
+        self.data_dir = Path(data_dir) / "shards" / f"{shard}-of-{shards}" / f"replica-{replica}"
+        self.settings = Settings(**{"data_dir": data_dir, **(settings or {})})
+        self.vectors: CollectionManager | None = None
+        self.kind: str | None = None
+        self.started_at = time.time()
+        self._starting: asyncio.Task | None = None
+
+    # -- life cycle ------------------------------------------------------------------------------------
+    async def start(self) -> dict[str, Any]:
+        """Open the pool and start loading (idempotent: the ingress asks every replica now and then, which is
+        what starts one that Ray restarted; loading goes on after it returns)."""
+        await asyncio.shield(self._kick())
+        return self.where()
+
+    def _kick(self) -> asyncio.Future:
+        if self._starting is None or (self._starting.done() and self._starting.exception() is not None):
+            self._starting = asyncio.ensure_future(self._start())  # first call, or a retry after a failed start
+        return self._starting
+
+    async def _start(self) -> None:
+        s = self.settings
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        pool = await open_pool(self.dsn, min_size=1, max_size=4, command_timeout=s.db_command_timeout_s,
+                               acquire_timeout_s=s.db_acquire_timeout_s)
+        vectors = CollectionManager(
+            pool, self.data_dir, dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
+            inline_search_s=s.inline_search_us / 1e6, inline_burst=s.inline_burst,
+            consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
+                                    s.replication_poll_ms / 1000),
+            policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
+            guard=Admission(s), shard=self.shard)
+        gpu = s.gpu != "off" and probe_cuda(enabled=True).present
+        engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu_threads)
+        await engine.start()
+        self.kind = vectors.resident_kind
+        await vectors.start()
+        self.vectors = vectors
+
+    async def stop(self) -> None:
+        if self.vectors is not None:
+            pool = self.vectors.pool
+            await self.vectors.stop()
+            await pool.close()
+            self.vectors = None
+
+    def where(self) -> dict[str, Any]:
+        return {"shard": self.shard.index, "shards": self.shard.count, "replica": self.replica,
+                "host": socket.gethostname(), "pid": os.getpid(), "engine": self.kind,
+                "ready": self.ready(), "started_at": self.started_at}
+
+    def ready(self) -> bool:
+        return self.vectors is not None and self.vectors.ready
+
+    def _manager(self) -> CollectionManager:
+        self._kick()
+        if not self.ready():
+            raise EngineUnavailable(f"shard {self.shard} replica {self.replica} is still loading", field="engine")
+        assert self.vectors is not None
+        return self.vectors
+
+    # -- the calls an ingress makes ----------------------------------------------------------------------
+    async def search(self, name: str, queries: np.ndarray, k: int, params: dict[str, Any] | None,
+                     payload_filter: dict[str, Any] | None, consistency: str | None, seq: int | None,
+                     recall_target: float | None) -> tuple[SearchResult, str]:
+        """This shard's top k on its resident engine, never PostgreSQL's (that would search every shard's
+        rows): if it cannot serve, the ingress asks another replica of the shard."""
+        vectors = self._manager()
+        await self._knows(name)
+        answer = await vectors.search(name, queries, k, self.kind or "cpu", params, payload_filter,
+                                      single=len(queries) == 1, consistency=consistency, seq=seq,
+                                      recall_target=recall_target)
+        return answer.result, answer.engine
+
+    async def catch_up(self, name: str, seq: int) -> int:
+        """Apply the log up to at least `seq` (a write the ingress just committed); returns the watermark."""
+        vectors = self._manager()
+        await self._knows(name)
+        r = vectors.resident[name]
+        await r.reach("session", seq, time.monotonic(), vectors.consistency.bound_s)
+        return r.watermark
+
+    async def build(self, name: str) -> dict[str, Any]:
+        vectors = self._manager()
+        await self._knows(name)
+        return await vectors.rebuild_resident(name)
+
+    async def describe(self, name: str) -> dict[str, Any]:
+        out = self.where()
+        if self.vectors is not None:
+            r = self.vectors.resident.get(name)
+            out["index_state"] = r.state() if r is not None else None
+        return out
+
+    async def _knows(self, name: str) -> None:
+        """A collection created a moment ago may not have reached this host's catalog yet: read it now."""
+        vectors = self.vectors
+        assert vectors is not None
+        if name not in vectors.resident:
+            await vectors.sync_catalog_now()
+            if name not in vectors.resident:
+                raise CollectionNotFound(f"no collection named {name!r}", field="collection")

@@ -1,0 +1,154 @@
+"""Vector collections at an ingress whose resident indexes live in shard hosts elsewhere (a Ray cluster).
+
+Everything PostgreSQL does stays as in one process: the catalog, writes (committed here, acknowledged once
+committed), pgvector searches and fallbacks. What changes is the resident engine: a search goes to one replica
+of every shard at once and their top-k lists merge exactly (indexes/shards.py); a write is followed by a nudge to
+the replicas of the shards that own its ids (they follow the change log anyway, so a lost nudge only costs time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import numpy as np
+
+from indexes import pgvector_search
+from indexes.errors import EngineUnavailable, InvalidInput, ShardUnavailable
+from indexes.manager import ENGINE_KIND, CollectionManager, SearchAnswer
+from indexes.resident import Changes
+from indexes.shards import merge_results, shard_of
+from indexes.store import Collection, Commit
+
+from .fanout import ShardSet
+
+log = logging.getLogger("switchyard.cluster")
+
+WATCH_S = 1.0  # how often the ingress asks every shard replica how it is
+WATCH_TIMEOUT_S = 5.0  # a replica that takes longer to say is down for now
+NUDGE_WAIT_S = 1.0  # how long the nudge after a write waits for the owning replicas (it never holds the ack)
+
+
+class ShardedCollections(CollectionManager):
+    def __init__(self, pool: asyncpg.Pool, data_dir: Path, shards: ShardSet, **kwargs: Any) -> None:
+        super().__init__(pool, data_dir, **kwargs)
+        self.shards = shards
+
+    async def start(self) -> None:
+        await super().start()
+        self._spawn(self._watch_shards(), "watching the shard replicas")
+
+    async def _watch_shards(self) -> None:
+        """Ask every replica to start now and then: the first call starts a host, and one that Ray restarted has
+        no other way to learn it should load. Their answers say which are ready."""
+        while True:
+            self.shards.note(await self.shards.on_every_replica("start", timeout_s=WATCH_TIMEOUT_S))
+            await asyncio.sleep(WATCH_S)
+
+    def attach(self, kind: str, backend: Any) -> None:
+        """No resident index lives in this process: the shard hosts hold them."""
+
+    @property
+    def ready(self) -> bool:
+        return self.loading is not None and self.loading.done()
+
+    def engine_order(self, r: Any, engine: str) -> list[str]:
+        kind = self.shards.kind
+        if engine == "auto":
+            return ([kind] if kind else []) + ["pgvector"]
+        if engine == "pgvector":
+            return ["pgvector"]
+        if engine == kind:
+            return [engine]
+        why = f"the shards serve on the {kind} engine" if kind else "no shard replica has reported in yet"
+        raise EngineUnavailable(f"engine {engine!r} cannot serve this collection: {why}", field="engine")
+
+    # -- searches ----------------------------------------------------------------------------------------
+    async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
+                     params: dict[str, Any] | None = None, payload_filter: dict[str, Any] | None = None,
+                     single: bool = False, consistency: str | None = None, seq: int | None = None,
+                     recall_target: float | None = None) -> SearchAnswer:
+        c, level, where = await self.check_search(name, queries, k, consistency, seq, params, payload_filter,
+                                                  recall_target)
+        order = self.engine_order(None, engine)
+        fallback = None
+        if order[0] != "pgvector":
+            started = time.perf_counter()
+            try:
+                if level == "strong":
+                    # Fresh as of this arrival, on every machine: PostgreSQL's head now, not this host's clock.
+                    level, seq = "session", await self.store.head(c)
+                parts = await self.shards.on_every_shard("search", name, queries, k, params, payload_filter, level,
+                                                         seq, recall_target)
+            except (InvalidInput, EngineUnavailable):
+                raise
+            except ShardUnavailable as exc:
+                if engine != "auto":
+                    raise
+                fallback = f"{exc.detail}; served by pgvector"
+            else:
+                took = time.perf_counter() - started
+                self.observe(ENGINE_KIND[order[0]], "search", took, True)
+                return SearchAnswer(merge_results([result for result, _ in parts], k), parts[0][1],
+                                    round(took * 1000, 3))
+        return await self._search(c, None, ["pgvector"], queries, k, engine, params, where, single, fallback,
+                                  recall_target)
+
+    def search_now(self, *args: Any, **kwargs: Any) -> None:
+        """Every resident search here is a fan-out: nothing is answered on the event loop."""
+        return None
+
+    # -- writes ------------------------------------------------------------------------------------------
+    async def _apply_own(self, c: Collection, commit: Commit, changes: Changes) -> None:
+        ids = np.concatenate([changes.ids, changes.deleted])
+        owners = sorted(set(shard_of(ids, self.shards.shards).tolist()))
+        if owners:
+            self._spawn(self._nudge(c.name, commit.seq, owners), f"nudging the shards of {c.name}")
+
+    async def _nudge(self, name: str, seq: int, owners: list[int]) -> None:
+        try:
+            async with asyncio.timeout(NUDGE_WAIT_S):
+                await self.shards.on_every_replica("catch_up", name, seq, shards=owners, timeout_s=NUDGE_WAIT_S)
+        except TimeoutError:
+            pass  # a replica that is down or slow catches up from the log when it can
+
+    async def build(self, name: str, progress: Any = None, fallback: str = "background") -> dict[str, Any]:
+        """Every replica rebuilds its part; pgvector's index (only the fallback here) follows in the background."""
+        c = await self.collection(name)
+        say = progress or (lambda done, total, message: None)
+        say(0, None, f"rebuilding {self.shards.shards} shard(s) on every replica")
+        answers = await self.shards.on_every_replica("build", name)
+        out: dict[str, Any] = {"shards": [[_described(a) for a in shard] for shard in answers]}
+        if name not in self.fallback_builds and not await pgvector_search.has_index(self.pool, c):
+            if fallback == "wait":
+                say(0, None, "building the pgvector index")
+                out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
+            else:
+                out["pgvector_index"] = "building"
+                self.fallback_builds.add(name)
+                self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
+        return out
+
+    # -- reporting ---------------------------------------------------------------------------------------
+    async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
+        out = await super().describe(name, verify)
+        if self.shards.kind:
+            out["engines"] = [self.shards.kind, *out["engines"]]
+        out["shards"] = await self.layout(name)
+        return out
+
+    async def layout(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Every shard's replicas: where each runs and, for a collection, its index state there."""
+        answers = await self.shards.on_every_replica("describe" if name else "where", *([name] if name else []))
+        return [{"shard": s, "replicas": [_described(a) for a in replicas]} for s, replicas in enumerate(answers)]
+
+
+def _described(answer: Any) -> Any:
+    if isinstance(answer, BaseException):
+        return {"ready": False, "error": f"{type(answer).__name__}: {str(answer).splitlines()[0] if str(answer) else ''}"}
+    return answer
+
