@@ -206,6 +206,9 @@ class Runtime:
             checks["database"] = f"unreachable: {type(exc).__name__}"
             checks["migrations"] = "unknown"
         loading = self.registry.not_ready()
-        checks["engines"] = "ok" if self.registry.ready else (f"loading: {', '.join(loading)}" if loading else "starting")
+        if self.vectors is not None and self.registry.started and not self.vectors.ready:
+            loading.append("vectors")  # on a cluster: a shard with no replica ready yet
+        engines_ready = self.registry.ready and (self.vectors is None or self.vectors.ready)
+        checks["engines"] = "ok" if engines_ready else (f"loading: {', '.join(loading)}" if loading else "starting")
         ok = checks["database"] == "ok" and checks["migrations"] == "ok" and checks["engines"] == "ok"
         return ok, checks

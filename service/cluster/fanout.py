@@ -15,11 +15,14 @@ from indexes.errors import EngineFailed, EngineUnavailable, NotCaughtUp, ShardUn
 
 log = logging.getLogger("switchyard.cluster")
 
-DOWN_S = 2.0  # a replica that failed is asked last for this long
 # The replica's own troubles: another replica of the shard may answer. Anything else (a bad filter, an unknown
 # collection) is the request's and would fail the same way everywhere.
 REPLICA_TROUBLE: tuple[type[BaseException], ...] = (EngineUnavailable, EngineFailed, NotCaughtUp, TimeoutError,
                                                     ConnectionError)
+
+HEDGE_FACTOR = 4.0  # ask another replica after this many times the usual answer time ...
+HEDGE_MIN_S, HEDGE_MAX_S = 0.05, 1.0  # ... within these bounds
+ALL_DOWN_WAIT_S = 1.0  # how long a shard with no replica up may take to answer before a 503
 
 Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method name, arguments) -> result
 
@@ -34,7 +37,9 @@ class ShardSet:
         self.down_errors = REPLICA_TROUBLE + down  # the placing layer adds its own (a dead actor)
         self.call_timeout_s = call_timeout_s
         self._turn = [0] * len(replicas)
-        self._down_until: dict[tuple[int, int], float] = {}
+        # (shard, replica) that failed a call or was not ready when last asked; unknown ones count as down.
+        self._down = {(s, r) for s, row in enumerate(replicas) for r in range(len(row))}
+        self._usual_s: dict[str, float] = {}  # moving average of answer times, per method
         self.kind: str | None = None  # the engine the replicas serve with ("cpu" or "gpu"), once one said
 
     @property
@@ -46,28 +51,71 @@ class ShardSet:
             return await self._call(self.replicas[shard][replica], method, args)
 
     def _order(self, shard: int) -> list[int]:
-        """Round robin over the shard's replicas, those that failed lately last."""
+        """Round robin over the shard's replicas, those known to be down last."""
         n = len(self.replicas[shard])
         start = self._turn[shard] = (self._turn[shard] + 1) % n
-        now = time.monotonic()
         order = [(start + i) % n for i in range(n)]
-        return sorted(order, key=lambda r: self._down_until.get((shard, r), 0.0) > now)
+        return sorted(order, key=lambda r: (shard, r) in self._down)
 
     async def on_shard(self, shard: int, method: str, *args: Any) -> Any:
-        """The first answer from a replica of `shard`, trying each in turn; ShardUnavailable if none can."""
+        """The first answer from a replica of `shard`; ShardUnavailable if none can give one.
+
+        A replica that does not answer within the hedge delay (a few times the usual answer time) may be dead
+        or restarting, which Ray only tells once the restart is over: the next replica is asked too, and the
+        first answer wins (a hedged request, as in "The Tail at Scale")."""
+        order = self._order(shard)
+        pending: dict[asyncio.Future, int] = {}
         trouble: BaseException | None = None
-        for replica in self._order(shard):
-            try:
-                out = await self.call(shard, replica, method, *args)
-            except self.down_errors as exc:
-                self._down_until[(shard, replica)] = time.monotonic() + DOWN_S
-                trouble = exc
-                continue
-            self._down_until.pop((shard, replica), None)
-            return out
+        asked = 0
+        started = time.perf_counter()
+
+        def ask_next() -> None:
+            nonlocal asked
+            replica = order[asked]
+            asked += 1
+            pending[asyncio.ensure_future(self.call(shard, replica, method, *args))] = replica
+
+        # With every replica known down (killed, restarting, loading), a short wait, then 503 with Retry-After.
+        deadline = time.monotonic() + (ALL_DOWN_WAIT_S if all(self.is_down(shard, r) for r in order)
+                                       else self.call_timeout_s)
+        ask_next()
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    trouble = TimeoutError(f"no answer within {self.call_timeout_s:g} s")
+                    break
+                hedge = min(self._hedge_s(method), left) if asked < len(order) else left
+                done, _ = await asyncio.wait(pending, timeout=hedge, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    if asked < len(order):
+                        ask_next()
+                    continue
+                for task in done:
+                    replica = pending.pop(task)
+                    if task.exception() is None:
+                        self._answered(method, time.perf_counter() - started)
+                        return task.result()
+                    if not isinstance(task.exception(), self.down_errors):
+                        raise task.exception()
+                    self._down.add((shard, replica))  # until the watch finds it ready again
+                    trouble = task.exception()
+                if not pending and asked < len(order):
+                    ask_next()
+        finally:
+            for task in pending:
+                task.cancel()
         reason = f"{type(trouble).__name__}: {str(trouble).splitlines()[0] if str(trouble) else ''}"
         raise ShardUnavailable(f"no replica of shard {shard} of {self.shards} can answer now ({reason})",
                                field="engine")
+
+    def _hedge_s(self, method: str) -> float:
+        usual = self._usual_s.get(method)
+        return HEDGE_MAX_S if usual is None else min(HEDGE_MAX_S, max(HEDGE_MIN_S, HEDGE_FACTOR * usual))
+
+    def _answered(self, method: str, seconds: float) -> None:
+        usual = self._usual_s.get(method)
+        self._usual_s[method] = seconds if usual is None else 0.9 * usual + 0.1 * seconds
 
     async def on_every_shard(self, method: str, *args: Any) -> list[Any]:
         return list(await asyncio.gather(*(self.on_shard(s, method, *args) for s in range(self.shards))))
@@ -83,14 +131,16 @@ class ShardSet:
 
     def note(self, answers: list[list[Any]]) -> None:
         """Take in every replica's `where()` (or the exception its call raised): which are up, and the engine."""
-        until = time.monotonic() + DOWN_S
         for s, row in enumerate(answers):
             for r, answer in enumerate(row):
                 if isinstance(answer, BaseException) or not answer.get("ready"):
-                    self._down_until[(s, r)] = until
+                    self._down.add((s, r))
                 else:
-                    self._down_until.pop((s, r), None)
+                    self._down.discard((s, r))
                     self.kind = answer.get("engine") or self.kind
 
+    def every_shard_up(self) -> bool:
+        return all(any((s, r) not in self._down for r in range(len(row))) for s, row in enumerate(self.replicas))
+
     def is_down(self, shard: int, replica: int) -> bool:
-        return self._down_until.get((shard, replica), 0.0) > time.monotonic()
+        return (shard, replica) in self._down

@@ -84,7 +84,7 @@ class ShardHost:
 
     def where(self) -> dict[str, Any]:
         return {"shard": self.shard.index, "shards": self.shard.count, "replica": self.replica,
-                "host": socket.gethostname(), "pid": os.getpid(), "engine": self.kind,
+                "host": socket.gethostname(), "pid": os.getpid(), "node": _ray_node(), "engine": self.kind,
                 "ready": self.ready(), "started_at": self.started_at}
 
     def ready(self) -> bool:
@@ -138,3 +138,13 @@ class ShardHost:
             await vectors.sync_catalog_now()
             if name not in vectors.resident:
                 raise CollectionNotFound(f"no collection named {name!r}", field="collection")
+
+
+def _ray_node() -> str | None:
+    """The Ray node this host runs on, when it runs as a Ray actor."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here: only a Ray worker has it loaded
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()

@@ -54,7 +54,8 @@ class ShardedCollections(CollectionManager):
 
     @property
     def ready(self) -> bool:
-        return self.loading is not None and self.loading.done()
+        """Every shard has a replica ready (as of the last watch)."""
+        return self.loading is not None and self.loading.done() and self.shards.every_shard_up()
 
     def engine_order(self, r: Any, engine: str) -> list[str]:
         kind = self.shards.kind

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import Query
 from pydantic import BaseModel, Field
@@ -27,6 +27,9 @@ class EngineOut(BaseModel):
 
 class EnginesOut(BaseModel):
     engines: list[EngineOut]
+    shards: list[dict[str, Any]] | None = Field(default=None, description=(
+        "On a Ray cluster: the vector shards, each with its replicas (`host`, `pid`, `engine`, `ready`); null in "
+        "one process."))
 
 
 @router.get("/engines", summary="List engines with availability and readiness")
@@ -34,4 +37,6 @@ async def list_engines(
     runtime: RuntimeDep,
     domain: Literal["vectors", "spatial", "olap"] | None = Query(default=None, description="Only this domain."),
 ) -> EnginesOut:
-    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)])
+    layout = getattr(runtime.vectors, "layout", None)
+    shards = await layout() if layout is not None and domain in (None, "vectors") else None
+    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)], shards=shards)

@@ -84,6 +84,9 @@ class CollectionOut(BaseModel):
     replication: dict[str, Any] | None = Field(default=None, description=(
         "PostgreSQL's head `seq` (and with ?verify=true its `rows` and content `digest`), and each process's "
         "replica: `watermark`, `lag_rows`, `lag_ms`, `rows`, `digest` (equal to PostgreSQL's when in step)."))
+    shards: list[dict[str, Any]] | None = Field(default=None, description=(
+        "On a Ray cluster (SWITCHYARD_RAY_ADDRESS): each shard's replicas, where each runs (`host`, `pid`), "
+        "whether it is `ready`, and its `index_state` for this collection; null in one process."))
 
 
 def _collection_out(c: Any, **extra: Any) -> CollectionOut:
@@ -161,7 +164,7 @@ async def get_collection(name: CollectionName, runtime: RuntimeDep, verify: Anno
 ) -> CollectionOut:
     info = await domain(runtime, "vectors").describe(name, verify)
     return _collection_out(info["collection"], count=info["count"], engines=info["engines"],
-                           index_state=info["index_state"], replication=info["replication"])
+                           index_state=info["index_state"], replication=info["replication"], shards=info.get("shards"))
 
 
 @router.delete("/collections/{name}", status_code=204, summary="Delete a collection and its points")

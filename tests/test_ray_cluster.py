@@ -1,0 +1,243 @@
+"""Switchyard on a local Ray cluster: a head and a second worker node (loopback, started once for this module),
+vector collections in 2 shards x 2 replicas behind a service process that joined the cluster.
+
+Shard hosts are Ray actors; the tests check answers against numpy (brute force id for id, HNSW by recall), the
+layout the API reports, and that killing replicas during searches and upserts loses no acknowledged write and
+answers every search with a result or a 503 carrying Retry-After.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the 'ray' extra is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "loadtests"))
+from benchkit import Service  # noqa: E402
+
+SHARDS, REPLICAS, DIM = 2, 2, 16
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    port = _free_port()
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"]
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
+                    *common], env=env, check=True, timeout=180, capture_output=True)
+    try:
+        subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{port}", *common], env=env, check=True, timeout=180,
+                       capture_output=True)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        # Stops the Ray processes of this machine: the test cluster (CI runs nothing else on Ray).
+        subprocess.run([ray_cli, "stop", "--force"], env=env, timeout=120, capture_output=True)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(ray_address, tmp_path_factory):
+    data = tmp_path_factory.mktemp("ray-service") / "data"
+    data.mkdir()
+    svc = Service(data, env={"SWITCHYARD_RAY_ADDRESS": ray_address, "SWITCHYARD_SHARDS": str(SHARDS),
+                             "SWITCHYARD_SHARD_REPLICAS": str(REPLICAS), "SWITCHYARD_SHARD_CPUS": "0.5",
+                             "SWITCHYARD_SHARD_CALL_TIMEOUT_S": "5", "PYTHONPATH": str(ROOT)})
+    svc.start(timeout_s=240)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+def _collection(http: httpx.Client, name: str, index: dict, n: int, seed: int) -> tuple[np.ndarray, np.ndarray, list]:
+    http.delete(f"/v1/collections/{name}")
+    r = http.post("/v1/collections", json={"name": name, "dim": DIM, "metric": "l2", "index": index,
+                                           "pgvector_index": {"type": "none"}})
+    assert r.status_code == 201, r.text
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+    ids = np.arange(10, 10 + n, dtype=np.int64)
+    payloads = [{"band": int(i % 5)} for i in range(n)]
+    for start in range(0, n, 1000):
+        part = slice(start, start + 1000)
+        r = http.put(f"/v1/collections/{name}/points", json={
+            "ids": ids[part].tolist(), "vectors": vectors[part].tolist(), "payloads": payloads[part]})
+        assert r.status_code == 200, r.text
+    return ids, vectors, payloads
+
+
+def _exact(vectors: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    return np.argsort(((vectors[None] - queries[:, None]) ** 2).sum(-1), axis=1, kind="stable")[:, :k]
+
+
+def test_sharded_brute_force_equals_exact_search_id_for_id(service):
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        ids, vectors, payloads = _collection(http, "exact", {"type": "brute_force"}, 3000, 1)
+        r = http.post("/v1/collections/exact/points/delete", json={"ids": ids[::9].tolist()})
+        assert r.status_code == 200
+        alive = np.ones(len(ids), bool)
+        alive[::9] = False
+        queries = np.random.default_rng(2).standard_normal((25, DIM)).astype(np.float32)
+        r = http.post("/v1/collections/exact/search", json={"vectors": queries.tolist(), "k": 10, "engine": "cpu",
+                                                             "consistency": "strong"})
+        assert r.status_code == 200, r.text
+        assert r.json()["engine"] == "faiss"
+        assert r.json()["ids"] == ids[alive][_exact(vectors[alive], queries, 10)].tolist()
+        # the same request answered by PostgreSQL (exact without an index) in the same service
+        pg = http.post("/v1/collections/exact/search", json={"vectors": queries.tolist(), "k": 10, "engine": "pgvector"})
+        assert pg.json()["ids"] == r.json()["ids"]
+        band = np.array([p["band"] for p in payloads]) == 3
+        r = http.post("/v1/collections/exact/search", json={"vector": queries[0].tolist(), "k": 10, "engine": "cpu",
+                                                             "filter": {"band": 3}, "consistency": "strong"})
+        keep = alive & band
+        assert r.json()["ids"] == ids[keep][_exact(vectors[keep], queries[:1], 10)[0]].tolist()
+        assert r.json()["plan"]["matched_rows"] == int(keep.sum())
+
+        described = http.get("/v1/collections/exact").json()
+        assert [len(s["replicas"]) for s in described["shards"]] == [REPLICAS] * SHARDS
+        rows = [s["replicas"][0]["index_state"]["indexed_rows"] + s["replicas"][0]["index_state"]["delta_rows"]
+                - s["replicas"][0]["index_state"]["dead_rows"] for s in described["shards"]]
+        assert sum(rows) == int(alive.sum()) and min(rows) > 0  # the rows are split, not copied
+        engines = http.get("/v1/engines").json()
+        replicas = [r for s in engines["shards"] for r in s["replicas"]]
+        assert len({r["pid"] for r in replicas}) == SHARDS * REPLICAS and all(r["ready"] for r in replicas)
+        assert len({r["node"] for r in replicas}) == 2  # spread over both Ray nodes
+
+
+def test_sharded_hnsw_keeps_its_recall(service):
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        ids, vectors, _ = _collection(http, "approx", {"type": "hnsw", "params": {"m": 16, "ef_construction": 64}},
+                                      4000, 3)
+        assert http.post("/v1/collections/approx/build").status_code in (200, 202)
+        queries = np.random.default_rng(4).standard_normal((50, DIM)).astype(np.float32)
+        deadline = time.monotonic() + 60
+        while True:
+            r = http.post("/v1/collections/approx/search", json={
+                "vectors": queries.tolist(), "k": 10, "engine": "cpu", "consistency": "strong"})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        truth = ids[_exact(vectors, queries, 10)]
+        hits = sum(len(set(got) & set(want)) for got, want in zip(r.json()["ids"], truth.tolist()))
+        assert hits / truth.size >= 0.9
+
+
+def _replicas_ready(http: httpx.Client) -> bool:
+    shards = http.get("/v1/engines").json()["shards"]
+    return all(r.get("ready") for s in shards for r in s["replicas"])
+
+
+def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ray_address):
+    ray.init(address=ray_address, namespace="switchyard", log_to_driver=False, ignore_reinit_error=True)
+    from service.cluster.ray_layer import actor_name
+
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        http.delete("/v1/collections/churn")
+        assert http.post("/v1/collections", json={"name": "churn", "dim": DIM, "metric": "l2",
+                                                  "index": {"type": "brute_force"},
+                                                  "pgvector_index": {"type": "none"}}).status_code == 201
+    acked: dict[int, np.ndarray] = {}
+    problems: list[str] = []
+    counts = {"search_ok": 0, "search_503": 0, "upsert_ok": 0, "kills": 0}
+    search_s: list[float] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def writer(first: int) -> None:
+        rng = np.random.default_rng(first)
+        next_id = first
+        with httpx.Client(base_url=service.url, timeout=60) as http:
+            while not stop.is_set():
+                batch = rng.standard_normal((5, DIM)).astype(np.float32)
+                ids = list(range(next_id, next_id + 5))
+                next_id += 5
+                r = http.put("/v1/collections/churn/points", json={"ids": ids, "vectors": batch.tolist()})
+                with lock:
+                    if r.status_code == 200:
+                        acked.update(zip(ids, batch))
+                        counts["upsert_ok"] += 1
+                    elif not (r.status_code == 503 and "retry-after" in r.headers):
+                        problems.append(f"upsert {r.status_code}: {r.text[:200]}")
+
+    def searcher(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with httpx.Client(base_url=service.url, timeout=60) as http:
+            while not stop.is_set():
+                started = time.perf_counter()
+                r = http.post("/v1/collections/churn/search", json={
+                    "vector": rng.standard_normal(DIM).tolist(), "k": 5, "engine": "cpu"})
+                with lock:
+                    search_s.append(time.perf_counter() - started)
+                    if r.status_code == 200:
+                        counts["search_ok"] += 1
+                    elif r.status_code == 503 and "retry-after" in r.headers:
+                        counts["search_503"] += 1
+                    else:
+                        problems.append(f"search {r.status_code}: {r.text[:200]}")
+
+    def killer() -> None:
+        rng = random.Random(7)
+        while counts["kills"] < 20 and not stop.is_set():
+            time.sleep(0.6)
+            s, r = rng.randrange(SHARDS), rng.randrange(REPLICAS)
+            try:
+                ray.kill(ray.get_actor(actor_name(s, SHARDS, r), namespace="switchyard"), no_restart=False)
+                counts["kills"] += 1
+            except ValueError:
+                pass  # between lives: not registered under its name this instant
+
+    threads = [threading.Thread(target=writer, args=(1_000_000 * (i + 1),)) for i in range(2)]
+    threads += [threading.Thread(target=searcher, args=(i,)) for i in range(2)]
+    kill_thread = threading.Thread(target=killer)
+    for t in [*threads, kill_thread]:
+        t.start()
+    kill_thread.join(timeout=180)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    print(counts, "search ms p50 %.1f p99 %.1f max %.1f" % tuple(1000 * np.quantile(search_s, [0.5, 0.99, 1.0])))
+    assert counts["kills"] >= 20
+    assert not problems, problems[:5]
+    assert counts["search_ok"] > 0 and counts["upsert_ok"] > 0
+
+    with httpx.Client(base_url=service.url, timeout=60) as http:
+        deadline = time.monotonic() + 120
+        while not _replicas_ready(http):
+            assert time.monotonic() < deadline, "replicas did not come back"
+            time.sleep(0.5)
+        ids = np.array(sorted(acked))
+        for start in range(0, len(ids), 200):
+            part = ids[start:start + 200]
+            queries = np.stack([acked[i] for i in part])
+            r = http.post("/v1/collections/churn/search", json={"vectors": queries.tolist(), "k": 1, "engine": "cpu",
+                                                                 "consistency": "strong"})
+            assert r.status_code == 200, r.text
+            found = [row[0] for row in r.json()["ids"]]
+            assert found == part.tolist()  # every acknowledged write is in the restarted replicas
+            assert max(row[0] for row in r.json()["distances"]) < 1e-2
