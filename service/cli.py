@@ -42,6 +42,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     settings = _settings(args)
+    if args.ray:
+        from .cluster.ray_layer import serve_on_ray
+
+        serve_on_ray(settings, args.address or settings.ray_address)
+        return 0
     common = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
                   access_log=False)  # service/access_log.py logs requests off the event loop instead
     fronts = settings.front_processes
@@ -271,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fronts", type=int, help=(
         "HTTP front processes before the one engine process (SWITCHYARD_FRONTS; default: one per core on 4 or "
         "more cores, none on fewer)"))
+    serve.add_argument("--ray", action="store_true", help=(
+        "run on a Ray cluster: the app as a Ray Serve ingress, vector shards as Ray actors (the 'ray' extra)"))
+    serve.add_argument("--address", help=(
+        "with --ray: the cluster to join (SWITCHYARD_RAY_ADDRESS; default: the one set there, or a local Ray)"))
     serve.add_argument("--uds", help="also listen on this unix socket, for local clients (SWITCHYARD_UDS; no fronts)")
     serve.set_defaults(run=_serve)
 

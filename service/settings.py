@@ -139,6 +139,8 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(default=None, description=(
         "Scale out on Ray: the cluster to join ('auto': the one this machine is part of, or ray://host:10001). "
         "Vector collections are then split into shards held by Ray actors (see README, Running on a cluster)."))
+    ray_namespace: str = Field(default="switchyard", min_length=1, max_length=64, description=(
+        "On Ray: the namespace of this deployment's actors; two Switchyards sharing a cluster need two."))
     shards: int = Field(default=2, ge=1, le=1024, description="On Ray: shards per vector collection, by id hash.")
     shard_replicas: int = Field(default=2, ge=1, le=64, description=(
         "On Ray: replicas of each shard; a search goes to one of them, the next one if it is down."))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +45,9 @@ def ray_address():
     ray_cli = str(Path(sys.executable).parent / "ray")
     port = _free_port()
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    # Loopback only, no token: a token file left in ~/.ray by another local Ray would split the nodes otherwise.
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's driver, and every process started below
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"]
     subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
@@ -58,6 +62,10 @@ def ray_address():
         # Stops the Ray processes of this machine: the test cluster (CI runs nothing else on Ray).
         subprocess.run([ray_cli, "stop", "--force"], env=env, timeout=120, capture_output=True)
         shutil.rmtree(temp, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +249,47 @@ def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ra
             found = [row[0] for row in r.json()["ids"]]
             assert found == part.tolist()  # every acknowledged write is in the restarted replicas
             assert max(row[0] for row in r.json()["distances"]) < 1e-2
+
+
+def test_serve_ray_runs_the_app_as_a_ray_serve_ingress_and_cleans_up(ray_address, tmp_path):
+    """`switchyard serve --ray`: the same app on Ray Serve, its own shard actors (its own namespace), and at
+    SIGINT the application and the actors are gone."""
+    from service.cluster.ray_layer import actor_name
+
+    data = tmp_path / "data"
+    port = _free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}, "PYTHONPATH": str(ROOT),
+           "SWITCHYARD_RAY_NAMESPACE": "serve-test", "SWITCHYARD_SHARD_CPUS": "0.5",
+           "SWITCHYARD_SHARD_REPLICAS": "1"}
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--ray", "--address", ray_address,
+                             "--port", str(port), "--data-dir", str(data)], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve --ray not ready in time"
+            time.sleep(0.5)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            ids, vectors, _ = _collection(http, "served", {"type": "brute_force"}, 1000, 8)
+            queries = np.random.default_rng(9).standard_normal((5, DIM)).astype(np.float32)
+            r = http.post("/v1/collections/served/search", json={"vectors": queries.tolist(), "k": 5, "engine": "cpu",
+                                                                  "consistency": "strong"})
+            assert r.status_code == 200, r.text
+            assert r.json()["ids"] == ids[_exact(vectors, queries, 5)].tolist()
+            assert [len(s["replicas"]) for s in http.get("/v1/engines").json()["shards"]] == [1, 1]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=90)
+    assert code == 0
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace="serve-test", log_to_driver=False)
+    for s in range(SHARDS):
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name(s, SHARDS, 0), namespace="serve-test")

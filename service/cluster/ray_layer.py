@@ -1,8 +1,9 @@
 """Switchyard on a Ray cluster: vector shard hosts as Ray actors, the same FastAPI app as a Ray Serve ingress.
 
 Ray is the optional `ray` extra; nothing imports this module unless SWITCHYARD_RAY_ADDRESS is set (or
-`switchyard serve --ray` runs). Actors are named and detached, so every ingress replica finds the same ones and
-they outlive the process that created them; Ray restarts a replica that dies (max_restarts=-1), and the restarted
+`switchyard serve --ray` runs). Actors are named (in the namespace SWITCHYARD_RAY_NAMESPACE: one per deployment
+sharing a cluster) and detached, so every ingress replica finds the same ones and they outlive the process that
+created them; Ray restarts a replica that dies (max_restarts=-1), and the restarted
 host reloads its snapshot and replays the change log from PostgreSQL.
 """
 
@@ -17,7 +18,6 @@ from .shard_host import ShardHost
 
 log = logging.getLogger("switchyard.cluster")
 
-NAMESPACE = "switchyard"
 # What a shard host takes from the ingress's settings (the rest are the ingress's own: HTTP, auth, database pool).
 SHARD_SETTINGS = ("batch_max", "batch_window_ms", "inline_search_us", "inline_burst", "consistency",
                   "bounded_staleness_ms", "consistency_timeout_ms", "replication_poll_ms", "rebuild_dead_fraction",
@@ -33,11 +33,12 @@ def ray_module() -> Any:
     return ray
 
 
-def connect(address: str | None) -> Any:
-    """Join the cluster at `address` ("auto": the one this machine belongs to), once per process."""
+def connect(settings: Settings) -> Any:
+    """Join the cluster at SWITCHYARD_RAY_ADDRESS ("auto": the one this machine is part of), once per process."""
     ray = ray_module()
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
+        ray.init(address=settings.ray_address or "auto", namespace=settings.ray_namespace, ignore_reinit_error=True,
+                 log_to_driver=False)
     return ray
 
 
@@ -47,12 +48,12 @@ def actor_name(shard: int, shards: int, replica: int) -> str:
 
 def shard_actors(settings: Settings, dsn: str) -> list[list[Any]]:
     """The shard hosts' actors, created if no process has yet (by name, so every ingress gets the same ones)."""
-    ray = connect(settings.ray_address)
+    ray = connect(settings)
     host_class = ray.remote(ShardHost)
     carried = {name: getattr(settings, name) for name in SHARD_SETTINGS}
     shards, replicas = settings.shards, settings.shard_replicas
     return [[host_class.options(
-        name=actor_name(s, shards, r), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        name=actor_name(s, shards, r), namespace=settings.ray_namespace, get_if_exists=True, lifetime="detached",
         max_restarts=-1, max_task_retries=0, num_cpus=settings.shard_cpus, num_gpus=settings.shard_gpus,
         scheduling_strategy="SPREAD",
     ).remote(dsn, str(settings.data_dir), s, shards, r, carried) for r in range(replicas)] for s in range(shards)]
@@ -73,13 +74,79 @@ async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
 
 def remove_shard_actors(settings: Settings) -> int:
     """Kill the shard hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
-    ray = connect(settings.ray_address)
+    ray = connect(settings)
     killed = 0
     for s in range(settings.shards):
         for r in range(settings.shard_replicas):
             try:
-                ray.kill(ray.get_actor(actor_name(s, settings.shards, r), namespace=NAMESPACE), no_restart=True)
+                ray.kill(ray.get_actor(actor_name(s, settings.shards, r), namespace=settings.ray_namespace), no_restart=True)
                 killed += 1
             except ValueError:
                 pass  # not there
     return killed
+
+
+def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> Any:
+    """The Ray Serve application: the same FastAPI app as `switchyard serve`, built in each ingress replica from
+    the SWITCHYARD_* variables in `env` (its lifespan starts the runtime there, which joins the shard actors)."""
+    from ray import serve
+
+    @serve.deployment(name="switchyard", num_replicas=replicas,
+                      ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": env}})
+    @serve.ingress()
+    class SwitchyardIngress:
+        def __serve_build_asgi_app__(self) -> Any:
+            from service.app import create_app
+
+            return create_app()
+
+    return SwitchyardIngress.bind()
+
+
+def serve_on_ray(settings: Settings, address: str | None) -> None:
+    """`switchyard serve --ray`: join (or start) a Ray cluster, run the ingress on Ray Serve at host:port, and
+    stay until interrupted; then take the application and the shard actors down."""
+    import math
+    import os
+    import signal
+    import threading
+
+    from ..database import EmbeddedPostgres
+
+    embedded = None
+    env = {k: v for k, v in os.environ.items() if k.startswith("SWITCHYARD_")}
+    if settings.database_url is None:
+        # Shard hosts and ingress replicas all need one database: this machine's embedded server. Other machines
+        # cannot reach it (it listens on this host only): a real cluster sets SWITCHYARD_DATABASE_URL.
+        embedded = EmbeddedPostgres(settings.embedded_pgdata)
+        env["SWITCHYARD_DATABASE_URL"] = embedded.start()
+        log.warning("embedded PostgreSQL at %s serves this machine only: on a cluster of several machines set "
+                    "SWITCHYARD_DATABASE_URL", settings.embedded_pgdata)
+    ray = ray_module()
+    if not ray.is_initialized():
+        # No address: a Ray instance of this machine, with logical CPUs enough for every actor asked for even
+        # on a small machine (they are scheduling units here; the cores are shared as in one process).
+        wanted = settings.shards * settings.shard_replicas * settings.shard_cpus + settings.ray_ingress_replicas
+        local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(wanted))} if address is None else {}
+        ray.init(address=address, namespace=settings.ray_namespace, ignore_reinit_error=True, **local)
+    env["SWITCHYARD_RAY_ADDRESS"] = "auto"  # the replicas run inside the cluster
+    env["SWITCHYARD_DATA_DIR"] = str(settings.data_dir)
+    from ray import serve
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(ingress_app(settings.ray_ingress_replicas, env), name=settings.ray_namespace, route_prefix="/")
+        log.info("Switchyard on Ray Serve at http://%s:%d (%d ingress replica(s), %d shard(s) x %d replica(s))",
+                 settings.host, settings.port, settings.ray_ingress_replicas, settings.shards,
+                 settings.shard_replicas)
+        stop.wait()
+    finally:
+        try:
+            serve.delete(settings.ray_namespace)
+            remove_shard_actors(settings)
+        finally:
+            if embedded is not None:
+                embedded.stop()
