@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ ray = pytest.importorskip("ray", reason="the 'ray' extra is not installed")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "loadtests"))
-from benchkit import Service  # noqa: E402
+from benchkit import Service, local_ray_cluster  # noqa: E402
 
 SHARDS, REPLICAS, DIM = 2, 2, 16
 pytestmark = pytest.mark.timeout(600)
@@ -42,30 +40,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    port = _free_port()
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    # Loopback only, no token: a token file left in ~/.ray by another local Ray would split the nodes otherwise.
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's driver, and every process started below
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=4", "--disable-usage-stats"]
-    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
-                    *common], env=env, check=True, timeout=180, capture_output=True)
-    try:
-        subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{port}", *common], env=env, check=True, timeout=180,
-                       capture_output=True)
-        yield f"127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        # Stops the Ray processes of this machine: the test cluster (CI runs nothing else on Ray).
-        subprocess.run([ray_cli, "stop", "--force"], env=env, timeout=120, capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
+    with local_ray_cluster(nodes=2, cpus_per_node=4) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
