@@ -114,9 +114,14 @@ class Runtime:
             self.spatial = SpatialManager(
                 self.pool, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
             )
-            self.olap = OlapManager(
-                s.data_dir, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok),
-            )
+            observe_olap = lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok)  # noqa: E731
+            if s.ray_address and s.olap_partitions:
+                from .cluster.partitioned_olap import PartitionedOlap
+                from .cluster.ray_layer import olap_partitions
+
+                self.olap = PartitionedOlap(s.data_dir, self.admission, await olap_partitions(s), observe=observe_olap)
+            else:
+                self.olap = OlapManager(s.data_dir, self.admission, observe=observe_olap)
             self._engines_task = asyncio.create_task(self._start_engines(), name="switchyard-engines")
             self.phase = "running"
         except BaseException:

@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     shards: int = Field(default=2, ge=1, le=1024, description="On Ray: shards per vector collection, by id hash.")
     shard_replicas: int = Field(default=2, ge=1, le=64, description=(
         "On Ray: replicas of each shard; a search goes to one of them, the next one if it is down."))
+    olap_partitions: int = Field(default=2, ge=0, le=1024, description=(
+        "On Ray: partitions of the SSB lineorder table, each held by OLAP actors (0: SSB stays in the ingress)."))
+    olap_replicas: int = Field(default=1, ge=1, le=64, description="On Ray: replicas of each SSB partition.")
     shard_cpus: float = Field(default=1.0, ge=0, le=1024, description="On Ray: CPUs reserved for each shard replica.")
     shard_gpus: float = Field(default=0.0, ge=0, le=64, description=(
         "On Ray: GPUs reserved for each shard replica (1 on GPU clusters: one replica per device)."))

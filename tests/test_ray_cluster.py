@@ -269,3 +269,30 @@ def test_serve_ray_runs_the_app_as_a_ray_serve_ingress_and_cleans_up(ray_address
     for s in range(SHARDS):
         with pytest.raises(ValueError):
             ray.get_actor(actor_name(s, SHARDS, 0), namespace="serve-test")
+
+
+def test_ssb_queries_over_partitions_equal_the_one_process_answers(service):
+    from olap.duckdb_engine import DuckDBEngine
+    from olap.queries import QUERIES
+
+    with httpx.Client(base_url=service.url, timeout=120) as http:
+        accepted = http.post("/v1/olap/ssb/generate", json={"scale_factor": 0.02, "seed": 5})
+        assert accepted.status_code == 202, accepted.text
+        deadline = time.monotonic() + 240
+        while (job := http.get(accepted.json()["location"]).json())["state"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert job["state"] == "succeeded", job
+        while not all(r.get("ready") for p in http.get("/v1/engines").json()["partitions"] for r in p["replicas"]):
+            assert time.monotonic() < deadline, http.get("/v1/engines").json()["partitions"]
+            time.sleep(0.5)
+        dataset = next(d["path"] for d in http.get("/v1/olap/ssb/datasets").json() if d["active"])
+        one_process = DuckDBEngine()
+        one_process.load(Path(dataset))
+        for query_id in QUERIES:
+            r = http.post(f"/v1/olap/ssb/queries/{query_id}", json={"engine": "auto"})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["engine"] == "duckdb" and body["fallback"] is None, body
+            expected = one_process.run_query(query_id, None)
+            assert body["columns"] == expected.columns and body["rows"] == expected.rows, query_id

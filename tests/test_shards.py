@@ -4,6 +4,7 @@ that run in this process (the Ray layer only places the same hosts elsewhere: te
 from __future__ import annotations
 
 import asyncio
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,8 @@ def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]]) -> Sha
     async def call(host: ShardHost, method: str, args: tuple) -> Any:
         if where[id(host)] in off:
             raise Down(f"replica {where[id(host)]} is off")
-        return await getattr(host, method)(*args)
+        out = getattr(host, method)(*args)
+        return await out if inspect.isawaitable(out) else out
 
     return ShardSet(hosts, call, down=(Down,), call_timeout_s=10)
 

@@ -22,7 +22,7 @@ log = logging.getLogger("switchyard.cluster")
 SHARD_SETTINGS = ("batch_max", "batch_window_ms", "inline_search_us", "inline_burst", "consistency",
                   "bounded_staleness_ms", "consistency_timeout_ms", "replication_poll_ms", "rebuild_dead_fraction",
                   "rebuild_delta_rows", "db_command_timeout_s", "db_acquire_timeout_s", "cpu_threads", "gpu",
-                  "admission", "breaker_failures", "breaker_cooldown_s")
+                  "admission", "breaker_failures", "breaker_cooldown_s", "duckdb_memory_mb")
 
 
 def ray_module() -> Any:
@@ -42,47 +42,66 @@ def connect(settings: Settings) -> Any:
     return ray
 
 
-def actor_name(shard: int, shards: int, replica: int) -> str:
-    return f"switchyard-vectors-{shard}-of-{shards}-r{replica}"
+def actor_name(shard: int, shards: int, replica: int, domain: str = "vectors") -> str:
+    return f"switchyard-{domain}-{shard}-of-{shards}-r{replica}"
 
 
-def shard_actors(settings: Settings, dsn: str) -> list[list[Any]]:
-    """The shard hosts' actors, created if no process has yet (by name, so every ingress gets the same ones)."""
+def _actors(settings: Settings, domain: str, host: type, parts: int, replicas: int, *args: Any) -> list[list[Any]]:
+    """Each part's replicas as actors, created if no process has yet (by name, so every ingress gets the same
+    ones): host(*args, part, parts, replica, settings carried)."""
     ray = connect(settings)
-    host_class = ray.remote(ShardHost)
+    host_class = ray.remote(host)
     carried = {name: getattr(settings, name) for name in SHARD_SETTINGS}
-    shards, replicas = settings.shards, settings.shard_replicas
     return [[host_class.options(
-        name=actor_name(s, shards, r), namespace=settings.ray_namespace, get_if_exists=True, lifetime="detached",
-        max_restarts=-1, max_task_retries=0, num_cpus=settings.shard_cpus, num_gpus=settings.shard_gpus,
-        scheduling_strategy="SPREAD",
-    ).remote(dsn, str(settings.data_dir), s, shards, r, carried) for r in range(replicas)] for s in range(shards)]
+        name=actor_name(p, parts, r, domain), namespace=settings.ray_namespace, get_if_exists=True,
+        lifetime="detached", max_restarts=-1, max_task_retries=0, num_cpus=settings.shard_cpus,
+        num_gpus=settings.shard_gpus, scheduling_strategy="SPREAD",
+    ).remote(*args, p, parts, r, carried) for r in range(replicas)] for p in range(parts)]
 
 
-async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
-    ray = ray_module()
+def _shard_set(settings: Settings, replicas: list[list[Any]], *down: type[BaseException]) -> ShardSet:
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     async def call(actor: Any, method: str, args: tuple) -> Any:
         return await getattr(actor, method).remote(*args)
 
-    shard_set = ShardSet(shard_actors(settings, dsn), call, down=(RayActorError, ActorUnavailableError),
-                         call_timeout_s=settings.shard_call_timeout_s)
-    log.info("vector shards: %d x %d replicas on Ray %s", settings.shards, settings.shard_replicas, ray.__version__)
-    return shard_set
+    return ShardSet(replicas, call, down=(RayActorError, ActorUnavailableError, *down),
+                    call_timeout_s=settings.shard_call_timeout_s)
+
+
+async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
+    actors = _actors(settings, "vectors", ShardHost, settings.shards, settings.shard_replicas, dsn,
+                     str(settings.data_dir))
+    log.info("vector shards: %d x %d replicas on Ray %s", settings.shards, settings.shard_replicas,
+             ray_module().__version__)
+    return _shard_set(settings, actors)
+
+
+async def olap_partitions(settings: Settings) -> ShardSet:
+    from olap.manager import EngineNotReady
+
+    from .olap_host import OlapHost
+
+    actors = _actors(settings, "olap", OlapHost, settings.olap_partitions, settings.olap_replicas,
+                     str(settings.data_dir))
+    log.info("SSB partitions: %d x %d replicas", settings.olap_partitions, settings.olap_replicas)
+    return _shard_set(settings, actors, EngineNotReady)
 
 
 def remove_shard_actors(settings: Settings) -> int:
-    """Kill the shard hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
+    """Kill the hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
     ray = connect(settings)
     killed = 0
-    for s in range(settings.shards):
-        for r in range(settings.shard_replicas):
-            try:
-                ray.kill(ray.get_actor(actor_name(s, settings.shards, r), namespace=settings.ray_namespace), no_restart=True)
-                killed += 1
-            except ValueError:
-                pass  # not there
+    for domain, parts, replicas in (("vectors", settings.shards, settings.shard_replicas),
+                                    ("olap", settings.olap_partitions, settings.olap_replicas)):
+        for p in range(parts):
+            for r in range(replicas):
+                try:
+                    ray.kill(ray.get_actor(actor_name(p, parts, r, domain), namespace=settings.ray_namespace),
+                             no_restart=True)
+                    killed += 1
+                except ValueError:
+                    pass  # not there
     return killed
 
 

@@ -30,6 +30,9 @@ class EnginesOut(BaseModel):
     shards: list[dict[str, Any]] | None = Field(default=None, description=(
         "On a Ray cluster: the vector shards, each with its replicas (`host`, `pid`, `engine`, `ready`); null in "
         "one process."))
+    partitions: list[dict[str, Any]] | None = Field(default=None, description=(
+        "On a Ray cluster: the SSB lineorder partitions, each with its replicas (`dataset` held, `ready`); null in "
+        "one process."))
 
 
 @router.get("/engines", summary="List engines with availability and readiness")
@@ -39,4 +42,7 @@ async def list_engines(
 ) -> EnginesOut:
     layout = getattr(runtime.vectors, "layout", None)
     shards = await layout() if layout is not None and domain in (None, "vectors") else None
-    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)], shards=shards)
+    olap_layout = getattr(runtime.olap, "layout", None)
+    partitions = await olap_layout() if olap_layout is not None and domain in (None, "olap") else None
+    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)], shards=shards,
+                      partitions=partitions)
