@@ -111,9 +111,15 @@ class Runtime:
                 self.vectors = ShardedCollections(self.pool, s.data_dir, shard_set, **vector_kwargs)
             else:
                 self.vectors = CollectionManager(self.pool, s.data_dir, **vector_kwargs)
-            self.spatial = SpatialManager(
-                self.pool, self.admission, observe=lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok),
-            )
+            observe_spatial = lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok)  # noqa: E731
+            if s.ray_address and s.spatial_partitions:
+                from .cluster.partitioned_spatial import PartitionedSpatial
+                from .cluster.ray_layer import spatial_partitions
+
+                self.spatial = PartitionedSpatial(self.pool, self.admission, await spatial_partitions(s, self.dsn),
+                                                  observe=observe_spatial)
+            else:
+                self.spatial = SpatialManager(self.pool, self.admission, observe=observe_spatial)
             observe_olap = lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok)  # noqa: E731
             if s.ray_address and s.olap_partitions:
                 from .cluster.partitioned_olap import PartitionedOlap

@@ -147,6 +147,10 @@ class Settings(BaseSettings):
     olap_partitions: int = Field(default=2, ge=0, le=1024, description=(
         "On Ray: partitions of the SSB lineorder table, each held by OLAP actors (0: SSB stays in the ingress)."))
     olap_replicas: int = Field(default=1, ge=1, le=64, description="On Ray: replicas of each SSB partition.")
+    spatial_partitions: int = Field(default=2, ge=0, le=1024, description=(
+        "On Ray: partitions of every point layer for point-in-polygon joins, polygon layers with each "
+        "(0: spatial joins stay in the ingress)."))
+    spatial_replicas: int = Field(default=1, ge=1, le=64, description="On Ray: replicas of each spatial partition.")
     shard_cpus: float = Field(default=1.0, ge=0, le=1024, description="On Ray: CPUs reserved for each shard replica.")
     shard_gpus: float = Field(default=0.0, ge=0, le=64, description=(
         "On Ray: GPUs reserved for each shard replica (1 on GPU clusters: one replica per device)."))

@@ -105,15 +105,15 @@ class SpatialManager:
     # -- layers ----------------------------------------------------------------------------------------
     async def create(self, layer: Layer) -> Layer:
         await self.store.save(layer)
-        self._forget(self.layers.get(layer.name))
+        self.forget(self.layers.get(layer.name))
         self.layers[layer.name] = layer
         return layer
 
     async def drop(self, name: str) -> None:
         await self.store.drop(name)
-        self._forget(self.layers.pop(name, None))
+        self.forget(self.layers.pop(name, None))
 
-    def _forget(self, old: Layer | None) -> None:
+    def forget(self, old: Layer | None) -> None:
         """A rewritten or dropped layer's resident structures go (on the GPU, its device buffers), each in its
         engine's own thread: an engine is only ever called from there."""
         if old is None:

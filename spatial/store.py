@@ -56,6 +56,10 @@ class SpatialStore:
         if status.endswith(" 0"):
             raise LayerNotFound(f"no layer named {name!r}")
 
+    async def versions(self) -> dict[str, int]:
+        """Each layer's row id: a layer written again gets a new one."""
+        return {r["name"]: r["id"] for r in await self.pool.fetch("SELECT name, id FROM spatial_layers")}
+
     async def names(self) -> list[str]:
         return [r["name"] for r in await self.pool.fetch("SELECT name FROM spatial_layers ORDER BY name")]
 

@@ -296,3 +296,42 @@ def test_ssb_queries_over_partitions_equal_the_one_process_answers(service):
             assert body["engine"] == "duckdb" and body["fallback"] is None, body
             expected = one_process.run_query(query_id, None)
             assert body["columns"] == expected.columns and body["rows"] == expected.rows, query_id
+
+
+def test_point_in_polygon_over_point_partitions_equals_shapely(service):
+    from test_spatial_service import (ACROSS_ANTIMERIDIAN, NEIGHBOUR, SQUARE_WITH_HOLE, TWO_ISLANDS,
+                                      feature_collection, oracle_pairs, sample_points)
+
+    lon, lat = sample_points()
+    polys = feature_collection(SQUARE_WITH_HOLE, TWO_ISLANDS, ACROSS_ANTIMERIDIAN, NEIGHBOUR)
+    truth = oracle_pairs(lon, lat, polys)
+    with httpx.Client(base_url=service.url, timeout=120) as http:
+        for body in ({"name": "pts", "kind": "points", "lon": lon.tolist(), "lat": lat.tolist()},
+                     {"name": "polys", "kind": "polygons", "geojson": polys}):
+            http.delete(f"/v1/spatial/layers/{body['name']}")
+            assert http.post("/v1/spatial/layers", json=body).status_code == 201
+        counts = http.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys"}).json()
+        assert counts["fallback"] is None, counts
+        expected = {pid: sum(1 for _, p in truth if p == pid) for pid in counts["polygon_ids"]}
+        assert dict(zip(counts["polygon_ids"], counts["counts"])) == expected
+        assert counts["points"] == len(lon)
+        pairs, cursor, pages = set(), None, 0
+        while True:  # small pages: the cursor walks every partition in turn
+            page = http.post("/v1/spatial/joins/point-in-polygon", json={
+                "points": "pts", "polygons": "polys", "mode": "pairs", "page_size": 97, "cursor": cursor}).json()
+            assert page["fallback"] is None, page
+            pairs |= {tuple(p) for p in page["pairs"]}
+            pages += 1
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert pairs == truth and pages > 2
+        layout = http.get("/v1/engines").json()["spatial_partitions"]
+        assert [len(p["replicas"]) for p in layout] == [1, 1]
+        # a layer written again: the partitions read the new version before answering
+        assert http.delete("/v1/spatial/layers/pts").status_code == 204
+        assert http.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": lon[:50].tolist(),
+                                                     "lat": lat[:50].tolist()}).status_code == 201
+        again = http.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys"}).json()
+        assert again["points"] == 50
+        assert sum(again["counts"]) == sum(1 for i, _ in truth if i < 50)

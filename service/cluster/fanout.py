@@ -24,6 +24,10 @@ HEDGE_FACTOR = 4.0  # ask another replica after this many times the usual answer
 HEDGE_MIN_S, HEDGE_MAX_S = 0.05, 1.0  # ... within these bounds
 ALL_DOWN_WAIT_S = 1.0  # how long a shard with no replica up may take to answer before a 503
 
+LAYOUT_TIMEOUT_S = 5.0  # a replica that takes longer to describe itself is reported as not answering
+WATCH_S = 1.0  # how often the ingress asks every replica how it is ...
+WATCH_TIMEOUT_S = 5.0  # ... and counts it down if it takes longer to say
+
 Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method name, arguments) -> result
 
 
@@ -129,6 +133,18 @@ class ShardSet:
         flat = iter(await asyncio.gather(*calls, return_exceptions=True))
         return [[next(flat) for _ in self.replicas[s]] for s in picked]
 
+    async def layout(self, label: str, method: str = "where", *args: Any) -> list[dict[str, Any]]:
+        """Every part's replicas as they describe themselves (or why they could not)."""
+        answers = await self.on_every_replica(method, *args, timeout_s=LAYOUT_TIMEOUT_S)
+        return [{label: p, "replicas": [described(a) for a in row]} for p, row in enumerate(answers)]
+
+    async def watch(self, start_args: Callable[[], tuple] = tuple) -> None:
+        """Forever: ask every replica to `start(*start_args())` (idempotent: the first call starts a host, and one
+        that Ray restarted has no other way to learn it should load) and note which are ready."""
+        while True:
+            self.note(await self.on_every_replica("start", *start_args(), timeout_s=WATCH_TIMEOUT_S))
+            await asyncio.sleep(WATCH_S)
+
     def note(self, answers: list[list[Any]]) -> None:
         """Take in every replica's `where()` (or the exception its call raised): which are up, and the engine."""
         for s, row in enumerate(answers):
@@ -144,3 +160,11 @@ class ShardSet:
 
     def is_down(self, shard: int, replica: int) -> bool:
         return (shard, replica) in self._down
+
+
+def described(answer: Any) -> Any:
+    """A replica's answer, or what its call raised, as JSON."""
+    if isinstance(answer, BaseException):
+        first = str(answer).splitlines()[0] if str(answer) else ""
+        return {"ready": False, "error": f"{type(answer).__name__}: {first}"}
+    return answer

@@ -21,7 +21,6 @@ from olap.queries import QUERIES, render_sql
 
 from .fanout import ShardSet
 
-WATCH_S, WATCH_TIMEOUT_S = 1.0, 5.0
 PARTITION_ENGINES = ("auto", "cudf", "duckdb", "gpu", "cpu")  # what partitions serve; postgres stays here
 
 
@@ -34,21 +33,15 @@ class PartitionedOlap(OlapManager):
 
     async def start(self) -> None:
         await super().start()
-        self._watch = asyncio.create_task(self._watch_partitions())
+        # Every replica is told the active dataset: a new or restarted one loads its partition of it.
+        self._watch = asyncio.create_task(self.partitions.watch(
+            lambda: (str(self.active) if self.active is not None else None,)))
 
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         await super().stop()
-
-    async def _watch_partitions(self) -> None:
-        """Tell every replica which dataset is active (a new or restarted one loads its partition) and learn
-        which are ready."""
-        while True:
-            dataset = str(self.active) if self.active is not None else None
-            self.partitions.note(await self.partitions.on_every_replica("start", dataset, timeout_s=WATCH_TIMEOUT_S))
-            await asyncio.sleep(WATCH_S)
 
     async def run_query(self, query_id: str, params: dict[str, Any] | None, engine: str = "auto") -> Answer:
         if query_id not in QUERIES:
@@ -71,8 +64,4 @@ class PartitionedOlap(OlapManager):
         return Answer(merge_partials(query_id, [result for result, _ in parts]), served, round(took * 1000, 3))
 
     async def layout(self) -> list[dict[str, Any]]:
-        answers = await self.partitions.on_every_replica("where", timeout_s=WATCH_TIMEOUT_S)
-        return [{"partition": p, "replicas": [
-            a if not isinstance(a, BaseException) else {"ready": False, "error": f"{type(a).__name__}: {a}"}
-            for a in row]} for p, row in enumerate(answers)]
-
+        return await self.partitions.layout("partition")

@@ -88,12 +88,24 @@ async def olap_partitions(settings: Settings) -> ShardSet:
     return _shard_set(settings, actors, EngineNotReady)
 
 
+async def spatial_partitions(settings: Settings, dsn: str) -> ShardSet:
+    from spatial.manager import SpatialEngineNotReady
+
+    from .spatial_host import SpatialHost
+
+    actors = _actors(settings, "spatial", SpatialHost, settings.spatial_partitions, settings.spatial_replicas, dsn,
+                     str(settings.data_dir))
+    log.info("spatial partitions: %d x %d replicas", settings.spatial_partitions, settings.spatial_replicas)
+    return _shard_set(settings, actors, SpatialEngineNotReady)
+
+
 def remove_shard_actors(settings: Settings) -> int:
     """Kill the hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
     ray = connect(settings)
     killed = 0
     for domain, parts, replicas in (("vectors", settings.shards, settings.shard_replicas),
-                                    ("olap", settings.olap_partitions, settings.olap_replicas)):
+                                    ("olap", settings.olap_partitions, settings.olap_replicas),
+                                    ("spatial", settings.spatial_partitions, settings.spatial_replicas)):
         for p in range(parts):
             for r in range(replicas):
                 try:

@@ -24,12 +24,10 @@ from indexes.resident import Changes
 from indexes.shards import merge_results, shard_of
 from indexes.store import Collection, Commit
 
-from .fanout import ShardSet
+from .fanout import ShardSet, described
 
 log = logging.getLogger("switchyard.cluster")
 
-WATCH_S = 1.0  # how often the ingress asks every shard replica how it is
-WATCH_TIMEOUT_S = 5.0  # a replica that takes longer to say is down for now
 NUDGE_WAIT_S = 1.0  # how long the nudge after a write waits for the owning replicas (it never holds the ack)
 
 
@@ -40,14 +38,7 @@ class ShardedCollections(CollectionManager):
 
     async def start(self) -> None:
         await super().start()
-        self._spawn(self._watch_shards(), "watching the shard replicas")
-
-    async def _watch_shards(self) -> None:
-        """Ask every replica to start now and then: the first call starts a host, and one that Ray restarted has
-        no other way to learn it should load. Their answers say which are ready."""
-        while True:
-            self.shards.note(await self.shards.on_every_replica("start", timeout_s=WATCH_TIMEOUT_S))
-            await asyncio.sleep(WATCH_S)
+        self._spawn(self.shards.watch(), "watching the shard replicas")
 
     def attach(self, kind: str, backend: Any) -> None:
         """No resident index lives in this process: the shard hosts hold them."""
@@ -123,7 +114,7 @@ class ShardedCollections(CollectionManager):
         say = progress or (lambda done, total, message: None)
         say(0, None, f"rebuilding {self.shards.shards} shard(s) on every replica")
         answers = await self.shards.on_every_replica("build", name)
-        out: dict[str, Any] = {"shards": [[_described(a) for a in shard] for shard in answers]}
+        out: dict[str, Any] = {"shards": [[described(a) for a in shard] for shard in answers]}
         if name not in self.fallback_builds and not await pgvector_search.has_index(self.pool, c):
             if fallback == "wait":
                 say(0, None, "building the pgvector index")
@@ -144,12 +135,4 @@ class ShardedCollections(CollectionManager):
 
     async def layout(self, name: str | None = None) -> list[dict[str, Any]]:
         """Every shard's replicas: where each runs and, for a collection, its index state there."""
-        answers = await self.shards.on_every_replica("describe" if name else "where", *([name] if name else []))
-        return [{"shard": s, "replicas": [_described(a) for a in replicas]} for s, replicas in enumerate(answers)]
-
-
-def _described(answer: Any) -> Any:
-    if isinstance(answer, BaseException):
-        return {"ready": False, "error": f"{type(answer).__name__}: {str(answer).splitlines()[0] if str(answer) else ''}"}
-    return answer
-
+        return await self.shards.layout("shard", "describe", name) if name else await self.shards.layout("shard")

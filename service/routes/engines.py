@@ -33,6 +33,9 @@ class EnginesOut(BaseModel):
     partitions: list[dict[str, Any]] | None = Field(default=None, description=(
         "On a Ray cluster: the SSB lineorder partitions, each with its replicas (`dataset` held, `ready`); null in "
         "one process."))
+    spatial_partitions: list[dict[str, Any]] | None = Field(default=None, description=(
+        "On a Ray cluster: the point-layer partitions, each with its replicas (`layers` held, `ready`); null in "
+        "one process."))
 
 
 @router.get("/engines", summary="List engines with availability and readiness")
@@ -40,9 +43,13 @@ async def list_engines(
     runtime: RuntimeDep,
     domain: Literal["vectors", "spatial", "olap"] | None = Query(default=None, description="Only this domain."),
 ) -> EnginesOut:
-    layout = getattr(runtime.vectors, "layout", None)
-    shards = await layout() if layout is not None and domain in (None, "vectors") else None
-    olap_layout = getattr(runtime.olap, "layout", None)
-    partitions = await olap_layout() if olap_layout is not None and domain in (None, "olap") else None
-    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)], shards=shards,
-                      partitions=partitions)
+    return EnginesOut(engines=[EngineOut(**s.as_dict()) for s in runtime.registry.list(domain)],
+                      shards=await _layout(runtime.vectors, domain, "vectors"),
+                      partitions=await _layout(runtime.olap, domain, "olap"),
+                      spatial_partitions=await _layout(runtime.spatial, domain, "spatial"))
+
+
+async def _layout(manager: Any, asked: str | None, domain: str) -> list[dict[str, Any]] | None:
+    """Where a domain's parts run on a cluster; None in one process (its manager has no layout)."""
+    layout = getattr(manager, "layout", None)
+    return await layout() if layout is not None and asked in (None, domain) else None
