@@ -71,10 +71,11 @@ class Down(Exception):
     """A replica the test switched off (a dead actor, on Ray)."""
 
 
-def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]]) -> ShardSet:
+def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]], calls: list[str]) -> ShardSet:
     where = {id(h): (s, r) for s, shard in enumerate(hosts) for r, h in enumerate(shard)}
 
     async def call(host: ShardHost, method: str, args: tuple) -> Any:
+        calls.append(method)
         if where[id(host)] in off:
             raise Down(f"replica {where[id(host)]} is off")
         out = getattr(host, method)(*args)
@@ -95,7 +96,8 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
         for h in shard:
             await h.start()
     off: set[tuple[int, int]] = set()
-    shards = local_shards(hosts, off)
+    calls: list[str] = []
+    shards = local_shards(hosts, off, calls)
     shards.kind = hosts[0][0].kind
     pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
     ingress = ShardedCollections(pool, data_dir / "ingress", shards, guard=Admission(settings))
@@ -134,6 +136,12 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
                 held = h.vectors.resident["sharded"].index
                 live_ids, _ = held.live()
                 assert sorted(live_ids.tolist()) == sorted(ids[alive & (shard_of(ids, 2) == s)].tolist())
+        # Concurrent single-query searches with the same options: one answer each, fewer fan-outs than requests.
+        before = calls.count("search")
+        singles = await asyncio.gather(*(ingress.search("sharded", q[None], 10, "cpu", single=True,
+                                                        consistency="session", seq=seq) for q in queries))
+        assert [a.result.ids[0] for a in singles] == answer.result.ids
+        assert calls.count("search") - before < 2 * len(queries)  # 2 shards: one call each per fan-out
         # A filter: the same rows as the oracle, and a plan summed over the shards.
         red = await ingress.search("sharded", queries[:1], 10, "cpu", payload_filter={"colour": "red"},
                                    consistency="session", seq=seq)

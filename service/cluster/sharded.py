@@ -16,14 +16,16 @@ from typing import Any
 
 import asyncpg
 import numpy as np
+import orjson
 
 from indexes import pgvector_search
 from indexes.errors import EngineUnavailable, InvalidInput, ShardUnavailable
 from indexes.manager import ENGINE_KIND, CollectionManager, SearchAnswer
-from indexes.resident import Changes
+from indexes.resident import Changes, SearchResult
 from indexes.shards import merge_results, shard_of
 from indexes.store import Collection, Commit
 
+from .coalesce import Coalescer
 from .fanout import ShardSet, described
 
 log = logging.getLogger("switchyard.cluster")
@@ -35,6 +37,7 @@ class ShardedCollections(CollectionManager):
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, shards: ShardSet, **kwargs: Any) -> None:
         super().__init__(pool, data_dir, **kwargs)
         self.shards = shards
+        self.batches = Coalescer(self._run_batch, self.max_batch)
 
     async def start(self) -> None:
         await super().start()
@@ -71,11 +74,14 @@ class ShardedCollections(CollectionManager):
         if order[0] != "pgvector":
             started = time.perf_counter()
             try:
-                if level == "strong":
-                    # Fresh as of this arrival, on every machine: PostgreSQL's head now, not this host's clock.
-                    level, seq = "session", await self.store.head(c)
-                parts = await self.shards.on_every_shard("search", name, queries, k, params, payload_filter, level,
-                                                         seq, recall_target)
+                if single and len(queries) == 1:
+                    # Same options, same fan-out: `session` seqs fold into the batch's highest (a stronger ask).
+                    key = (name, k, orjson.dumps(params, option=orjson.OPT_SORT_KEYS),
+                           orjson.dumps(payload_filter, option=orjson.OPT_SORT_KEYS), level, recall_target)
+                    result, served = await self.batches.submit(key, queries[0], seq)
+                else:
+                    [result], served = await self._fan_out(c, queries, k, params, payload_filter, level, seq,
+                                                           recall_target, split=False)
             except (InvalidInput, EngineUnavailable):
                 raise
             except ShardUnavailable as exc:
@@ -85,10 +91,31 @@ class ShardedCollections(CollectionManager):
             else:
                 took = time.perf_counter() - started
                 self.observe(ENGINE_KIND[order[0]], "search", took, True)
-                return SearchAnswer(merge_results([result for result, _ in parts], k), parts[0][1],
-                                    round(took * 1000, 3))
+                return SearchAnswer(result, served, round(took * 1000, 3))
         return await self._search(c, None, ["pgvector"], queries, k, engine, params, where, single, fallback,
                                   recall_target)
+
+    async def _fan_out(self, c: Collection, queries: np.ndarray, k: int, params: dict[str, Any] | None,
+                       payload_filter: dict[str, Any] | None, level: str, seq: int | None,
+                       recall_target: float | None, split: bool) -> tuple[list[SearchResult], str]:
+        """One search on one replica of every shard, merged; `split`: one result per query."""
+        if level == "strong":
+            # Fresh as of every request's arrival, on every machine: PostgreSQL's head now, not a host's clock.
+            level, seq = "session", await self.store.head(c)
+        parts = await self.shards.on_every_shard("search", c.name, queries, k, params, payload_filter, level, seq,
+                                                 recall_target)
+        merged = merge_results([result for result, _ in parts], k)
+        if not split:
+            return [merged], parts[0][1]
+        return [SearchResult([ids], [distances], merged.watermark, merged.plan)
+                for ids, distances in zip(merged.ids, merged.distances)], parts[0][1]
+
+    async def _run_batch(self, key: tuple, queries: np.ndarray, seq: int | None) -> list[tuple[SearchResult, str]]:
+        name, k, params, payload_filter, level, recall_target = key
+        c = await self.collection(name)
+        results, served = await self._fan_out(c, queries, k, orjson.loads(params), orjson.loads(payload_filter), level,
+                                              seq, recall_target, split=True)
+        return [(result, served) for result in results]
 
     def search_now(self, *args: Any, **kwargs: Any) -> None:
         """Every resident search here is a fan-out: nothing is answered on the event loop."""
