@@ -65,3 +65,20 @@ def test_dockerfile_is_cuda_based_healthy_unprivileged_and_serves():
     # The pip install names each package directory the project ships.
     for package in ("service", "indexes", "spatial", "olap", "migrations"):
         assert f"COPY {package} ./{package}" in text
+
+
+def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
+    compose = load("compose.ray.yaml")
+    services = compose["services"]
+    assert set(services) == {"db", "ray-head", "ray-worker"}
+    head, worker = services["ray-head"], services["ray-worker"]
+    assert "ray start --head" in head["command"][-1] and "switchyard serve --ray" in head["command"][-1]
+    assert "--address=ray-head:6379" in worker["command"][-1] and "--block" in worker["command"][-1]
+    assert head["build"]["args"]["EXTRAS"] == "gpu,ray" and worker["image"] == head["image"]
+    for node in (head, worker):
+        assert re.match(r"postgresql://switchyard:.*@db:5432/switchyard$", node["environment"]["SWITCHYARD_DATABASE_URL"])
+        assert "switchyard-data:/var/lib/switchyard" in node["volumes"]
+    assert head["ports"] == ["127.0.0.1:8000:8000"] and "ports" not in worker
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["count"] == 1
+    assert worker["environment"]["SWITCHYARD_SHARD_GPUS"].startswith("${SWITCHYARD_SHARD_GPUS:-1}")
