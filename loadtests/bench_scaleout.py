@@ -6,8 +6,9 @@
 Every layout serves the same data (an HNSW index, the same parameters) from a fresh service: `single` is the
 ordinary one-process service; `SxR` joins a local Ray cluster (two node processes on this machine) with S shards
 of R replicas each. The fan-out overhead is the one-client latency of a layout minus the single process's: the
-hop to the shard actors and the merge. On one machine the cores, not the design, bound the throughput: shards
-and replicas share them with the clients and PostgreSQL. Writes JSON and a PNG under loadtests/results/scaleout/.
+hop to the shard actors and the merge. On one machine the shards and replicas share its cores with the clients
+and PostgreSQL, and each Ray actor call costs the ingress CPU of its own (Ray's core worker threads): this shows
+what the hop costs, not what a cluster of machines would serve. Writes JSON and a PNG under loadtests/results/scaleout/.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def plot(path: Path, report: dict[str, Any]) -> None:
     right.set(xscale="log", yscale="log", xlabel="clients", ylabel="p99 ms", title="p99 latency")
     for axis in (left, right):
         axis.legend(fontsize=8)
-    fig.suptitle(f"{report['rows']:,} x {report['dim']} on {report['versions']['cores']} cores: the cores bound it")
+    fig.suptitle(f"{report['rows']:,} x {report['dim']} on {report['versions']['cores']} cores (shared by the clients, the "
+                 "ingress, the actors and PostgreSQL)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
