@@ -82,3 +82,16 @@ def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["count"] == 1
     assert worker["environment"]["SWITCHYARD_SHARD_GPUS"].startswith("${SWITCHYARD_SHARD_GPUS:-1}")
+
+
+def test_the_serve_config_file_names_a_builder_that_makes_the_ingress(monkeypatch):
+    ray = __import__("pytest").importorskip("ray", reason="the 'ray' extra is not installed")
+    config = yaml.safe_load((ROOT / "serve.ray.yaml").read_text())
+    (app,) = config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    for key, value in app["runtime_env"]["env_vars"].items():
+        monkeypatch.setenv(key, value)
+    builder = getattr(__import__(module, fromlist=[name]), name)
+    application = builder(app["args"])
+    assert isinstance(application, ray.serve.Application)
+    assert app["runtime_env"]["env_vars"]["SWITCHYARD_RAY_ADDRESS"] == "auto" and app["route_prefix"] == "/"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run
-from indexes.errors import ShardUnavailable
+from indexes.errors import InvalidInput, ShardUnavailable
 from indexes.manager import CollectionManager
 from indexes.resident import Changes, SearchResult
 from indexes.shards import Shard, merge_results, shard_of
@@ -81,7 +81,7 @@ def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]], calls:
         out = getattr(host, method)(*args)
         return await out if inspect.isawaitable(out) else out
 
-    return ShardSet(hosts, call, down=(Down,), call_timeout_s=10)
+    return ShardSet(hosts, call, call_timeout_s=10)
 
 
 async def _scenario(dsn: str, data_dir: Path) -> None:
@@ -149,6 +149,9 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
         exact = np.argsort(((vectors[is_red] - queries[0]) ** 2).sum(-1))[:10]
         assert red.result.ids == [ids[is_red][exact].tolist()]
         assert red.result.plan["matched_rows"] == int(is_red.sum())
+        # A request's own error comes back as it is, not as a shard down (every replica would raise it).
+        with pytest.raises(InvalidInput):
+            await ingress.search("sharded", queries, 10, "cpu", params={"n_probes": 4})
         # One replica of a shard off: the other answers. Both off: 503 named, or pgvector under auto.
         off.add((0, 0))
         again = await ingress.search("sharded", queries, 10, "cpu", consistency="session", seq=seq)

@@ -11,14 +11,14 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from indexes.errors import EngineFailed, EngineUnavailable, NotCaughtUp, ShardUnavailable
+from indexes.errors import InvalidInput, ShardUnavailable
 
 log = logging.getLogger("switchyard.cluster")
 
-# The replica's own troubles: another replica of the shard may answer. Anything else (a bad filter, an unknown
-# collection) is the request's and would fail the same way everywhere.
-REPLICA_TROUBLE: tuple[type[BaseException], ...] = (EngineUnavailable, EngineFailed, NotCaughtUp, TimeoutError,
-                                                    ConnectionError)
+# Errors that are the request's (a bad parameter): every replica would raise them alike, so they go back to the
+# client. Anything else is the replica's trouble (dead, restarting, loading, behind, its database connection
+# gone, a catalog a moment old): another replica of the shard is asked.
+REQUEST_ERRORS: tuple[type[BaseException], ...] = (InvalidInput,)
 
 HEDGE_FACTOR = 4.0  # ask another replica after this many times the usual answer time ...
 HEDGE_MIN_S, HEDGE_MAX_S = 0.05, 1.0  # ... within these bounds
@@ -32,18 +32,19 @@ Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method na
 
 
 class ShardSet:
-    def __init__(self, replicas: list[list[Any]], call: Call, *, down: tuple[type[BaseException], ...] = (),
-                 call_timeout_s: float = 30.0) -> None:
+    def __init__(self, replicas: list[list[Any]], call: Call, *,
+                 request_errors: tuple[type[BaseException], ...] = REQUEST_ERRORS, call_timeout_s: float = 30.0) -> None:
         if not replicas or any(not r for r in replicas):
             raise ValueError("every shard needs at least one replica")
         self.replicas = replicas  # [shard][replica] -> handle
         self._call = call
-        self.down_errors = REPLICA_TROUBLE + down  # the placing layer adds its own (a dead actor)
+        self.request_errors = request_errors
         self.call_timeout_s = call_timeout_s
         self._turn = [0] * len(replicas)
         # (shard, replica) that failed a call or was not ready when last asked; unknown ones count as down.
         self._down = {(s, r) for s, row in enumerate(replicas) for r in range(len(row))}
         self._usual_s: dict[str, float] = {}  # moving average of answer times, per method
+        self._watching: asyncio.Future | None = None
         self.kind: str | None = None  # the engine the replicas serve with ("cpu" or "gpu"), once one said
 
     @property
@@ -100,7 +101,7 @@ class ShardSet:
                     if task.exception() is None:
                         self._answered(method, time.perf_counter() - started)
                         return task.result()
-                    if not isinstance(task.exception(), self.down_errors):
+                    if isinstance(task.exception(), self.request_errors):
                         raise task.exception()
                     self._down.add((shard, replica))  # until the watch finds it ready again
                     trouble = task.exception()
@@ -137,6 +138,15 @@ class ShardSet:
         """Every part's replicas as they describe themselves (or why they could not)."""
         answers = await self.on_every_replica(method, *args, timeout_s=LAYOUT_TIMEOUT_S)
         return [{label: p, "replicas": [described(a) for a in row]} for p, row in enumerate(answers)]
+
+    def start_watching(self, start_args: Callable[[], tuple] = tuple) -> None:
+        self._watching = asyncio.ensure_future(self.watch(start_args))
+
+    async def stop_watching(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
 
     async def watch(self, start_args: Callable[[], tuple] = tuple) -> None:
         """Forever: ask every replica to `start(*start_args())` (idempotent: the first call starts a host, and one

@@ -9,7 +9,6 @@ back to those engines too and says so.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,18 +28,14 @@ class PartitionedOlap(OlapManager):
                  observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         super().__init__(data_dir, guard, observe)
         self.partitions = partitions
-        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         await super().start()
         # Every replica is told the active dataset: a new or restarted one loads its partition of it.
-        self._watch = asyncio.create_task(self.partitions.watch(
-            lambda: (str(self.active) if self.active is not None else None,)))
+        self.partitions.start_watching(lambda: (str(self.active) if self.active is not None else None,))
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        await self.partitions.stop_watching()
         await super().stop()
 
     async def run_query(self, query_id: str, params: dict[str, Any] | None, engine: str = "auto") -> Answer:

@@ -8,7 +8,6 @@ inside it. Distance joins, layer writes and PostGIS stay on this process's own e
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Callable
 
@@ -26,16 +25,13 @@ class PartitionedSpatial(SpatialManager):
                  observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         super().__init__(pool, guard, observe)
         self.partitions = partitions
-        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
         await super().start()
-        self._watch = asyncio.create_task(self.partitions.watch())
+        self.partitions.start_watching()
 
     async def stop(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        await self.partitions.stop_watching()
         await super().stop()
 
     async def point_in_polygon(self, points: str, polygons: str, mode: str, engine: str, cursor: str | None,

@@ -59,13 +59,15 @@ def _actors(settings: Settings, domain: str, host: type, parts: int, replicas: i
     ).remote(*args, p, parts, r, carried) for r in range(replicas)] for p in range(parts)]
 
 
-def _shard_set(settings: Settings, replicas: list[list[Any]], *down: type[BaseException]) -> ShardSet:
-    from ray.exceptions import ActorUnavailableError, RayActorError
+def _shard_set(settings: Settings, replicas: list[list[Any]], *request_errors: type[BaseException]) -> ShardSet:
+    """Calls to the actors; `request_errors`: what a replica raises for the request itself (the rest, a dead
+    actor included, sends the call to another replica)."""
+    from indexes.errors import InvalidInput
 
     async def call(actor: Any, method: str, args: tuple) -> Any:
         return await getattr(actor, method).remote(*args)
 
-    return ShardSet(replicas, call, down=(RayActorError, ActorUnavailableError, *down),
+    return ShardSet(replicas, call, request_errors=(InvalidInput, *request_errors),
                     call_timeout_s=settings.shard_call_timeout_s)
 
 
@@ -78,25 +80,25 @@ async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
 
 
 async def olap_partitions(settings: Settings) -> ShardSet:
-    from olap.manager import EngineNotReady
+    from olap.queries import QueryParamError
 
     from .olap_host import OlapHost
 
     actors = _actors(settings, "olap", OlapHost, settings.olap_partitions, settings.olap_replicas,
                      str(settings.data_dir))
     log.info("SSB partitions: %d x %d replicas", settings.olap_partitions, settings.olap_replicas)
-    return _shard_set(settings, actors, EngineNotReady)
+    return _shard_set(settings, actors, QueryParamError)
 
 
 async def spatial_partitions(settings: Settings, dsn: str) -> ShardSet:
-    from spatial.manager import SpatialEngineNotReady
+    from spatial.geoarrow import GeometryError
 
     from .spatial_host import SpatialHost
 
     actors = _actors(settings, "spatial", SpatialHost, settings.spatial_partitions, settings.spatial_replicas, dsn,
                      str(settings.data_dir))
     log.info("spatial partitions: %d x %d replicas", settings.spatial_partitions, settings.spatial_replicas)
-    return _shard_set(settings, actors, SpatialEngineNotReady)
+    return _shard_set(settings, actors, GeometryError)
 
 
 def remove_shard_actors(settings: Settings) -> int:
@@ -132,6 +134,16 @@ def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> An
             return create_app()
 
     return SwitchyardIngress.bind()
+
+
+def serve_app(args: dict[str, Any]) -> Any:
+    """The application builder of a Ray Serve config file (`serve run serve.ray.yaml`): the ingress, configured
+    by the SWITCHYARD_* variables of the application's runtime_env, which the replicas get too."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("SWITCHYARD_")}
+    env.setdefault("SWITCHYARD_RAY_ADDRESS", "auto")
+    return ingress_app(int(args.get("ingress_replicas", 1)), env, float(args.get("num_cpus", 1.0)))
 
 
 def serve_on_ray(settings: Settings, address: str | None) -> None:
