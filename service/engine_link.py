@@ -1,4 +1,5 @@
-"""The hop between the front processes and the engine process: pickled frames over a unix socket.
+"""The hop between the front processes and the engine process: pickled frames over a unix socket (and, on a Ray
+cluster, between an ingress and the shard hosts over TCP: service/cluster/fanout.py).
 
 loadtests/bench_ipc.py measured the candidates on this machine: a length-prefixed frame over a pipe or unix
 socket costs 28-154 µs of CPU per round trip, ZeroMQ through zmq.asyncio 82-314 µs. Pickle (protocol 5) carries
@@ -62,7 +63,8 @@ class FrameProtocol(asyncio.Protocol):
             self.transport.write(frame(message))
 
 
-Handler = Callable[..., Awaitable[bytes]]
+Handler = Callable[..., Awaitable[Any]]
+Address = Path | tuple[str, int]  # a unix socket, or a TCP host and port (0: any free one)
 
 
 class _EngineSide(FrameProtocol):
@@ -96,18 +98,23 @@ class _EngineSide(FrameProtocol):
 class EngineServer:
     """The engine process's end: runs each request's handler as its own task and sends answers as they finish."""
 
-    def __init__(self, path: Path, handlers: dict[str, Handler]) -> None:
+    def __init__(self, path: Address, handlers: dict[str, Handler]) -> None:
         self.path = path
+        self.port: int | None = None  # the TCP port listened on, once started
         self.handlers = handlers
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._links: set[_EngineSide] = set()
 
     async def start(self) -> None:
-        self.path.unlink(missing_ok=True)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _EngineSide(self.handlers, self._tasks, self._links),
-                                                     str(self.path))
+        make = lambda: _EngineSide(self.handlers, self._tasks, self._links)  # noqa: E731
+        if isinstance(self.path, tuple):
+            self._server = await loop.create_server(make, *self.path)
+            self.port = self._server.sockets[0].getsockname()[1]
+            return
+        self.path.unlink(missing_ok=True)
+        self._server = await loop.create_unix_server(make, str(self.path))
         os.chmod(self.path, 0o600)
 
     async def stop(self) -> None:
@@ -119,7 +126,8 @@ class EngineServer:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._server = None
-        self.path.unlink(missing_ok=True)
+        if not isinstance(self.path, tuple):
+            self.path.unlink(missing_ok=True)
 
 
 class _FrontSide(FrameProtocol):
@@ -144,13 +152,13 @@ class _FrontSide(FrameProtocol):
 class EngineClient:
     """A front process's end: one connection, opened on first use and again after the engine restarts."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Address) -> None:
         self.path = path
         self._link: _FrontSide | None = None
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
 
-    async def call(self, operation: str, *args: object) -> bytes | None:
+    async def call(self, operation: str, *args: object) -> Any:
         """The engine's answer, or None if the request failed there; EngineGone if it cannot be reached."""
         link = self._link
         if link is None or link.lost:
@@ -166,8 +174,12 @@ class EngineClient:
     async def _connect(self) -> _FrontSide:
         async with self._lock:
             if self._link is None or self._link.lost:
+                loop = asyncio.get_running_loop()
                 try:
-                    _, self._link = await asyncio.get_running_loop().create_unix_connection(_FrontSide, str(self.path))
+                    if isinstance(self.path, tuple):
+                        _, self._link = await loop.create_connection(_FrontSide, *self.path)
+                    else:
+                        _, self._link = await loop.create_unix_connection(_FrontSide, str(self.path))
                 except OSError as exc:
                     raise EngineGone(f"the engine process is not reachable ({exc.strerror or exc})") from None
             return self._link

@@ -72,11 +72,24 @@ class Down(Exception):
 
 
 def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]], calls: list[str]) -> ShardSet:
+    """The hosts behind a ShardSet, each switchable off (its calls raise, searches on its direct channel too);
+    call before the hosts start, so their direct channels serve the guarded search."""
+    for s, shard in enumerate(hosts):
+        for r, host in enumerate(shard):
+            search = host.search
+
+            async def guarded(*args: Any, _at: tuple[int, int] = (s, r), _search: Any = search) -> Any:
+                calls.append("search")
+                if _at in off:
+                    raise Down(f"replica {_at} is off")
+                return await _search(*args)
+
+            host.search = guarded  # type: ignore[method-assign]
+
     where = {id(h): (s, r) for s, shard in enumerate(hosts) for r, h in enumerate(shard)}
 
     async def call(host: ShardHost, method: str, args: tuple) -> Any:
-        calls.append(method)
-        if where[id(host)] in off:
+        if method != "search" and where[id(host)] in off:
             raise Down(f"replica {where[id(host)]} is off")
         out = getattr(host, method)(*args)
         return await out if inspect.isawaitable(out) else out
@@ -92,12 +105,12 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
         await conn.close()
     settings = Settings(database_url=dsn, data_dir=data_dir)
     hosts = [[ShardHost(dsn, str(data_dir), s, 2, r) for r in range(2)] for s in range(2)]
-    for shard in hosts:
-        for h in shard:
-            await h.start()
     off: set[tuple[int, int]] = set()
     calls: list[str] = []
     shards = local_shards(hosts, off, calls)
+    for shard in hosts:
+        for h in shard:
+            await h.start()
     shards.kind = hosts[0][0].kind
     pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
     ingress = ShardedCollections(pool, data_dir / "ingress", shards, guard=Admission(settings))
@@ -165,6 +178,8 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
         off.clear()
         described = await ingress.describe("sharded")
         assert [len(s["replicas"]) for s in described["shards"]] == [2, 2]
+        # searches went over the replicas' direct channels, not the placing layer's calls
+        assert all(r["data"] for s in described["shards"] for r in s["replicas"]) and shards._clients
         assert all(r["index_state"]["watermark"] >= seq for s in described["shards"] for r in s["replicas"])
     finally:
         await single.stop()

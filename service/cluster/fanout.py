@@ -11,7 +11,9 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from indexes.errors import InvalidInput, ShardUnavailable
+from indexes.errors import EngineFailed, InvalidInput, ShardUnavailable
+
+from ..engine_link import EngineClient
 
 log = logging.getLogger("switchyard.cluster")
 
@@ -27,6 +29,8 @@ ALL_DOWN_WAIT_S = 1.0  # how long a shard with no replica up may take to answer 
 LAYOUT_TIMEOUT_S = 5.0  # a replica that takes longer to describe itself is reported as not answering
 WATCH_S = 1.0  # how often the ingress asks every replica how it is ...
 WATCH_TIMEOUT_S = 5.0  # ... and counts it down if it takes longer to say
+
+DIRECT = frozenset({"search"})  # hot calls sent over a replica's direct channel when it offers one (`data`)
 
 Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method name, arguments) -> result
 
@@ -45,6 +49,8 @@ class ShardSet:
         self._down = {(s, r) for s, row in enumerate(replicas) for r in range(len(row))}
         self._usual_s: dict[str, float] = {}  # moving average of answer times, per method
         self._watching: asyncio.Future | None = None
+        self._direct: dict[tuple[int, int], str] = {}  # (shard, replica) -> host:port of its direct channel
+        self._clients: dict[str, EngineClient] = {}
         self.kind: str | None = None  # the engine the replicas serve with ("cpu" or "gpu"), once one said
 
     @property
@@ -53,7 +59,23 @@ class ShardSet:
 
     async def call(self, shard: int, replica: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         async with asyncio.timeout(timeout_s or self.call_timeout_s):
+            address = self._direct.get((shard, replica)) if method in DIRECT else None
+            if address is not None:
+                return await self._call_direct(address, method, args)
             return await self._call(self.replicas[shard][replica], method, args)
+
+    async def _call_direct(self, address: str, method: str, args: tuple) -> Any:
+        client = self._clients.get(address)
+        if client is None:
+            host, _, port = address.rpartition(":")
+            client = self._clients[address] = EngineClient((host, int(port)))
+        answer = await client.call(method, *args)  # EngineGone (a ConnectionError) when it cannot be reached
+        if answer is None:
+            raise EngineFailed(f"the replica at {address} failed to answer")
+        status, value = answer
+        if status == "error":
+            raise value
+        return value
 
     def _order(self, shard: int) -> list[int]:
         """Round robin over the shard's replicas, those known to be down last."""
@@ -164,6 +186,21 @@ class ShardSet:
                 else:
                     self._down.discard((s, r))
                     self.kind = answer.get("engine") or self.kind
+                if not isinstance(answer, BaseException):
+                    self._remember_direct(s, r, answer.get("data"))
+
+    def _remember_direct(self, shard: int, replica: int, address: str | None) -> None:
+        old = self._direct.get((shard, replica))
+        if address == old:
+            return
+        if address is None:
+            self._direct.pop((shard, replica), None)
+        else:
+            self._direct[(shard, replica)] = address
+        if old is not None and old not in self._direct.values():  # a restarted replica listens elsewhere
+            client = self._clients.pop(old, None)
+            if client is not None:
+                asyncio.ensure_future(client.close())
 
     def every_shard_up(self) -> bool:
         return all(any((s, r) not in self._down for r in range(len(row))) for s, row in enumerate(self.replicas))
