@@ -15,6 +15,7 @@ at once, and the engine's micro-batcher sees the searches of all fronts together
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import os
 import pickle
@@ -23,14 +24,17 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 LENGTH = struct.Struct("!I")
+SIGNATURE = 32  # bytes of HMAC-SHA256 before each signed frame
 
 
 class EngineGone(ConnectionError):
     """The engine process cannot be reached, or went away before answering."""
 
 
-def frame(message: object) -> bytes:
+def frame(message: object, key: bytes | None = None) -> bytes:
     body = pickle.dumps(message, protocol=5)
+    if key is not None:
+        body = hmac.digest(key, body, "sha256") + body
     return LENGTH.pack(len(body)) + body
 
 
@@ -38,9 +42,10 @@ class FrameProtocol(asyncio.Protocol):
     """Cuts the byte stream into frames and hands each message to `received` (a protocol, not streams: the hop
     is on every hot request, and StreamReader's two awaits per frame cost more than this loop)."""
 
-    def __init__(self, received: Callable[[Any], None]) -> None:
+    def __init__(self, received: Callable[[Any], None], key: bytes | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.received = received
+        self.key = key  # over TCP, frames are signed (HMAC-SHA256) and checked before anything is unpickled
         self._buffer = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -54,13 +59,19 @@ class FrameProtocol(asyncio.Protocol):
             end = LENGTH.size + length
             if len(buffer) < end:
                 return
-            message = pickle.loads(bytes(buffer[LENGTH.size:end]))
+            body = bytes(buffer[LENGTH.size:end])
             del buffer[:end]
-            self.received(message)
+            if self.key is not None:
+                signature, body = body[:SIGNATURE], body[SIGNATURE:]
+                if not hmac.compare_digest(signature, hmac.digest(self.key, body, "sha256")):
+                    if self.transport is not None:
+                        self.transport.close()
+                    return
+            self.received(pickle.loads(body))
 
     def send(self, message: object) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(message))
+            self.transport.write(frame(message, self.key))
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -68,8 +79,9 @@ Address = Path | tuple[str, int]  # a unix socket, or a TCP host and port (0: an
 
 
 class _EngineSide(FrameProtocol):
-    def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task], links: set[_EngineSide]) -> None:
-        super().__init__(self._request)
+    def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task], links: set[_EngineSide],
+                 key: bytes | None) -> None:
+        super().__init__(self._request, key)
         self.handlers = handlers
         self.tasks = tasks
         self.links = links
@@ -98,8 +110,9 @@ class _EngineSide(FrameProtocol):
 class EngineServer:
     """The engine process's end: runs each request's handler as its own task and sends answers as they finish."""
 
-    def __init__(self, path: Address, handlers: dict[str, Handler]) -> None:
+    def __init__(self, path: Address, handlers: dict[str, Handler], key: bytes | None = None) -> None:
         self.path = path
+        self.key = key
         self.port: int | None = None  # the TCP port listened on, once started
         self.handlers = handlers
         self._server: asyncio.AbstractServer | None = None
@@ -108,7 +121,7 @@ class EngineServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        make = lambda: _EngineSide(self.handlers, self._tasks, self._links)  # noqa: E731
+        make = lambda: _EngineSide(self.handlers, self._tasks, self._links, self.key)  # noqa: E731
         if isinstance(self.path, tuple):
             self._server = await loop.create_server(make, *self.path)
             self.port = self._server.sockets[0].getsockname()[1]
@@ -131,8 +144,8 @@ class EngineServer:
 
 
 class _FrontSide(FrameProtocol):
-    def __init__(self) -> None:
-        super().__init__(self._answered)
+    def __init__(self, key: bytes | None = None) -> None:
+        super().__init__(self._answered, key)
         self.pending: dict[int, asyncio.Future] = {}
         self.lost = False
 
@@ -152,8 +165,9 @@ class _FrontSide(FrameProtocol):
 class EngineClient:
     """A front process's end: one connection, opened on first use and again after the engine restarts."""
 
-    def __init__(self, path: Address) -> None:
+    def __init__(self, path: Address, key: bytes | None = None) -> None:
         self.path = path
+        self.key = key
         self._link: _FrontSide | None = None
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
@@ -176,10 +190,11 @@ class EngineClient:
             if self._link is None or self._link.lost:
                 loop = asyncio.get_running_loop()
                 try:
+                    make = lambda: _FrontSide(self.key)  # noqa: E731
                     if isinstance(self.path, tuple):
-                        _, self._link = await loop.create_connection(_FrontSide, *self.path)
+                        _, self._link = await loop.create_connection(make, *self.path)
                     else:
-                        _, self._link = await loop.create_unix_connection(_FrontSide, str(self.path))
+                        _, self._link = await loop.create_unix_connection(make, str(self.path))
                 except OSError as exc:
                     raise EngineGone(f"the engine process is not reachable ({exc.strerror or exc})") from None
             return self._link

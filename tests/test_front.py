@@ -190,3 +190,31 @@ def test_fronts_stop_with_the_engine(tmp_path):
     orphan = EmbeddedPostgres(tmp_path / "data" / "postgres")  # the killed engine's server: stop it
     orphan.start()
     orphan.stop()
+
+
+def test_a_tcp_engine_link_signs_its_frames_and_never_unpickles_a_forged_one(tmp_path):
+    """The shard hosts' direct channel: TCP, frames signed with a key that only the placing layer hands out."""
+    unpickled: list[str] = []
+
+    class Marker:
+        def __reduce__(self):  # what a forged frame would run on unpickling, were it unpickled
+            return (unpickled.append, ("ran",))
+
+    async def run() -> None:
+        key = b"k" * 32
+        server = EngineServer(("127.0.0.1", 0), {"echo": lambda value: asyncio.sleep(0, value)}, key=key)
+        await server.start()
+        good = EngineClient(("127.0.0.1", server.port), key)
+        forged = EngineClient(("127.0.0.1", server.port), b"x" * 32)
+        try:
+            assert await good.call("echo", b"hi") == b"hi"
+            with pytest.raises(EngineGone):  # the server closes the connection without answering
+                await asyncio.wait_for(forged.call("echo", Marker()), 5)
+            assert unpickled == []
+            assert await good.call("echo", b"still") == b"still"
+        finally:
+            await good.close()
+            await forged.close()
+            await server.stop()
+
+    asyncio.run(run())

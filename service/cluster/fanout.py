@@ -49,7 +49,8 @@ class ShardSet:
         self._down = {(s, r) for s, row in enumerate(replicas) for r in range(len(row))}
         self._usual_s: dict[str, float] = {}  # moving average of answer times, per method
         self._watching: asyncio.Future | None = None
-        self._direct: dict[tuple[int, int], str] = {}  # (shard, replica) -> host:port of its direct channel
+        # (shard, replica) -> host:port of its direct channel and the key its frames are signed with
+        self._direct: dict[tuple[int, int], tuple[str, bytes]] = {}
         self._clients: dict[str, EngineClient] = {}
         self.kind: str | None = None  # the engine the replicas serve with ("cpu" or "gpu"), once one said
 
@@ -59,16 +60,16 @@ class ShardSet:
 
     async def call(self, shard: int, replica: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         async with asyncio.timeout(timeout_s or self.call_timeout_s):
-            address = self._direct.get((shard, replica)) if method in DIRECT else None
-            if address is not None:
-                return await self._call_direct(address, method, args)
+            channel = self._direct.get((shard, replica)) if method in DIRECT else None
+            if channel is not None:
+                return await self._call_direct(*channel, method, args)
             return await self._call(self.replicas[shard][replica], method, args)
 
-    async def _call_direct(self, address: str, method: str, args: tuple) -> Any:
+    async def _call_direct(self, address: str, key: bytes, method: str, args: tuple) -> Any:
         client = self._clients.get(address)
         if client is None:
             host, _, port = address.rpartition(":")
-            client = self._clients[address] = EngineClient((host, int(port)))
+            client = self._clients[address] = EngineClient((host, int(port)), key)
         answer = await client.call(method, *args)  # EngineGone (a ConnectionError) when it cannot be reached
         if answer is None:
             raise EngineFailed(f"the replica at {address} failed to answer")
@@ -187,18 +188,20 @@ class ShardSet:
                     self._down.discard((s, r))
                     self.kind = answer.get("engine") or self.kind
                 if not isinstance(answer, BaseException):
-                    self._remember_direct(s, r, answer.get("data"))
+                    key = answer.get("channel_key")
+                    self._remember_direct(s, r, (answer["data"], bytes.fromhex(key)) if answer.get("data") and key
+                                          else None)
 
-    def _remember_direct(self, shard: int, replica: int, address: str | None) -> None:
+    def _remember_direct(self, shard: int, replica: int, channel: tuple[str, bytes] | None) -> None:
         old = self._direct.get((shard, replica))
-        if address == old:
+        if channel == old:
             return
-        if address is None:
+        if channel is None:
             self._direct.pop((shard, replica), None)
         else:
-            self._direct[(shard, replica)] = address
+            self._direct[(shard, replica)] = channel
         if old is not None and old not in self._direct.values():  # a restarted replica listens elsewhere
-            client = self._clients.pop(old, None)
+            client = self._clients.pop(old[0], None)
             if client is not None:
                 asyncio.ensure_future(client.close())
 

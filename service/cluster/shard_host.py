@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -46,13 +47,15 @@ class ShardHost:
         self._starting: asyncio.Task | None = None
         self._direct: EngineServer | None = None
         self.data_address: str | None = None  # host:port of the direct search channel, once listening
+        # Its frames are signed with this key, which only callers through the placing layer learn (start()).
+        self.channel_key = secrets.token_bytes(32)
 
     # -- life cycle ------------------------------------------------------------------------------------
     async def start(self) -> dict[str, Any]:
         """Open the pool and start loading (idempotent: the ingress asks every replica now and then, which is
         what starts one that Ray restarted; loading goes on after it returns)."""
         await asyncio.shield(self._kick())
-        return self.where()
+        return {**self.where(), "channel_key": self.channel_key.hex()}
 
     def _kick(self) -> asyncio.Future:
         if self._starting is None or (self._starting.done() and self._starting.exception() is not None):
@@ -80,7 +83,7 @@ class ShardHost:
         # Searches skip the placing layer's call path (Ray's costs the ingress 1-1.5 ms of CPU a call, measured):
         # pickled frames over TCP, as between a front and the engine process (service/engine_link.py).
         host = _node_ip()
-        self._direct = EngineServer((host, 0), {"search": _answered(self.search)})
+        self._direct = EngineServer((host, 0), {"search": _answered(self.search)}, key=self.channel_key)
         await self._direct.start()
         self.data_address = f"{host}:{self._direct.port}"
 
