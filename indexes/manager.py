@@ -238,6 +238,10 @@ class CollectionManager:
             self.by_id.pop(r.collection.id, None)
             self._spawn(r.stop(), f"stopping the replica of {name}")
 
+    @property
+    def _shard_label(self) -> str | None:
+        return str(self.shard) if self.shard is not None else None
+
     def _new_replica(self, c: Collection) -> Replica:
         kind = self.resident_kind
         assert kind is not None
@@ -269,7 +273,7 @@ class CollectionManager:
                     state.update(await r.run(r.index.planner_report))
             state["pgvector_index"] = "building" if name in self.fallback_builds else await pgvector_search.has_index(
                 self.pool, c)
-            own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id))
+            own = await reports.report(self.store, self.follower, c, self.by_id.get(c.id), self._shard_label)
             replication = await reports.gather(self.store, self.follower, c, own, verify)
             return {"collection": c, "count": await self.store.count(c), "engines": engines, "index_state": state,
                     "replication": replication}
@@ -295,7 +299,7 @@ class CollectionManager:
             c = r.collection if r is not None else next(
                 (x for x in await self.store.list() if x.id == collection_id), None)
             if c is not None:
-                own = await reports.report(self.store, self.follower, c, r)
+                own = await reports.report(self.store, self.follower, c, r, self._shard_label)
                 await self.store.save_report(self.process, collection_id, request, own)
 
         self._spawn(answer(), "a replica report")

@@ -16,10 +16,12 @@ from .replica import Replica
 from .store import Collection, CollectionStore
 
 
-async def report(store: CollectionStore, follower: Follower, c: Collection, r: Replica | None) -> dict[str, Any]:
-    """This process's replica of `c`: rows, watermark, content digest, lag behind PostgreSQL, rebuilds."""
+async def report(store: CollectionStore, follower: Follower, c: Collection, r: Replica | None,
+                 shard: str | None = None) -> dict[str, Any]:
+    """This process's replica of `c`: rows, watermark, content digest, lag behind PostgreSQL, rebuilds. A shard's
+    replica says which shard it holds (its rows and digest are that shard's, not the collection's)."""
     out: dict[str, Any] = {"process": follower.process, "pid": os.getpid(), "host": socket.gethostname(),
-                           "listening": follower.listening}
+                           "listening": follower.listening, **({"shard": shard} if shard else {})}
     if r is None:
         return {**out, "resident": False}
     content = await r.run(r.index.content)

@@ -107,6 +107,9 @@ def test_sharded_brute_force_equals_exact_search_id_for_id(service):
         rows = [s["replicas"][0]["index_state"]["indexed_rows"] + s["replicas"][0]["index_state"]["delta_rows"]
                 - s["replicas"][0]["index_state"]["dead_rows"] for s in described["shards"]]
         assert sum(rows) == int(alive.sum()) and min(rows) > 0  # the rows are split, not copied
+        # the shard replicas report to the replication section as themselves: digests of their shard's rows
+        shard_reports = [r for r in described["replication"]["replicas"] if r.get("shard")]
+        assert {r["shard"] for r in shard_reports} <= {"0/2", "1/2"} and shard_reports
         engines = http.get("/v1/engines").json()
         replicas = [r for s in engines["shards"] for r in s["replicas"]]
         assert len({r["pid"] for r in replicas}) == SHARDS * REPLICAS and all(r["ready"] for r in replicas)
