@@ -43,8 +43,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if args.ray:
-        from .cluster.ray_layer import serve_on_ray
+        from .cluster.ray_layer import ray_module, serve_on_ray
 
+        try:
+            ray_module()
+        except RuntimeError as exc:
+            sys.exit(str(exc))
         serve_on_ray(settings, args.address or settings.ray_address)
         return 0
     common = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
