@@ -30,7 +30,8 @@ LAYOUT_TIMEOUT_S = 5.0  # a replica that takes longer to describe itself is repo
 WATCH_S = 1.0  # how often the ingress asks every replica how it is ...
 WATCH_TIMEOUT_S = 5.0  # ... and counts it down if it takes longer to say
 
-DIRECT = frozenset({"search"})  # hot calls sent over a replica's direct channel when it offers one (`data`)
+# Hot calls (a search, a nudge after each write) go over a replica's direct channel when it offers one (`data`).
+DIRECT = frozenset({"search", "catch_up"})
 
 Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method name, arguments) -> result
 
