@@ -1,4 +1,5 @@
-"""Scale-out on Ray: single-vector search throughput and latency against shards x replicas, beside one process.
+"""Scale-out on Ray: single-vector search (and upsert) throughput and latency against shards x replicas, beside
+one process.
 
     python loadtests/bench_scaleout.py                      # 50,000 x 128, layouts single,1x1,2x1,2x2
     python loadtests/bench_scaleout.py --rows 200000 --layouts single,2x2,4x1 --clients 1,4,16
@@ -83,6 +84,12 @@ def run_layout(layout: str, address: str | None, base: np.ndarray, queries: np.n
             row.update(layout=layout, load_s=round(loaded_s, 2))
             path = f"/v1/collections/{name}/search?k=10&engine=cpu&ef={args.ef}"
             row["clients"] = qps_vs_clients(service, path, bodies(queries, "raw"), args.clients, args.duration)
+            # Single-vector upserts with new ids: committed at the ingress, then taken in by the owning shards.
+            fresh = np.random.default_rng(7).standard_normal((50_000, base.shape[1])).astype(np.float32)
+            upserts = [(orjson.dumps({"ids": [10_000_000 + i], "vectors": [v.tolist()]}), "application/json")
+                       for i, v in enumerate(fresh)]
+            row["upsert_clients"] = qps_vs_clients(service, f"/v1/collections/{name}/points", upserts,
+                                                   args.upsert_clients, args.duration, method="PUT")
             if layout != "single":
                 row["shards"] = call(service.port, "GET", "/v1/engines")["shards"]
         finally:
@@ -118,10 +125,12 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--layouts", default="single,1x1,2x1,2x2", help="'single' and SHARDSxREPLICAS entries")
     parser.add_argument("--clients", default="1,4,16")
+    parser.add_argument("--upsert-clients", default="1,8", help="clients for the single-vector upsert runs")
     parser.add_argument("--duration", type=float, default=5)
     parser.add_argument("--ef", type=int, default=64)
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    args.upsert_clients = [int(c) for c in args.upsert_clients.split(",")]
     print(f"machine load before: {wait_for_quiet():.2f} cores busy", flush=True)
     base, queries = mixture(args.rows, args.queries, args.dim, seed=1)
     truth = exact_neighbors(base, queries[:200], "l2")
@@ -136,6 +145,8 @@ def main() -> None:
         for r in rows:
             r["fanout_overhead_ms_p50_1_client"] = round(r["clients"][0]["p50_ms"] - base_p50, 3)
             r["qps_ratio_to_single"] = [round(x["qps"] / s["qps"], 3) for x, s in zip(r["clients"], single["clients"])]
+            r["upsert_ratio_to_single"] = [round(x["qps"] / s["qps"], 3)
+                                           for x, s in zip(r["upsert_clients"], single["upsert_clients"])]
     report = {"what": "single-vector search over HTTP, one process vs Ray shards x replicas", "rows": args.rows,
               "dim": args.dim, "ef": args.ef, "m": M, "ef_construction": EF_CONSTRUCTION, "layouts": rows,
               "versions": versions("ray", "faiss-cpu", "fastapi"),
@@ -146,7 +157,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['layout']:>7}: recall {r['recall']:.3f}, QPS " + ", ".join(
             f"{c['clients']}c {c['qps']:,.0f} (p99 {c['p99_ms']} ms)" for c in r["clients"])
-            + (f", fan-out +{r['fanout_overhead_ms_p50_1_client']} ms p50" if single else ""))
+            + (f", fan-out +{r['fanout_overhead_ms_p50_1_client']} ms p50" if single else "")
+            + "; upserts/s " + ", ".join(f"{c['clients']}c {c['qps']:,.0f}" for c in r["upsert_clients"]))
     print(f"wrote {RESULTS / f'bench_scaleout-{stamp}.json'}")
 
 
