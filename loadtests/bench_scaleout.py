@@ -112,8 +112,9 @@ def plot(path: Path, report: dict[str, Any]) -> None:
     right.set(xscale="log", yscale="log", xlabel="clients", ylabel="p99 ms", title="p99 latency")
     for axis in (left, right):
         axis.legend(fontsize=8)
-    fig.suptitle(f"{report['rows']:,} x {report['dim']} on {report['versions']['cores']} cores (shared by the clients, the "
-                 "ingress, the actors and PostgreSQL)")
+    cores = report["versions"]["cores"]
+    fig.suptitle(f"{report['rows']:,} x {report['dim']} on {cores} cores (shared by the clients, the ingress, the "
+                 "actors and PostgreSQL)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -93,7 +93,8 @@ def test_sharded_brute_force_equals_exact_search_id_for_id(service):
         assert r.json()["engine"] == "faiss"
         assert r.json()["ids"] == ids[alive][_exact(vectors[alive], queries, 10)].tolist()
         # the same request answered by PostgreSQL (exact without an index) in the same service
-        pg = http.post("/v1/collections/exact/search", json={"vectors": queries.tolist(), "k": 10, "engine": "pgvector"})
+        pg = http.post("/v1/collections/exact/search", json={"vectors": queries.tolist(), "k": 10,
+                                                              "engine": "pgvector"})
         assert pg.json()["ids"] == r.json()["ids"]
         band = np.array([p["band"] for p in payloads]) == 3
         r = http.post("/v1/collections/exact/search", json={"vector": queries[0].tolist(), "k": 10, "engine": "cpu",

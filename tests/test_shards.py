@@ -130,7 +130,8 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
         seq = 0
         for start in range(0, n, 150):
             part = slice(start, start + 150)
-            seq = await ingress.upsert("sharded", Points(ids[part], vectors[part], encode_payloads(payloads[part], 150)))
+            points = Points(ids[part], vectors[part], encode_payloads(payloads[part], 150))
+            seq = await ingress.upsert("sharded", points)
         gone = ids[::7]
         _, seq = await ingress.delete("sharded", gone)
         alive = ~np.isin(ids, gone)

@@ -38,7 +38,8 @@ Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method na
 
 class ShardSet:
     def __init__(self, replicas: list[list[Any]], call: Call, *,
-                 request_errors: tuple[type[BaseException], ...] = REQUEST_ERRORS, call_timeout_s: float = 30.0) -> None:
+                 request_errors: tuple[type[BaseException], ...] = REQUEST_ERRORS,
+                 call_timeout_s: float = 30.0) -> None:
         if not replicas or any(not r for r in replicas):
             raise ValueError("every shard needs at least one replica")
         self.replicas = replicas  # [shard][replica] -> handle

@@ -80,8 +80,8 @@ class ShardHost:
         self.kind = vectors.resident_kind
         await vectors.start()
         self.vectors = vectors
-        # Searches and write nudges skip the placing layer's call path (Ray's costs the ingress 1-1.5 ms of CPU a call, measured):
-        # pickled frames over TCP, as between a front and the engine process (service/engine_link.py).
+        # Searches and write nudges skip the placing layer's call path (a Ray call cost the ingress 1-1.5 ms of CPU,
+        # measured): pickled frames over TCP, as between a front and the engine process (service/engine_link.py).
         host = _node_ip()
         self._direct = EngineServer((host, 0), {"search": _answered(self.search), "catch_up": _answered(self.catch_up)},
                                     key=self.channel_key)
