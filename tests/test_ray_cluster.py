@@ -48,8 +48,12 @@ def ray_address():
 def service(ray_address, tmp_path_factory):
     data = tmp_path_factory.mktemp("ray-service") / "data"
     data.mkdir()
+    # 2 x 2 for every domain: vector shards, SSB partitions and spatial partitions (12 actors; CPUs are logical).
     svc = Service(data, env={"SWITCHYARD_RAY_ADDRESS": ray_address, "SWITCHYARD_SHARDS": str(SHARDS),
-                             "SWITCHYARD_SHARD_REPLICAS": str(REPLICAS), "SWITCHYARD_SHARD_CPUS": "0.5",
+                             "SWITCHYARD_SHARD_REPLICAS": str(REPLICAS), "SWITCHYARD_SHARD_CPUS": "0.25",
+                             "SWITCHYARD_OLAP_PARTITIONS": str(SHARDS), "SWITCHYARD_OLAP_REPLICAS": str(REPLICAS),
+                             "SWITCHYARD_SPATIAL_PARTITIONS": str(SHARDS),
+                             "SWITCHYARD_SPATIAL_REPLICAS": str(REPLICAS),
                              "SWITCHYARD_SHARD_CALL_TIMEOUT_S": "5", "PYTHONPATH": str(ROOT)})
     svc.start(timeout_s=240)
     try:
@@ -239,8 +243,8 @@ def test_serve_ray_runs_the_app_as_a_ray_serve_ingress_and_cleans_up(ray_address
     data = tmp_path / "data"
     port = _free_port()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}, "PYTHONPATH": str(ROOT),
-           "SWITCHYARD_RAY_NAMESPACE": "serve-test", "SWITCHYARD_SHARD_CPUS": "0.5",
-           "SWITCHYARD_SHARD_REPLICAS": "1"}
+           "SWITCHYARD_RAY_NAMESPACE": "serve-test", "SWITCHYARD_SHARD_CPUS": "0.25",
+           "SWITCHYARD_SHARD_REPLICAS": "1", "SWITCHYARD_OLAP_PARTITIONS": "0", "SWITCHYARD_SPATIAL_PARTITIONS": "0"}
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--ray", "--address", ray_address,
                              "--port", str(port), "--data-dir", str(data)], env=env, stdout=log, stderr=log)
@@ -331,7 +335,7 @@ def test_point_in_polygon_over_point_partitions_equals_shapely(service):
                 break
         assert pairs == truth and pages > 2
         layout = http.get("/v1/engines").json()["spatial_partitions"]
-        assert [len(p["replicas"]) for p in layout] == [1, 1]
+        assert [len(p["replicas"]) for p in layout] == [REPLICAS] * SHARDS
         # a layer written again: the partitions read the new version before answering
         assert http.delete("/v1/spatial/layers/pts").status_code == 204
         assert http.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": lon[:50].tolist(),
