@@ -498,17 +498,25 @@ class CollectionManager:
 
     # -- reads -----------------------------------------------------------------------------------------
     def engine_order(self, r: Replica | None, engine: str) -> list[str]:
-        resident_kind = self._kind_of(r) if r is not None and r.loaded else None
+        resident_kind = self._serving_kind(r)
         if engine == "auto":
             return ([resident_kind] if resident_kind else []) + ["pgvector"]
         if engine == "pgvector":
             return ["pgvector"]
         if resident_kind == engine:
             return [engine]
-        why = (f"the collection is resident on the {resident_kind} engine" if resident_kind else
-               "the collection's resident index is still loading" if r is not None and not r.loaded else
-               f"no {engine} engine is available here")
-        raise EngineUnavailable(f"engine {engine!r} cannot serve this collection: {why}", field="engine")
+        raise EngineUnavailable(f"engine {engine!r} cannot serve this collection: {self._why_not(r, engine)}",
+                                field="engine")
+
+    def _serving_kind(self, r: Replica | None) -> str | None:
+        """The resident engine that serves the collection now ("cpu" or "gpu"), if any."""
+        return self._kind_of(r) if r is not None and r.loaded else None
+
+    def _why_not(self, r: Replica | None, engine: str) -> str:
+        resident_kind = self._serving_kind(r)
+        return (f"the collection is resident on the {resident_kind} engine" if resident_kind else
+                "the collection's resident index is still loading" if r is not None and not r.loaded else
+                f"no {engine} engine is available here")
 
     async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
                      params: dict[str, Any] | None = None, payload_filter: dict[str, Any] | None = None,

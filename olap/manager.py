@@ -71,8 +71,10 @@ class OlapManager:
     def ready(self) -> bool:
         return self.loading is not None and self.loading.done()
 
-    async def start(self) -> None:
-        self.loading = asyncio.create_task(self._load_active())
+    async def start(self, load_active: bool = True) -> None:
+        """Load the dataset active.json names (in the background); `load_active=False`: the caller will say
+        which dataset to activate (a partition host, told by its ingress)."""
+        self.loading = asyncio.create_task(self._load_active() if load_active else asyncio.sleep(0))
 
     async def stop(self) -> None:
         if self.loading is not None and not self.loading.done():

@@ -165,7 +165,7 @@ class ShardSet:
         return [{label: p, "replicas": [described(a) for a in row]} for p, row in enumerate(answers)]
 
     def start_watching(self, start_args: Callable[[], tuple] = tuple) -> None:
-        self._watching = asyncio.ensure_future(self.watch(start_args))
+        self._watching = asyncio.ensure_future(self._watch(start_args))
 
     async def stop_watching(self) -> None:
         if self._watching is not None:
@@ -173,7 +173,7 @@ class ShardSet:
             await asyncio.gather(self._watching, return_exceptions=True)
             self._watching = None
 
-    async def watch(self, start_args: Callable[[], tuple] = tuple) -> None:
+    async def _watch(self, start_args: Callable[[], tuple] = tuple) -> None:
         """Forever: ask every replica to `start(*start_args())` (idempotent: the first call starts a host, and one
         that Ray restarted has no other way to learn it should load) and note which are ready."""
         while True:

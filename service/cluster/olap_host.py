@@ -51,7 +51,7 @@ class OlapHost:
             from olap.duckdb_engine import DuckDBEngine
 
             self.olap.attach(DuckDBEngine(threads=s.cpu_threads, memory_limit=s.duckdb_memory))
-            self.olap.loading = asyncio.ensure_future(asyncio.sleep(0))  # the ingress names the dataset, not a marker
+            await self.olap.start(load_active=False)  # the ingress names the dataset on every watch
         if dataset is not None and dataset != self.wanted:
             self.wanted, self.error = dataset, None
             self._loading = asyncio.ensure_future(self._load(Path(dataset)))

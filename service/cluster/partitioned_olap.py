@@ -19,24 +19,20 @@ from olap.partitions import merge_partials
 from olap.queries import QUERIES, render_sql
 
 from .fanout import ShardSet
+from .parts import WatchesParts
 
 PARTITION_ENGINES = ("auto", "cudf", "duckdb", "gpu", "cpu")  # what partitions serve; postgres stays here
 
 
-class PartitionedOlap(OlapManager):
+class PartitionedOlap(WatchesParts, OlapManager):
     def __init__(self, data_dir: Path, guard: Any, partitions: ShardSet,
                  observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         super().__init__(data_dir, guard, observe)
-        self.partitions = partitions
+        self.parts = partitions
 
-    async def start(self) -> None:
-        await super().start()
-        # Every replica is told the active dataset: a new or restarted one loads its partition of it.
-        self.partitions.start_watching(lambda: (str(self.active) if self.active is not None else None,))
-
-    async def stop(self) -> None:
-        await self.partitions.stop_watching()
-        await super().stop()
+    def watch_args(self) -> tuple:
+        """Every replica is told the active dataset: a new or restarted one loads its partition of it."""
+        return (str(self.active) if self.active is not None else None,)
 
     async def run_query(self, query_id: str, params: dict[str, Any] | None, engine: str = "auto") -> Answer:
         if query_id not in QUERIES:
@@ -46,7 +42,7 @@ class PartitionedOlap(OlapManager):
         render_sql(query_id, params or {})  # parameters checked once, before any partition runs the query
         started = time.perf_counter()
         try:
-            parts = await self.partitions.on_every_shard("run_query", str(self.active), query_id, params or {})
+            parts = await self.parts.on_every_shard("run_query", str(self.active), query_id, params or {})
         except ShardUnavailable as exc:
             if engine != "auto":
                 raise
@@ -57,6 +53,3 @@ class PartitionedOlap(OlapManager):
         served = parts[0][1]
         self.observe(served, "ssb_query", took, True)
         return Answer(merge_partials(query_id, [result for result, _ in parts]), served, round(took * 1000, 3))
-
-    async def layout(self) -> list[dict[str, Any]]:
-        return await self.partitions.layout("partition")

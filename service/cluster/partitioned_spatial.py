@@ -16,23 +16,16 @@ from spatial.manager import JoinAnswer, SpatialManager
 from spatial.partitions import decode_cursor, next_cursor, sum_counts
 
 from .fanout import ShardSet
+from .parts import WatchesParts
 
 PARTITION_ENGINES = ("auto", "cpu-spatial", "cuda-spatial", "cpu", "gpu")
 
 
-class PartitionedSpatial(SpatialManager):
+class PartitionedSpatial(WatchesParts, SpatialManager):
     def __init__(self, pool: Any, guard: Any, partitions: ShardSet,
                  observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         super().__init__(pool, guard, observe)
-        self.partitions = partitions
-
-    async def start(self) -> None:
-        await super().start()
-        self.partitions.start_watching()
-
-    async def stop(self) -> None:
-        await self.partitions.stop_watching()
-        await super().stop()
+        self.parts = partitions
 
     async def point_in_polygon(self, points: str, polygons: str, mode: str, engine: str, cursor: str | None,
                                page_size: int) -> JoinAnswer:
@@ -45,14 +38,14 @@ class PartitionedSpatial(SpatialManager):
             current = await self.store.versions()
             versions = {points: current.get(points), polygons: current.get(polygons)}
             if mode == "counts":
-                parts = await self.partitions.on_every_shard("point_in_polygon", versions, points, polygons, mode,
+                parts = await self.parts.on_every_shard("point_in_polygon", versions, points, polygons, mode,
                                                              engine, None, page_size)
                 body, served = sum_counts([b for b, _ in parts]), parts[0][1]
             else:
-                part, inner = decode_cursor(cursor, self.partitions.shards)
-                body, served = await self.partitions.on_shard(part, "point_in_polygon", versions, points, polygons,
+                part, inner = decode_cursor(cursor, self.parts.shards)
+                body, served = await self.parts.on_shard(part, "point_in_polygon", versions, points, polygons,
                                                               mode, engine, inner, page_size)
-                body = {**body, "next_cursor": next_cursor(part, self.partitions.shards, body["next_cursor"])}
+                body = {**body, "next_cursor": next_cursor(part, self.parts.shards, body["next_cursor"])}
         except ShardUnavailable as exc:
             if engine != "auto" or cursor is not None:  # a partitioned cursor means nothing to the engines here
                 raise
@@ -62,6 +55,3 @@ class PartitionedSpatial(SpatialManager):
         took = time.perf_counter() - started
         self.observe(served, "pip_" + mode, took, True)
         return JoinAnswer(body, served, round(took * 1000, 3))
-
-    async def layout(self) -> list[dict[str, Any]]:
-        return await self.partitions.layout("partition")

@@ -10,8 +10,15 @@ host reloads its snapshot and replays the change log from PostgreSQL.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import signal
+import threading
 from typing import Any
 
+from indexes.errors import InvalidInput
+
+from ..database import EmbeddedPostgres
 from ..settings import Settings
 from .fanout import ShardSet
 from .shard_host import ShardHost
@@ -62,8 +69,6 @@ def _actors(settings: Settings, domain: str, host: type, parts: int, replicas: i
 def _shard_set(settings: Settings, replicas: list[list[Any]], *request_errors: type[BaseException]) -> ShardSet:
     """Calls to the actors; `request_errors`: what a replica raises for the request itself (the rest, a dead
     actor included, sends the call to another replica)."""
-    from indexes.errors import InvalidInput
-
     async def call(actor: Any, method: str, args: tuple) -> Any:
         return await getattr(actor, method).remote(*args)
 
@@ -136,12 +141,15 @@ def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> An
     return SwitchyardIngress.bind()
 
 
+def _switchyard_env() -> dict[str, str]:
+    """This process's SWITCHYARD_* variables: what the ingress replicas build their settings from."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SWITCHYARD_")}
+
+
 def serve_app(args: dict[str, Any]) -> Any:
     """The application builder of a Ray Serve config file (`serve run serve.ray.yaml`): the ingress, configured
     by the SWITCHYARD_* variables of the application's runtime_env, which the replicas get too."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k.startswith("SWITCHYARD_")}
+    env = _switchyard_env()
     env.setdefault("SWITCHYARD_RAY_ADDRESS", "auto")
     return ingress_app(int(args.get("ingress_replicas", 1)), env, float(args.get("num_cpus", 1.0)))
 
@@ -149,15 +157,8 @@ def serve_app(args: dict[str, Any]) -> Any:
 def serve_on_ray(settings: Settings, address: str | None) -> None:
     """`switchyard serve --ray`: join (or start) a Ray cluster, run the ingress on Ray Serve at host:port, and
     stay until interrupted; then take the application and the shard actors down."""
-    import math
-    import os
-    import signal
-    import threading
-
-    from ..database import EmbeddedPostgres
-
     embedded = None
-    env = {k: v for k, v in os.environ.items() if k.startswith("SWITCHYARD_")}
+    env = _switchyard_env()
     if settings.database_url is None:
         # Shard hosts and ingress replicas all need one database: this machine's embedded server. Other machines
         # cannot reach it (it listens on this host only): a real cluster sets SWITCHYARD_DATABASE_URL.

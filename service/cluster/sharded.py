@@ -8,7 +8,6 @@ the replicas of the shards that own its ids (they follow the change log anyway, 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -27,21 +26,20 @@ from indexes.store import Collection, Commit
 
 from .coalesce import Coalescer
 from .fanout import ShardSet, described
+from .parts import WatchesParts
 
 log = logging.getLogger("switchyard.cluster")
 
 NUDGE_WAIT_S = 1.0  # how long the nudge after a write waits for the owning replicas (it never holds the ack)
 
 
-class ShardedCollections(CollectionManager):
+class ShardedCollections(WatchesParts, CollectionManager):
+    part_label = "shard"
+
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, shards: ShardSet, **kwargs: Any) -> None:
         super().__init__(pool, data_dir, **kwargs)
-        self.shards = shards
+        self.parts = shards
         self.batches = Coalescer(self._run_batch, self.max_batch)
-
-    async def start(self) -> None:
-        await super().start()
-        self._spawn(self.shards.watch(), "watching the shard replicas")
 
     def attach(self, kind: str, backend: Any) -> None:
         """No resident index lives in this process: the shard hosts hold them."""
@@ -49,18 +47,14 @@ class ShardedCollections(CollectionManager):
     @property
     def ready(self) -> bool:
         """Every shard has a replica ready (as of the last watch)."""
-        return self.loading is not None and self.loading.done() and self.shards.every_shard_up()
+        return self.loading is not None and self.loading.done() and self.parts.every_shard_up()
 
-    def engine_order(self, r: Any, engine: str) -> list[str]:
-        kind = self.shards.kind
-        if engine == "auto":
-            return ([kind] if kind else []) + ["pgvector"]
-        if engine == "pgvector":
-            return ["pgvector"]
-        if engine == kind:
-            return [engine]
-        why = f"the shards serve on the {kind} engine" if kind else "no shard replica has reported in yet"
-        raise EngineUnavailable(f"engine {engine!r} cannot serve this collection: {why}", field="engine")
+    def _serving_kind(self, r: Any) -> str | None:
+        return self.parts.kind  # the engine the shard replicas said they serve with
+
+    def _why_not(self, r: Any, engine: str) -> str:
+        kind = self.parts.kind
+        return f"the shards serve on the {kind} engine" if kind else "no shard replica has reported in yet"
 
     # -- searches ----------------------------------------------------------------------------------------
     async def search(self, name: str, queries: np.ndarray, k: int, engine: str = "auto",
@@ -102,7 +96,7 @@ class ShardedCollections(CollectionManager):
         if level == "strong":
             # Fresh as of every request's arrival, on every machine: PostgreSQL's head now, not a host's clock.
             level, seq = "session", await self.store.head(c)
-        parts = await self.shards.on_every_shard("search", c.name, queries, k, params, payload_filter, level, seq,
+        parts = await self.parts.on_every_shard("search", c.name, queries, k, params, payload_filter, level, seq,
                                                  recall_target)
         merged = merge_results([result for result, _ in parts], k)
         if not split:
@@ -124,23 +118,20 @@ class ShardedCollections(CollectionManager):
     # -- writes ------------------------------------------------------------------------------------------
     async def _apply_own(self, c: Collection, commit: Commit, changes: Changes) -> None:
         ids = np.concatenate([changes.ids, changes.deleted])
-        owners = sorted(set(shard_of(ids, self.shards.shards).tolist()))
+        owners = sorted(set(shard_of(ids, self.parts.shards).tolist()))
         if owners:
             self._spawn(self._nudge(c.name, commit.seq, owners), f"nudging the shards of {c.name}")
 
     async def _nudge(self, name: str, seq: int, owners: list[int]) -> None:
-        try:
-            async with asyncio.timeout(NUDGE_WAIT_S):
-                await self.shards.on_every_replica("catch_up", name, seq, shards=owners, timeout_s=NUDGE_WAIT_S)
-        except TimeoutError:
-            pass  # a replica that is down or slow catches up from the log when it can
+        # Failures come back as values and are dropped: a replica that is down or slow catches up from the log.
+        await self.parts.on_every_replica("catch_up", name, seq, shards=owners, timeout_s=NUDGE_WAIT_S)
 
     async def build(self, name: str, progress: Any = None, fallback: str = "background") -> dict[str, Any]:
         """Every replica rebuilds its part; pgvector's index (only the fallback here) follows in the background."""
         c = await self.collection(name)
         say = progress or (lambda done, total, message: None)
-        say(0, None, f"rebuilding {self.shards.shards} shard(s) on every replica")
-        answers = await self.shards.on_every_replica("build", name)
+        say(0, None, f"rebuilding {self.parts.shards} shard(s) on every replica")
+        answers = await self.parts.on_every_replica("build", name)
         out: dict[str, Any] = {"shards": [[described(a) for a in shard] for shard in answers]}
         if name not in self.fallback_builds and not await pgvector_search.has_index(self.pool, c):
             if fallback == "wait":
@@ -155,11 +146,11 @@ class ShardedCollections(CollectionManager):
     # -- reporting ---------------------------------------------------------------------------------------
     async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
         out = await super().describe(name, verify)
-        if self.shards.kind:
-            out["engines"] = [self.shards.kind, *out["engines"]]
+        if self.parts.kind:
+            out["engines"] = [self.parts.kind, *out["engines"]]
         out["shards"] = await self.layout(name)
         return out
 
     async def layout(self, name: str | None = None) -> list[dict[str, Any]]:
         """Every shard's replicas: where each runs and, for a collection, its index state there."""
-        return await self.shards.layout("shard", "describe", name) if name else await self.shards.layout("shard")
+        return await self.parts.layout("shard", "describe", name) if name else await super().layout()
