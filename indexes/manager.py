@@ -92,7 +92,7 @@ def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | 
 
 class CollectionManager:
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, *, dsn: str | None = None, max_batch: int = 64,
-                 batch_window_s: float = 0.0, inline_search_s: float = 0.0, inline_burst: int = 4,
+                 batch_window_s: float = 0.0, inline_search_s: float = 0.0, inline_turn_s: float = 0.003,
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None) -> None:
@@ -108,7 +108,7 @@ class CollectionManager:
         self._creating: set[str] = set()  # collections this process is creating: it registers their replicas
         self.by_id: dict[int, Replica] = {}
         self.max_batch, self.batch_window_s, self.inline_search_s = max_batch, batch_window_s, inline_search_s
-        self.inline_burst = inline_burst
+        self.inline_turn_s = inline_turn_s
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
         # Admission control (service/admission.py): slot(engine) around each engine call, cooling(engine) to
@@ -139,7 +139,7 @@ class CollectionManager:
         self.batchers[kind] = MicroBatcher(self._run_batch, self.executors[kind], max_batch=self.max_batch,
                                            window_s=self.batch_window_s,
                                            inline_below_s=self.inline_search_s if kind == "cpu" else 0.0,
-                                           can_inline=self._uncontended, burst=self.inline_burst)
+                                           can_inline=self._uncontended, turn_budget_s=self.inline_turn_s)
 
     @property
     def resident_kind(self) -> str | None:

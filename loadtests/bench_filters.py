@@ -13,6 +13,10 @@ recall; PostgreSQL's planner may also pick the b-tree and sort, as it would for 
 system's search parameter is swept: recall@10 against exact search over the matching rows, QPS for one client and
 for 32 client threads (one query per request; clients share the cores with the servers). Then recall targets
 0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under loadtests/results/filters/.
+
+Each system through its fastest client: pgvector through asyncpg's binary protocol with a prepared statement,
+Switchyard through libcurl (pycurl, the `bench` extra) with the query as raw float32 and the options and filter in
+the query string, as VectorDBBench's Switchyard client sends them (loadtests/vectordbbench/rest.py).
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
+from urllib.parse import urlencode
 
 from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
 from datasets import mixture
+from vectordbbench.rest import Rest
 
 RESULTS = Path(__file__).resolve().parent / "results" / "filters"
 ATTR_RANGE = 1_000_000
@@ -113,23 +120,22 @@ class PgClient:
 class SyClient:
     def __init__(self, port: int, name: str, k: int, p: float | None, params: dict[str, Any] | None,
                  target: float | None = None) -> None:
-        self.http, self.path = JsonClient(port), f"/v1/collections/{name}/search"
-        self.body: dict[str, Any] = {"k": k, "engine": "cpu"}
+        self.api = Rest(f"http://127.0.0.1:{port}")
+        options: dict[str, Any] = {"k": k, "engine": "cpu", **(params or {})}
         if p is not None:
-            self.body["filter"] = {"attr": {"$lt": int(p * ATTR_RANGE)}}
-        if params:
-            self.body["params"] = params
+            options["filter"] = orjson.dumps({"attr": {"$lt": int(p * ATTR_RANGE)}}).decode()
         if target is not None:
-            self.body["recall_target"] = target
+            options["recall_target"] = target
+        self.path = f"/v1/collections/{name}/search?{urlencode(options)}"
         self.last_plan: dict[str, Any] | None = None
 
     def search(self, q: np.ndarray) -> list[int]:
-        answer = self.http.call("POST", self.path, {**self.body, "vector": q.tolist()})
+        answer = self.api.send("POST", self.path, np.asarray(q, dtype="<f4").tobytes(), self.api.raw_headers)
         self.last_plan = answer.get("plan")
         return answer["ids"]
 
     def close(self) -> None:
-        self.http.conn.close()
+        self.api.close()
 
 
 def measure(make, queries: np.ndarray, truth: np.ndarray, duration: float, load: MachineLoad) -> dict[str, Any]:

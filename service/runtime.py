@@ -96,7 +96,7 @@ class Runtime:
                 self.trace = ReplicationTrace(s.replication_trace_dir)
             vector_kwargs: dict[str, Any] = dict(
                 dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
-                inline_search_s=s.inline_search_us / 1e6, inline_burst=s.inline_burst,
+                inline_search_s=s.inline_search_us / 1e6, inline_turn_s=s.inline_turn_us / 1e6,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
                 consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
                                         s.replication_poll_ms / 1000),

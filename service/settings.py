@@ -48,9 +48,10 @@ class Settings(BaseSettings):
     inline_search_us: float = Field(default=500, ge=0, le=100_000, description=(
         "A lone single-vector search on the CPU whose engine time has averaged under this runs on the event loop "
         "instead of a worker thread (the hop costs more than a small search); 0: always a thread."))
-    inline_burst: int = Field(default=4, ge=1, le=4096, description=(
-        "Most searches answered on the event loop in one of its turns; more arriving together go to a worker "
-        "thread as a batch, so the loop keeps reading while the engine runs."))
+    inline_turn_us: float = Field(default=3000, ge=0, le=100_000, description=(
+        "Engine time the event loop spends answering searches in one of its turns (by each search's learnt cost; "
+        "the first always runs); more arriving together go to a worker thread as a batch, so the loop keeps "
+        "reading while the engine runs."))
     sync_search: bool = Field(default=True, description=(
         "Answer plain single-vector searches from the HTTP protocol itself when the resident CPU engine can at once "
         "(service/hot_protocol.py); false: every request goes through the ASGI app."))

@@ -90,9 +90,10 @@ def test_an_engine_error_reaches_the_caller_inline_or_not():
     run(go())
 
 
-def test_try_now_answers_at_once_only_what_submit_would_inline_and_at_most_burst_per_turn():
-    engine, release = Engine(), threading.Event()
-    batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.01, burst=3)
+def test_try_now_answers_at_once_only_what_submit_would_inline_and_within_the_turn_budget():
+    # 10 ms a search, 35 ms a turn: three searches, then the fourth would pass the budget
+    engine = Engine(seconds=0.01)
+    batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.05, turn_budget_s=0.035)
 
     async def go():
         assert batcher.try_now("c", np.ones(2)) is None  # its cost is unknown yet
@@ -101,7 +102,7 @@ def test_try_now_answers_at_once_only_what_submit_would_inline_and_at_most_burst
         turn = [batcher.try_now("c", np.full(2, i)) for i in range(5)]
         await asyncio.sleep(0)  # the next turn of the loop
         again = batcher.try_now("c", np.full(2, 7.0))
-        engine.seconds = 0.05  # two searches arriving together: a batch in flight on the worker thread ...
+        engine.seconds = 0.08  # two searches arriving together: a batch in flight on the worker thread ...
         held = [asyncio.ensure_future(batcher.submit("c", np.ones(2))) for _ in range(2)]
         await asyncio.sleep(0.01)
         assert batcher._lanes["c"].busy
@@ -112,9 +113,21 @@ def test_try_now_answers_at_once_only_what_submit_would_inline_and_at_most_burst
 
     loop_thread, turn, again, busy = run(go())
     assert [r[0] for r in turn[:3]] == [0.0, 2.0, 4.0] and all(r[1] == loop_thread for r in turn[:3])
-    assert turn[3:] == [None, None]  # past the burst: requests arriving together go to the thread as a batch
+    assert turn[3:] == [None, None]  # past the budget: requests arriving together go to the thread as a batch
     assert again[0] == 14.0
     assert busy is None  # ... is never overtaken by an inline search
+
+
+def test_cheap_searches_arriving_together_all_fit_in_one_turn():
+    engine = Engine()  # microseconds a search: a turn's budget holds dozens
+    batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.01, turn_budget_s=0.005)
+
+    async def go():
+        await batcher.submit("c", np.ones(2))
+        return [batcher.try_now("c", np.full(2, i)) for i in range(32)]
+
+    turn = run(go())
+    assert [r[0] for r in turn] == [2.0 * i for i in range(32)]
 
 
 def test_try_now_leaves_slow_or_vetoed_searches_and_passes_engine_errors():

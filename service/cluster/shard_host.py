@@ -69,7 +69,7 @@ class ShardHost:
                                acquire_timeout_s=s.db_acquire_timeout_s)
         vectors = CollectionManager(
             pool, self.data_dir, dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
-            inline_search_s=s.inline_search_us / 1e6, inline_burst=s.inline_burst,
+            inline_search_s=s.inline_search_us / 1e6, inline_turn_s=s.inline_turn_us / 1e6,
             consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
                                     s.replication_poll_ms / 1000),
             policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
