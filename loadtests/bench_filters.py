@@ -16,7 +16,8 @@ for 32 client threads (one query per request; clients share the cores with the s
 
 Each system through its fastest client: pgvector through asyncpg's binary protocol with a prepared statement,
 Switchyard through libcurl (pycurl, the `bench` extra) with the query as raw float32 and the options and filter in
-the query string, as VectorDBBench's Switchyard client sends them (loadtests/vectordbbench/rest.py).
+the query string, as VectorDBBench's Switchyard client sends them (loadtests/vectordbbench/rest.py). Both over a
+unix socket: asyncpg reaches PostgreSQL through its socket, Switchyard's client through SWITCHYARD_UDS.
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ class PgClient:
 
 # -- Switchyard over HTTP ---------------------------------------------------------------------------------
 class SyClient:
-    def __init__(self, port: int, name: str, k: int, p: float | None, params: dict[str, Any] | None,
+    def __init__(self, url: str, name: str, k: int, p: float | None, params: dict[str, Any] | None,
                  target: float | None = None) -> None:
-        self.api = Rest(f"http://127.0.0.1:{port}")
+        self.api = Rest(url)
         options: dict[str, Any] = {"k": k, "engine": "cpu", **(params or {})}
         if p is not None:
             options["filter"] = orjson.dumps({"attr": {"$lt": int(p * ATTR_RANGE)}}).decode()
@@ -211,11 +212,15 @@ def main() -> None:
     attr = np.random.default_rng(1).integers(0, ATTR_RANGE, args.n)
     report: dict[str, Any] = {"data": {"n": args.n, "dim": args.dim, "queries": args.queries, "source": "mixture"},
                               "k": args.k, "versions": versions("faiss-cpu", "asyncpg", "pgvector", "numpy"),
-                              "filtered": [], "recall_targets": []}
+                              "filtered": [], "recall_targets": [],
+                              "clients": "Switchyard: pycurl, raw float32, over its unix socket; pgvector: asyncpg prepared "
+                                         "statements over PostgreSQL's unix socket; 32 clients are threads of one process"}
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-filters-") as tmp:
-        service = Service(Path(tmp) / "data")
+        socket_path = Path(tmp) / "switchyard.sock"
+        service = Service(Path(tmp) / "data", env={"SWITCHYARD_UDS": str(socket_path)})
+        local = f"unix:{socket_path}"
         service.start()
         try:
             load = MachineLoad(service.pids)
@@ -232,7 +237,7 @@ def main() -> None:
                 row: dict[str, Any] = {"filter": label, "selectivity": p, "switchyard": {"sweep": []},
                                        "pgvector": {"sweep": []}}
                 for ef in map(int, args.sy_ef.split(",")):
-                    point = measure(lambda: SyClient(service.port, "filtered", args.k, p, {"ef": ef}), queries, truth,
+                    point = measure(lambda: SyClient(local, "filtered", args.k, p, {"ef": ef}), queries, truth,
                                     args.duration, load)
                     row["switchyard"]["sweep"].append({"ef": ef, **point})
                     print(f"  {label:>6} switchyard ef={ef}: recall {point['recall']:.3f}, "
@@ -254,7 +259,7 @@ def main() -> None:
                 report["filtered"].append(row)
             truth = truth_for(base, attr, queries, None, args.k)
             for target in (0.9, 0.95, 0.99):
-                point = measure(lambda: SyClient(service.port, "filtered", args.k, None, None, target), queries, truth,
+                point = measure(lambda: SyClient(local, "filtered", args.k, None, None, target), queries, truth,
                                 args.duration, load)
                 report["recall_targets"].append({"target": target, **point})
                 print(f"  recall_target {target}: measured {point['recall']:.3f}, QPS "
