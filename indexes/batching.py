@@ -67,18 +67,21 @@ class MicroBatcher:
 
     def timed(self, key: Hashable, queries: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
         """The key's search (`run`, or the batcher's own), its cost learnt when it is one query."""
+        return self._timed(key, queries, run)[0]
+
+    def _timed(self, key: Hashable, queries: np.ndarray,
+               run: Callable[[np.ndarray], list[Any]] | None) -> tuple[list[Any], float]:
+        """timed(), and the seconds the search took."""
         started = time.perf_counter()
         results = self.run(key, queries) if run is None else run(queries)
+        seconds = time.perf_counter() - started
         if len(queries) == 1:
-            seconds = time.perf_counter() - started
             previous = self._lone_cost.get(key)
-            if previous is not None:
-                # Wall time: a search preempted on a busy machine (a worker thread among many client threads)
-                # reads as many times its cost, and one such reading must not push the key off the event loop,
-                # where its searches would only get slower. A real rise still shows within a dozen searches.
-                seconds = 0.8 * previous + 0.2 * min(seconds, 2 * previous)
-            self._lone_cost[key] = seconds
-        return results
+            # Wall time: a search preempted on a busy machine (a worker thread among many client threads) reads as
+            # many times its cost, and one such reading must not push the key off the event loop, where its
+            # searches would only get slower. A real rise still shows within a dozen searches.
+            self._lone_cost[key] = seconds if previous is None else 0.8 * previous + 0.2 * min(seconds, 2 * previous)
+        return results, seconds
 
     def _inline_ok(self, key: Hashable) -> bool:
         lane = self._lanes.get(key)
@@ -96,9 +99,9 @@ class MicroBatcher:
         elif self._turn_spent + self._lone_cost[key] > self.turn_budget_s:
             return None
         self._this_turn += 1
-        started = time.perf_counter()
-        result = self.timed(key, vector[None, :], run)[0]
-        self._turn_spent += time.perf_counter() - started
+        results, seconds = self._timed(key, vector[None, :], run)
+        self._turn_spent += seconds
+        result = results[0]
         self.batches += 1
         self.queries += 1
         self.inline += 1

@@ -27,10 +27,10 @@ import asyncio
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import numpy as np
 import orjson
-from urllib.parse import urlencode
 
 from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
