@@ -10,6 +10,7 @@ Responses always carry distances where smaller is closer:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,19 @@ def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: An
     return out_scores, out_rows
 
 
+_omp = threading.local()
+
+
+def omp_threads(n: int) -> None:
+    """faiss.omp_set_num_threads(n) for the calling thread (OpenMP's setting is per thread), skipped when it is
+    already n: the call crosses SWIG, and a small search makes it every time."""
+    if getattr(_omp, "threads", None) != n:
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+        _omp.threads = n
+
+
 def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's exact k-NN for a few queries on the CPU: SIMD distance loops, no n-sized temporaries. numpy's
     matrix product here goes to multithreaded OpenBLAS, which collapses when several threads call it at once
@@ -93,7 +107,7 @@ def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[n
     metric = faiss.METRIC_INNER_PRODUCT if ip else faiss.METRIC_L2
     # One OpenMP thread (the setting is per calling thread): split over two, one query of 10,000 x 128 rows took
     # 330 us of CPU and 165 us of wall time, against 58 us on one.
-    faiss.omp_set_num_threads(1)
+    omp_threads(1)
     scores, rows = faiss.knn(np.ascontiguousarray(queries, dtype=np.float32),
                              np.ascontiguousarray(data, dtype=np.float32), k, metric=metric)
     scores = scores.astype(np.float32)

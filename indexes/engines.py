@@ -32,14 +32,16 @@ class _ResidentEngine:
 class FaissEngine(_ResidentEngine):
     kind = "cpu"
 
-    def __init__(self, vectors: CollectionManager, cpu_threads: int | None = None, **_: Any) -> None:
+    def __init__(self, vectors: CollectionManager, cpu_threads: int | None = None, huge_pages: bool = True,
+                 **_: Any) -> None:
         super().__init__(vectors)
         self.threads = cpu_threads
+        self.huge_pages = huge_pages
 
     def backend(self) -> Any:
         from .faiss_index import FaissBackend
 
-        return FaissBackend(self.threads)
+        return FaissBackend(self.threads, self.huge_pages)
 
 
 class CuvsEngine(_ResidentEngine):

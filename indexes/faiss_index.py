@@ -17,8 +17,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import faiss  # noqa: E402
 
+from . import hugepages  # noqa: E402
 from .ann import IndexConfig, default_n_lists, default_pq_dim  # noqa: E402
-from .distance import uses_inner_product  # noqa: E402
+from .distance import omp_threads, uses_inner_product  # noqa: E402
 
 VERSION = faiss.__version__
 TRAIN_SAMPLE_PER_LIST = 256  # k-means sees at most this many points per list: enough, and bounded
@@ -29,7 +30,7 @@ def _use_threads(rows: int, threads: int | None) -> None:
     (default all cores) for real work, one for a handful of rows, where waking a second thread costs more than it
     saves. With several worker processes sharing the cores, `threads` is their share: an OpenMP barrier waiting
     for a thread that has no core stalls the call, with the replica's lock held, for a scheduler tick or more."""
-    faiss.omp_set_num_threads(1 if rows < 4 else threads or os.cpu_count() or 1)
+    omp_threads(1 if rows < 4 else threads or os.cpu_count() or 1)
 
 
 def _metric(metric: str) -> int:
@@ -49,17 +50,19 @@ class FaissIndex:
     supports_add = True
     supports_filter = True
 
-    def __init__(self, config: IndexConfig, index: Any, threads: int | None = None) -> None:
+    def __init__(self, config: IndexConfig, index: Any, threads: int | None = None, huge_pages: bool = True) -> None:
         self.config = config
         self.index = index
         self.threads = threads
+        self.huge_pages = huge_pages  # back the vectors and graph with 2 MiB pages (hugepages.py)
         # Unfiltered searches' parameter objects, per (k, params): FAISS only reads them, and making one cost
         # more than a small search. Bounded: cleared when full.
         self._unfiltered: dict[tuple, tuple[Any, int]] = {}
         self._filtered: tuple | None = None  # (mask, shape, bitmap, (params, k)) of the last filtered search
 
     @classmethod
-    def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None) -> "FaissIndex":
+    def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None,
+              huge_pages: bool = True) -> "FaissIndex":
         _use_threads(len(vectors), threads)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
@@ -82,14 +85,17 @@ class FaissIndex:
             index.train(_train_sample(vectors, n_lists))
         else:
             raise ValueError(f"FAISS has no index type {t!r}")
-        built = cls(config, index, threads)
+        built = cls(config, index, threads, huge_pages)
         if n:
             built.add(vectors)
         return built
 
     @classmethod
-    def from_bytes(cls, config: IndexConfig, data: bytes, threads: int | None = None) -> "FaissIndex":
-        return cls(config, faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)), threads)
+    def from_bytes(cls, config: IndexConfig, data: bytes, threads: int | None = None,
+                   huge_pages: bool = True) -> "FaissIndex":
+        loaded = cls(config, faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8)), threads, huge_pages)
+        loaded._back(collapse=True)
+        return loaded
 
     def to_bytes(self) -> bytes:
         return faiss.serialize_index(self.index).tobytes()
@@ -104,11 +110,18 @@ class FaissIndex:
         on the rows it was built over."""
         if self.config.index_type not in ("brute_force", "hnsw", "cagra"):
             return None
-        return FaissIndex(self.config, faiss.clone_index(self.index), self.threads)
+        copy = FaissIndex(self.config, faiss.clone_index(self.index), self.threads, self.huge_pages)
+        copy._back(collapse=True)
+        return copy
 
     def add(self, vectors: np.ndarray) -> None:
         _use_threads(len(vectors), self.threads)
         self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
+        self._back(collapse=len(vectors) >= hugepages.COLLAPSE_ROWS)
+
+    def _back(self, collapse: bool) -> None:
+        if self.huge_pages:
+            hugepages.back_index(self.index, collapse)
 
     def _search_parameters(self, k: int, params: dict[str, Any], selector: Any) -> tuple[Any, int]:
         t = self.config.index_type
@@ -162,11 +175,12 @@ class FaissBackend:
     name = "faiss"
     kind = "cpu"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, huge_pages: bool = True) -> None:
         self.threads = threads  # OpenMP threads per call; None: every core
+        self.huge_pages = huge_pages
 
     def build(self, config: IndexConfig, vectors: np.ndarray) -> FaissIndex:
-        return FaissIndex.build(config, vectors, self.threads)
+        return FaissIndex.build(config, vectors, self.threads, self.huge_pages)
 
     def load(self, config: IndexConfig, data: bytes) -> FaissIndex:
-        return FaissIndex.from_bytes(config, data, self.threads)
+        return FaissIndex.from_bytes(config, data, self.threads, self.huge_pages)

@@ -94,12 +94,37 @@ def instant(text: str) -> float | None:
     return ((moment - _EPOCH) // timedelta(microseconds=1)) / 10**6
 
 
+PARSED_ENTRIES = 1024  # filters remembered by their JSON text (a client sends the same one with many searches)
+_parsed: dict[bytes, Node] = {}
+
+
 def parse(raw: Any, path: str = "filter") -> Node | None:
-    """A checked filter tree, or None for no filter (None or {})."""
+    """A checked filter tree, or None for no filter (None or {}). A filter seen recently is not parsed again: the
+    same JSON text gives the same (immutable) tree, and so the same key(). Refused filters are not remembered."""
     if raw is None or raw == {}:
         return None
-    counter = [0]
-    return _object(raw, path, 0, counter)
+    try:
+        text: bytes | None = orjson.dumps(raw)  # 1, 1.0 and true stay apart, as they must
+    except TypeError:  # not JSON (a Python caller's own objects): parsed every time
+        text = None
+    node = _parsed.get(text) if text is not None else None
+    if node is None:
+        node = _object(raw, path, 0, [0])
+        if text is not None:
+            if len(_parsed) >= PARSED_ENTRIES:
+                _parsed.clear()
+            _parsed[text] = node
+    return node
+
+
+def key(node: Node) -> str:
+    """What identifies a filter's meaning in caches: its repr, not the tree (True == 1.0 in Python, but
+    {"f": true} is no {"f": 1}); computed once per tree."""
+    found = node.__dict__.get("_key")
+    if found is None:
+        found = repr(node)
+        object.__setattr__(node, "_key", found)  # frozen, and not a field: equality and hashing ignore it
+    return found
 
 
 def _object(raw: Any, path: str, depth: int, counter: list[int]) -> Node:

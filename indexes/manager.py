@@ -671,9 +671,9 @@ class CollectionManager:
     def _planned(r: Replica, k: int, checked_items: tuple, where: filters.Node | None,
                  recall_target: float | None) -> tuple[tuple, Callable[[np.ndarray], list[SearchResult]]]:
         """A filtered or recall-targeted search of one query: its micro-batcher key (for its cost) and the search.
-        The filter's repr, not the tree, keys it: True == 1.0 in Python, but {"f": true} is no {"f": 1}."""
+        filters.key, not the tree, keys it: True == 1.0 in Python, but {"f": true} is no {"f": 1}."""
         index, checked = r.index, dict(checked_items)
-        key = (r.collection.name, k, checked_items, repr(where), recall_target)
+        key = (r.collection.name, k, checked_items, where and filters.key(where), recall_target)
         return key, lambda queries: [index.search(queries, k, checked, where, recall_target)]
 
     def _run_batch(self, key: tuple, queries: np.ndarray) -> list[tuple[list[int], list[float], int | None]]:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .ann import LIMITS, default_n_lists
 from .filters import Node
+from .filters import key as filter_key
 
 EFFORT_EXPONENT = 0.55  # ef / n_probes grow as selectivity ** -0.55 (measured, above)
 EXACT_MIN_ROWS = 2_000  # always exact below this many matching rows
@@ -91,14 +92,16 @@ def filtered(plan: Plan, matched: int, live: int, k: int, build: dict[str, Any])
     """Exact over the matching rows, or the index with the filter and its effort raised. `build`: the index's
     build parameters."""
     selectivity = matched / live if live else 0.0
-    plan = replace(plan, matched=matched, live=live, selectivity=selectivity)
+    # Plan(...) rather than dataclasses.replace, which costs microseconds a call: every filtered search plans.
+    kind, params, why = "ann-filtered", plan.params, plan.why
     if plan.kind == "exact" or matched == 0:
-        return replace(plan, kind="exact", params={})
-    raised = raise_effort(plan.params, selectivity, k)
-    if matched <= max(EXACT_MIN_ROWS, ann_rows(raised, build, live)):
-        return replace(plan, kind="exact", params={},
-                       why=f"{matched} matching rows: fewer than an ANN search would touch")
-    return replace(plan, kind="ann-filtered", params=raised)
+        kind, params = "exact", {}
+    else:
+        params = raise_effort(plan.params, selectivity, k)
+        if matched <= max(EXACT_MIN_ROWS, ann_rows(params, build, live)):
+            kind, params, why = "exact", {}, f"{matched} matching rows: fewer than an ANN search would touch"
+    return Plan(kind, plan.index_type, params, matched, live, selectivity, plan.recall_target,
+                plan.calibrated_recall, why)
 
 
 def raise_effort(params: dict[str, Any], selectivity: float, k: int) -> dict[str, Any]:
@@ -223,7 +226,7 @@ class FilterCache:
         self.hits = self.misses = 0
 
     def rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
-        full = (repr(where), key)  # repr, not the tree: True == 1.0 in Python, but {"f": true} is no {"f": 1}
+        full = (filter_key(where), key)
         with self._lock:
             found = self._items.get(full)
             if found is not None:

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
                                 description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")
     cpu_threads: int | None = Field(default=None, ge=1, le=1024, description=(
         "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers."))
+    huge_pages: bool = Field(default=True, description=(
+        "Back resident FAISS indexes' vectors and graph with transparent huge pages (Linux, THP mode 'madvise' or "
+        "'always'): fewer TLB misses per graph search (indexes/hugepages.py)."))
     batch_max: int = Field(default=64, ge=1, le=4096, description="Most single-vector searches merged into one engine call.")
     inline_search_us: float = Field(default=500, ge=0, le=100_000, description=(
         "A lone single-vector search on the CPU whose engine time has averaged under this runs on the event loop "
