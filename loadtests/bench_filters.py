@@ -7,17 +7,17 @@ Steps: a seeded mixture (loadtests/datasets.py) with an integer attribute `attr`
 fresh `switchyard serve` (embedded PostgreSQL), one Arrow bulk load with the attribute in each payload, which
 builds the resident HNSW index (and calibrates it); the same rows in a plain table of the same PostgreSQL with
 `attr` as a real integer column under a b-tree index and an HNSW index (m=16, ef_construction=64), queried
-directly with asyncpg prepared statements and `hnsw.iterative_scan = relaxed_order` (pgvector's answer to filtered
+directly with psycopg prepared statements and `hnsw.iterative_scan = relaxed_order` (pgvector's answer to filtered
 recall; PostgreSQL's planner may also pick the b-tree and sort, as it would for a user). For filters keeping 99%,
 50%, 10%, 1% and 0.1% of rows (`attr < p * 1,000,000`, VectorDBBench's int-filter cases) and for no filter, each
 system's search parameter is swept: recall@10 against exact search over the matching rows, QPS for one client and
 for 32 client threads (one query per request; clients share the cores with the servers). Then recall targets
 0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under loadtests/results/filters/.
 
-Each system through its fastest client: pgvector through asyncpg's binary protocol with a prepared statement,
+Each system through its fastest client: pgvector through psycopg's binary protocol with a prepared statement,
 Switchyard through libcurl (pycurl, the `bench` extra) with the query as raw float32 and the options and filter in
 the query string, as VectorDBBench's Switchyard client sends them (loadtests/vectordbbench/rest.py). Both over a
-unix socket: asyncpg reaches PostgreSQL through its socket, Switchyard's client through SWITCHYARD_UDS.
+unix socket: psycopg reaches PostgreSQL through its socket, Switchyard's client through SWITCHYARD_UDS.
 """
 
 from __future__ import annotations
@@ -100,21 +100,27 @@ async def pg_load(dsn: str, base: np.ndarray, attr: np.ndarray) -> dict[str, flo
 
 
 class PgClient:
+    """pgvector's fastest Python client: psycopg 3's binary protocol (libpq) with a prepared statement and
+    pgvector-python's binary vector dumper. Against asyncpg (a loop turn per call) on 200,000 x 128: 9,181 against
+    8,270 queries/s at 0.1% of rows, 27 against 38 us of client CPU per query."""
+
     def __init__(self, dsn: str, k: int, ef: int, p: float | None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.conn = self.loop.run_until_complete(_pg_connect(dsn))
-        self.loop.run_until_complete(self.conn.execute(f"SET hnsw.ef_search = {int(ef)}"))
-        self.loop.run_until_complete(self.conn.execute("SET hnsw.iterative_scan = relaxed_order"))
+        import psycopg
+        from pgvector.psycopg import register_vector
+
+        self.conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=0)
+        register_vector(self.conn)
+        self.conn.execute(f"SET hnsw.ef_search = {int(ef)}")
+        self.conn.execute("SET hnsw.iterative_scan = relaxed_order")
         where = "" if p is None else f"WHERE attr < {int(p * ATTR_RANGE)}"
-        self.stmt = self.loop.run_until_complete(self.conn.prepare(
-            f"SELECT id FROM peer_items {where} ORDER BY embedding <-> $1 LIMIT {k}"))
+        self.sql = f"SELECT id FROM peer_items {where} ORDER BY embedding <-> %s LIMIT {k}"
+        self.cursor = self.conn.cursor(binary=True)
 
     def search(self, q: np.ndarray) -> list[int]:
-        return [r[0] for r in self.loop.run_until_complete(self.stmt.fetch(q))]
+        return [r[0] for r in self.cursor.execute(self.sql, (q,), prepare=True).fetchall()]
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.conn.close())
-        self.loop.close()
+        self.conn.close()
 
 
 # -- Switchyard over HTTP ---------------------------------------------------------------------------------
@@ -211,9 +217,9 @@ def main() -> None:
     base, queries = mixture(args.n, args.queries, args.dim, seed=0)
     attr = np.random.default_rng(1).integers(0, ATTR_RANGE, args.n)
     report: dict[str, Any] = {"data": {"n": args.n, "dim": args.dim, "queries": args.queries, "source": "mixture"},
-                              "k": args.k, "versions": versions("faiss-cpu", "asyncpg", "pgvector", "numpy"),
+                              "k": args.k, "versions": versions("faiss-cpu", "psycopg", "asyncpg", "pgvector", "numpy"),
                               "filtered": [], "recall_targets": [],
-                              "clients": "Switchyard: pycurl, raw float32, over its unix socket; pgvector: asyncpg prepared "
+                              "clients": "Switchyard: pycurl, raw float32, over its unix socket; pgvector: psycopg binary prepared "
                                          "statements over PostgreSQL's unix socket; 32 clients are threads of one process"}
     import tempfile
 

@@ -253,6 +253,19 @@ def test_filter_parser_limits():
     assert filters.instant("2023-02-29") is None and filters.instant("2024-1-1") is None
 
 
+def test_a_repeated_filter_is_parsed_once_and_lookalikes_stay_apart():
+    first = filters.parse({"n": {"$lt": 95}, "flag": True})
+    assert filters.parse({"n": {"$lt": 95}, "flag": True}) is first  # remembered by its JSON text
+    assert filters.key(first) == repr(first)
+    # Equal in Python (True == 1 == 1.0), different filters: neither the tree nor the key may be shared.
+    as_bool, as_int = filters.parse({"flag": True}), filters.parse({"flag": 1})
+    assert as_bool.value is True and as_int.value == 1.0 and not isinstance(as_int.value, bool)
+    assert filters.key(as_bool) != filters.key(as_int)
+    for _ in range(2):  # a refused filter is refused every time, not remembered
+        with pytest.raises(InvalidInput):
+            filters.parse({"flag": {"$gt": True}})
+
+
 def test_a_filtered_search_on_the_resident_path_asks_postgresql_nothing(app, monkeypatch):
     name = collection_for(app, "cpu-hnsw")
     vectors = app.app.state.switchyard.vectors
