@@ -16,11 +16,8 @@ only advises. Where THP is off, on other systems, or for memory FAISS does not e
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from typing import Any
-
-log = logging.getLogger("switchyard")
 
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25

@@ -28,8 +28,8 @@ log = logging.getLogger("switchyard.cluster")
 # What a shard host takes from the ingress's settings (the rest are the ingress's own: HTTP, auth, database pool).
 SHARD_SETTINGS = ("batch_max", "batch_window_ms", "inline_search_us", "inline_turn_us", "consistency",
                   "bounded_staleness_ms", "consistency_timeout_ms", "replication_poll_ms", "rebuild_dead_fraction",
-                  "rebuild_delta_rows", "db_command_timeout_s", "db_acquire_timeout_s", "cpu_threads", "huge_pages", "gpu",
-                  "admission", "breaker_failures", "breaker_cooldown_s", "duckdb_memory_mb")
+                  "rebuild_delta_rows", "db_command_timeout_s", "db_acquire_timeout_s", "cpu_threads", "huge_pages",
+                  "gpu", "admission", "breaker_failures", "breaker_cooldown_s", "duckdb_memory_mb")
 
 
 def ray_module() -> Any:
