@@ -39,12 +39,12 @@ class PartitionedSpatial(WatchesParts, SpatialManager):
             versions = {points: current.get(points), polygons: current.get(polygons)}
             if mode == "counts":
                 parts = await self.parts.on_every_shard("point_in_polygon", versions, points, polygons, mode,
-                                                             engine, None, page_size)
+                                                        engine, None, page_size)
                 body, served = sum_counts([b for b, _ in parts]), parts[0][1]
             else:
                 part, inner = decode_cursor(cursor, self.parts.shards)
                 body, served = await self.parts.on_shard(part, "point_in_polygon", versions, points, polygons,
-                                                              mode, engine, inner, page_size)
+                                                         mode, engine, inner, page_size)
                 body = {**body, "next_cursor": next_cursor(part, self.parts.shards, body["next_cursor"])}
         except ShardUnavailable as exc:
             if engine != "auto" or cursor is not None:  # a partitioned cursor means nothing to the engines here

@@ -97,7 +97,7 @@ class ShardedCollections(WatchesParts, CollectionManager):
             # Fresh as of every request's arrival, on every machine: PostgreSQL's head now, not a host's clock.
             level, seq = "session", await self.store.head(c)
         parts = await self.parts.on_every_shard("search", c.name, queries, k, params, payload_filter, level, seq,
-                                                 recall_target)
+                                                recall_target)
         merged = merge_results([result for result, _ in parts], k)
         if not split:
             return [merged], parts[0][1]
