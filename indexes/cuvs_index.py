@@ -16,7 +16,9 @@ The one module that calls cuVS; FAISS's twin is indexes/faiss_index.py (same cla
 Threads: cuVS's Python layer is not thread-safe (NVIDIA/cuvs #2041: concurrent searches segfault in
 device_ndarray.empty). All calls here share one `Resources` and must come from ONE thread: the service routes
 every cuVS call through the single-worker GPU executor of indexes/manager.py, and resident.py additionally
-serialises the calls of each collection under its lock. Do not call into this module from anywhere else.
+serialises the calls of each collection under its lock. Do not call into this module from anywhere else. Large
+builds run in a child process of their own (`CuvsBackend.builder`, indexes/build_process.py), so that they do
+not hold that thread; the child's one thread makes its calls.
 
 No RMM pool is installed: `Resources.set_memory_pool` and rmm's Python resource API could not be confirmed
 for the pinned release, and CuPy already pools its own allocations.
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from .ann import IndexConfig, default_n_lists, default_pq_dim
+from .build_process import DetachedBuilder
 from .distance import uses_inner_product
 
 DISTRIBUTION = "cuvs-cu12"
@@ -527,6 +530,11 @@ class CuvsBackend:
 
     name = "cuvs"
     kind = "gpu"
+
+    def __init__(self, build_process: bool = False) -> None:
+        # Large builds in a child process (build_process.py), so that they never hold the GPU worker thread. The
+        # child constructs this class without arguments: it builds in itself.
+        self.builder = DetachedBuilder(f"{__name__}:CuvsBackend") if build_process else None
 
     def build(self, config: IndexConfig, vectors: np.ndarray) -> CuvsIndex:
         return CuvsIndex.build(config, vectors)

@@ -47,10 +47,14 @@ class FaissEngine(_ResidentEngine):
 class CuvsEngine(_ResidentEngine):
     kind = "gpu"
 
+    def __init__(self, vectors: CollectionManager, gpu_build_process: bool = True, **_: Any) -> None:
+        super().__init__(vectors)
+        self.build_process = gpu_build_process
+
     def backend(self) -> Any:
         from .cuvs_index import CuvsBackend
 
-        return CuvsBackend()
+        return CuvsBackend(self.build_process)
 
 
 class PgvectorEngine:

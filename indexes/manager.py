@@ -30,11 +30,12 @@ import numpy as np
 from . import filters, pgvector_search, reports, snapshots
 from .ann import INDEX_TYPES, check_build_shape, check_params, resolve_type, search_params
 from .batching import MicroBatcher
+from .build_process import DetachedBuilder
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionEmpty, CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
 from .follower import Follower
 from .replica import Applied, Replica, check_level
-from .resident import Changes, IndexBackend, RebuildPolicy, ResidentCollection, SearchResult
+from .resident import Changes, IndexBackend, PendingBuild, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
 from .planner import CALIBRATION_QUERIES
 from .shards import Shard
@@ -68,6 +69,19 @@ class SearchAnswer:
     fallback: str | None = None
 
 
+def build_detached(index: ResidentCollection, builder: DetachedBuilder, scratch: Path,
+                   say: Callable[[str], None] | None) -> PendingBuild:
+    """A rebuild's first half for an engine whose builds may run in a child process (cuVS): rows chosen, and a
+    large index built there, without a call into the engine, so the engine's one thread serves searches meanwhile.
+    build_and_calibrate then installs it on that thread."""
+    pending = index.plan_build(hold_out=CALIBRATION_QUERIES)
+    if pending.n_indexed and builder.wants(pending.n_indexed, index.dim):
+        if say:
+            say(f"building {pending.config.index_type} over {pending.n_indexed} vectors in a build process")
+        pending.data = builder.build(pending.config, pending.vectors[:pending.n_indexed], scratch)
+    return pending
+
+
 def check_target(recall_target: float | None, params: dict[str, Any] | None) -> None:
     if recall_target is None:
         return
@@ -77,10 +91,15 @@ def check_target(recall_target: float | None, params: dict[str, Any] | None) -> 
         raise InvalidInput("must be above 0 and at most 1", field="recall_target")
 
 
-def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None) -> None:
-    """Rebuild holding a sample out of the index, measure the new index's recall over its parameter sweep with
-    that sample as queries (for recall targets), then add the sample to the index."""
-    index.rebuild(say, hold_out=CALIBRATION_QUERIES)
+def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None,
+                        pending: PendingBuild | None = None) -> None:
+    """Rebuild holding a sample out of the index (or install `pending`, a rebuild whose index was built
+    elsewhere), measure the new index's recall over its parameter sweep with that sample as queries (for recall
+    targets), then add the sample to the index."""
+    if pending is None:
+        index.rebuild(say, hold_out=CALIBRATION_QUERIES)
+    else:
+        index.install(pending, say)
     try:
         if index.held_out is not None:
             if say:
@@ -98,6 +117,7 @@ class CollectionManager:
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None) -> None:
         self.store = CollectionStore(pool)
         self.pool = pool
+        self.data_dir = data_dir
         self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)
         self.backends: dict[str, IndexBackend] = {}  # "gpu"/"cpu" -> backend that keeps indexes resident
         self.executors: dict[str, ThreadPoolExecutor] = {}  # searches and change applies
@@ -128,11 +148,14 @@ class CollectionManager:
     # -- engines ---------------------------------------------------------------------------------------
     def attach(self, kind: str, backend: IndexBackend) -> None:
         """Make a backend hold resident indexes. cuVS calls must come from one thread (NVIDIA/cuvs #2041), so on
-        the GPU rebuilds share that thread; on the CPU they have their own, and searches keep two."""
+        the GPU rebuilds share that thread, except what a backend's build process (build_process.py) does; on the
+        CPU they have their own, and searches keep two."""
         self.backends[kind] = backend
         self.executors[kind] = ThreadPoolExecutor(max_workers=1 if kind == "gpu" else 2,
                                                   thread_name_prefix=f"vectors-{kind}")
-        self.build_executors[kind] = self.executors[kind] if kind == "gpu" else ThreadPoolExecutor(
+        # A build process (build_process.py) frees the GPU thread during builds; without one they share it.
+        shares = kind == "gpu" and getattr(backend, "builder", None) is None
+        self.build_executors[kind] = self.executors[kind] if shares else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"vectors-{kind}-build")
         # Lone cheap searches may run on the event loop (see batching.py), on the CPU only: cuVS calls must stay
         # on their one thread.
@@ -156,6 +179,9 @@ class CollectionManager:
 
     async def stop(self) -> None:
         await self.follower.stop()
+        for backend in self.backends.values():  # a build still running in a child process is not waited for
+            if (builder := getattr(backend, "builder", None)) is not None:
+                builder.stop()
         await stop_tasks(self.loading, self._syncing, *self._background)
         for r in list(self.resident.values()):
             await r.stop()
@@ -481,9 +507,15 @@ class CollectionManager:
 
     def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
         async def rebuild() -> None:
-            index = r.index
+            index, kind = r.index, self._kind_of(r)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.build_executors[self._kind_of(r)], build_and_calibrate, index, say)
+            builder = getattr(self.backends[kind], "builder", None)
+            if builder is None:
+                await loop.run_in_executor(self.build_executors[kind], build_and_calibrate, index, say)
+            else:  # the build in a child process, the rest (load, swap, calibration) on the engine's thread
+                pending = await loop.run_in_executor(self.build_executors[kind], build_detached, index, builder,
+                                                     self.data_dir / "builds", say)
+                await loop.run_in_executor(self.executors[kind], build_and_calibrate, index, say, pending)
             self._snapshot_soon(r)
 
         r.rebuild_started = time.monotonic()

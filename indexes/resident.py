@@ -33,6 +33,22 @@ DIRECT_ADD_ROWS = 64
 MAX_OVERFETCH = 4096
 
 
+@dataclass
+class PendingBuild:
+    """A rebuild between its halves (ResidentCollection.plan_build, install): the rows it covers, in the order the
+    index numbers them, and the bytes of an index built over the first `n_indexed` elsewhere, if it was."""
+
+    generation: int
+    snapshot_rows: int  # rows of the layout then; rows after it were written during the build
+    rows: np.ndarray  # row numbers of that layout
+    n_indexed: int  # 0: too few rows for an index of this type
+    config: IndexConfig
+    ids: np.ndarray
+    vectors: np.ndarray
+    hashes: np.ndarray
+    data: bytes | None = None
+
+
 class IndexBackend(Protocol):
     """Builds and restores one engine's indexes (FAISS on CPU, cuVS on GPU)."""
 
@@ -269,6 +285,12 @@ class ResidentCollection:
         writes is built about once in all rather than once per rebuild (a 100,000 x 768 load rebuilt 4 times)."""
         if self._extend(progress, hold_out):
             return
+        self.install(self.plan_build(hold_out), progress)
+
+    def plan_build(self, hold_out: int = 0) -> PendingBuild:
+        """rebuild()'s first half: the live rows a build covers (the layout read under the lock), with `hold_out`
+        of them last (left out of the index). It calls nothing of the engine's, so it may run on any thread, and so may
+        building the index over `pending.vectors[:pending.n_indexed]` elsewhere (indexes/build_process.py)."""
         generation, snapshot_rows, alive, (ids_now, vectors_now, hashes_now) = self._layout()
         rows = np.flatnonzero(alive)
         config = self.config_for(len(rows))
@@ -277,28 +299,42 @@ class ResidentCollection:
             held = np.zeros(len(rows), dtype=bool)
             held[np.random.default_rng(len(rows)).choice(len(rows), size=hold_out, replace=False)] = True
             rows, n_indexed = np.concatenate([rows[~held], rows[held]]), len(rows) - hold_out
-        base_ids, base_vectors, base_hashes = ids_now[rows], vectors_now[rows], hashes_now[rows]
+        builds = n_indexed >= min_train_rows(config.index_type, config.params) and n_indexed > 0
+        return PendingBuild(generation, snapshot_rows, rows, n_indexed if builds else 0, config, ids_now[rows],
+                            vectors_now[rows], hashes_now[rows])
+
+    def install(self, pending: PendingBuild, progress: Callable[[str], None] | None = None) -> None:
+        """rebuild()'s second half, on the engine's thread: the index built (or loaded from the bytes a build
+        process made), then swapped in with what changed meanwhile carried over. A layout change since
+        plan_build (a restore) raises RebuildConflict."""
         index = None
-        if n_indexed >= min_train_rows(config.index_type, config.params) and n_indexed > 0:
+        if pending.data is not None:
             if progress:
-                progress(f"building {config.index_type} over {n_indexed} vectors")
-            index = self.backend.build(config, base_vectors[:n_indexed])
+                progress(f"loading the {pending.config.index_type} index built over {pending.n_indexed} vectors")
+            index = self.backend.load(pending.config, pending.data)
+            pending.data = None  # the bytes may be large: not kept while the swap waits for the lock
+        elif pending.n_indexed:
+            if progress:
+                progress(f"building {pending.config.index_type} over {pending.n_indexed} vectors")
+            index = self.backend.build(pending.config, pending.vectors[:pending.n_indexed])
+        rows, snapshot_rows = pending.rows, pending.snapshot_rows
         with self.lock.write():
             # Rows are only appended within a generation, so `rows` still names the same rows: check it by id.
-            if self.generation != generation or not np.array_equal(self._ids[rows], base_ids):
+            if self.generation != pending.generation or not np.array_equal(self._ids[rows], pending.ids):
                 raise RebuildConflict(f"collection {self.name}: the layout changed during the rebuild")
             still_alive = self._alive[rows]  # deleted or replaced during the build: dead now
             tail = slice(snapshot_rows, self.n_rows)  # written during the build
             self.rebuilds += 1
             self.carried_over += int((~still_alive).sum()) + (self.n_rows - snapshot_rows)
-            ids = np.concatenate([base_ids, self._ids[tail]])
-            vectors = np.concatenate([base_vectors, self._vectors[tail]])
+            ids = np.concatenate([pending.ids, self._ids[tail]])
+            vectors = np.concatenate([pending.vectors, self._vectors[tail]])
             alive = np.concatenate([still_alive, self._alive[tail]])
-            hashes = np.concatenate([base_hashes, self._hashes[tail]])
+            hashes = np.concatenate([pending.hashes, self._hashes[tail]])
             payloads = self.payloads.take(np.concatenate([rows, np.arange(snapshot_rows, self.n_rows)]))
             self._set_rows(ids, vectors, alive, hashes, payloads)
             self._swap_index(index)
-            self.held_out = (n_indexed, len(rows)) if index is not None and n_indexed < len(rows) else None
+            partial = index is not None and pending.n_indexed < len(rows)
+            self.held_out = (pending.n_indexed, len(rows)) if partial else None
             if self.held_out is None:
                 self._absorb()
 

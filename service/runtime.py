@@ -146,6 +146,7 @@ class Runtime:
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir, metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads, huge_pages=self.settings.huge_pages,
+                                  gpu_build_process=self.settings.gpu_build_process,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         if self.vectors is not None:

@@ -140,6 +140,10 @@ class Settings(BaseSettings):
     gpu_memory_pool_mb: int = Field(default=0, ge=-1, description=(
         "RMM pool set up when the GPU engines start and shared by CuPy, cuDF, cudf-polars and cuVS: its initial "
         "size in MiB (it may grow to 90% of the device); 0: half the device's memory; -1: no pool."))
+    gpu_build_process: bool = Field(default=True, description=(
+        "Build large cuVS indexes (4,000,000+ floats) in a child process with its own CUDA context, so a CAGRA "
+        "build never holds the one GPU worker thread that every GPU search goes through (indexes/build_process.py); "
+        "false: builds run on that thread."))
     ray_address: str | None = Field(default=None, description=(
         "Scale out on Ray: the cluster to join ('auto': the one this machine is part of, or ray://host:10001). "
         "Vector collections are then split into shards held by Ray actors (see README, Running on a cluster)."))

@@ -318,6 +318,23 @@ def test_added_rows_are_found(cuvs_index, data, index_type):
     assert np.isin(rows[:, 0], np.concatenate([np.arange(10), np.arange(N, N + 10)])).mean() >= 0.9
 
 
+@pytest.mark.parametrize("index_type", ["cagra", "ivf_pq"])
+def test_an_index_built_in_a_build_process_answers_as_one_built_here(cuvs_index, data, index_type, tmp_path):
+    """indexes/build_process.py: the child (its own CUDA context) builds, this process loads the bytes."""
+    from indexes.build_process import DetachedBuilder
+
+    xb, xq = _prepared(data, "l2")
+    config = _config(index_type, "l2")
+    backend = cuvs_index.CuvsBackend(build_process=True)
+    assert backend.builder is not None and backend.builder.wants(1_000_000, 128)
+    loaded = backend.load(config, DetachedBuilder(backend.builder.factory, min_values=0).build(config, xb, tmp_path))
+    here = cuvs_index.CuvsIndex.build(config, xb)
+    assert (loaded.kind, loaded.size) == (here.kind, here.size)
+    _, truth = exact_search(np, xb, xq, K, "l2")
+    found, want = loaded.search(xq, K, SEARCH[index_type], None)[1], here.search(xq, K, SEARCH[index_type], None)[1]
+    assert _recall(found, truth) >= _recall(want, truth) - 0.05
+
+
 def test_hnsw_is_cagra_with_double_degree(cuvs_index, data):
     xb, _ = _prepared(data, "l2")
     config = IndexConfig("hnsw", "l2", DIM, check_params("build", "hnsw", {"m": 16}, "index_params"))

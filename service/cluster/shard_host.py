@@ -75,7 +75,8 @@ class ShardHost:
             policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
             guard=Admission(s), shard=self.shard)
         gpu = s.gpu != "off" and probe_cuda(enabled=True).present
-        engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu_threads, huge_pages=s.huge_pages)
+        engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu_threads, huge_pages=s.huge_pages,
+                                                       gpu_build_process=s.gpu_build_process)
         await engine.start()
         self.kind = vectors.resident_kind
         await vectors.start()
