@@ -1,29 +1,35 @@
 """GPU engine: cuDF with the SSB tables resident in device memory.
 
 The 13 queries run as the dataframe plans of olap/plans.py, written against the API cuDF shares with pandas
-(the CPU tests run the very same plan code on pandas and compare it with DuckDB). Ad-hoc SQL goes through the
-Polars GPU engine (cudf-polars) with raise_on_fail=True, so a plan it cannot run on the GPU is an error the
-service turns into a fallback, never a silent CPU run. Ad-hoc SQL cannot read the resident cuDF tables:
-cudf-polars takes Polars frames, and an in-memory Polars frame is copied host to device on every collect
-(shared/research/olap.md, cudf-polars `DataFrameScan`), so it scans the Parquet files on the GPU instead (kvikIO,
-from the page cache once read); the 13 plans are the resident path. A collect cannot be interrupted, so it runs
-under a BoundedRunner: past `timeout_s` the caller gets query-timeout at once and the GPU OLAP worker is free,
-while the query finishes in its own thread (the next ad-hoc query meanwhile is refused, and `auto` serves it on
-DuckDB).
+(the CPU tests run the very same plan code on pandas and compare it with DuckDB). Ad-hoc SQL runs on the resident
+tables too, through olap/frame_sql.py (DuckDB's parser, then the same shared API: star joins on equalities,
+filters, GROUP BY, aggregates, ORDER BY, LIMIT; tested on pandas against DuckDB). What it does not run goes through
+the Polars GPU engine (cudf-polars) with raise_on_fail=True, so a plan it cannot run on the GPU is an error the
+service turns into a fallback, never a silent CPU run. cudf-polars cannot read the resident cuDF tables: it takes
+Polars frames, and an in-memory Polars frame is copied host to device on every collect (shared/research/olap.md,
+cudf-polars `DataFrameScan`), so that path scans the Parquet files on the GPU instead (kvikIO, from the page cache
+once read). Neither can be interrupted, so ad-hoc SQL runs under a BoundedRunner: past `timeout_s` the caller gets
+query-timeout at once and the GPU OLAP worker is free, while the query finishes in its own thread (the next ad-hoc
+query meanwhile is refused, and `auto` serves it on DuckDB).
 
 cudf and polars are imported here only, on first use.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from . import frame_sql
 from .bounded import BoundedRunner
 from .plans import run_plan
 from .results import Result, from_arrow
 from .schema import TABLES
+
+
+log = logging.getLogger("switchyard.olap")
 
 
 class CudfEngine:
@@ -35,6 +41,7 @@ class CudfEngine:
         self.dataset: Path | None = None
         self.rows: dict[str, int] = {}
         self.sql_runner = BoundedRunner("cudf-sql")
+        self.resident_sql = 0  # ad-hoc queries answered from the resident tables (frame_sql), not the Parquet files
 
     @property
     def ready(self) -> bool:
@@ -52,23 +59,42 @@ class CudfEngine:
     def run_query(self, query_id: str, params: dict[str, Any] | None) -> Result:
         if not self.tables:
             raise RuntimeError("no SSB dataset is resident on the GPU")
-        frame = run_plan(query_id, self.tables, params)
-        # docs.rapids.ai cudf.DataFrame.to_arrow(preserve_index=None): the plan resets its index.
-        return from_arrow(frame.to_arrow(preserve_index=False))
+        return from_arrow(to_arrow(run_plan(query_id, self.tables, params)))
 
     def run_sql(self, sql: str, max_rows: int | None, timeout_s: float | None) -> Result:
-        import polars as pl
-
         if self.dataset is None:
             raise RuntimeError("no SSB dataset is resident on the GPU")
+        return self.sql_runner.run(lambda: self._sql(sql, max_rows), timeout_s)
+
+    def _sql(self, sql: str, max_rows: int | None) -> Result:
+        try:
+            frame = frame_sql.run(sql, self.tables, max_rows)
+        except MemoryError:
+            raise  # the device is full: the service's out-of-memory answer, not another path
+        except Exception as exc:  # noqa: BLE001 - Unsupported, or a form cuDF refuses: cudf-polars may run it
+            log.debug("ad-hoc SQL through cudf-polars (not run on the resident tables: %s)", exc)
+        else:
+            self.resident_sql += 1
+            return from_arrow(to_arrow(frame), max_rows)
+        import polars as pl
+
         frames = {table: pl.scan_parquet(self.dataset / f"{table}.parquet") for table in TABLES}
         lazy = pl.SQLContext(frames=frames).execute(sql)  # eager=False: a LazyFrame
         if max_rows is not None:
             lazy = lazy.limit(max_rows + 1)
         # cudf-polars: GPUEngine(executor="in-memory", raise_on_fail=True) raises instead of running on the CPU.
-        table = self.sql_runner.run(
-            lambda: lazy.collect(engine=pl.GPUEngine(executor="in-memory", raise_on_fail=True)).to_arrow(), timeout_s)
-        return from_arrow(table, max_rows)
+        return from_arrow(lazy.collect(engine=pl.GPUEngine(executor="in-memory", raise_on_fail=True)).to_arrow(),
+                          max_rows)
 
     def close(self) -> None:
         self.tables = {}
+
+
+def to_arrow(frame: Any) -> Any:
+    """docs.rapids.ai cudf.DataFrame.to_arrow(preserve_index=None); pandas frames (the CPU tests) through pyarrow.
+    The plans and frame_sql reset their index, so it is left out."""
+    if hasattr(frame, "to_arrow"):
+        return frame.to_arrow(preserve_index=False)
+    import pyarrow as pa
+
+    return pa.Table.from_pandas(frame, preserve_index=False)

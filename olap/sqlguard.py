@@ -69,7 +69,7 @@ def check(sql: str) -> str:
     if statements[0].type != duckdb.StatementType.SELECT:
         raise SqlRejected(f"only SELECT is allowed, not {statements[0].type.name}")
     text = statements[0].query.strip().rstrip(";")
-    tree = _parse_tree(text)
+    tree = parse_tree(text)
     _walk(tree["statements"][0]["node"], ctes=set())
     return text
 
@@ -78,7 +78,7 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0][:300]
 
 
-def _parse_tree(sql: str) -> dict[str, Any]:
+def parse_tree(sql: str) -> dict[str, Any]:
     con = duckdb.connect(":memory:", config={"enable_external_access": False})
     try:
         tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
