@@ -124,6 +124,7 @@ class Query:
             else:
                 raise Unsupported(modifier["type"].lower().replace("_modifier", "").replace("_", " ").upper())
         self.names: list[str] = []  # tables in FROM order
+        self.aliases: dict[str, str] = {}  # what a qualified column may name a table by -> the table
         self.predicates: list[dict[str, Any]] = []
         self._from(node["from_table"])
         self.owner = self._owners()
@@ -135,6 +136,7 @@ class Query:
             if name not in self.tables or name in self.names:
                 raise Unsupported(f"table {name!r} (or a table read twice)")
             self.names.append(name)
+            self.aliases[str(ref.get("alias") or name).lower()] = name
             return
         if ref["type"] != "JOIN" or ref.get("join_type") != "INNER" or ref.get("ref_type") not in ("CROSS", "REGULAR") \
                 or ref.get("using_columns"):
@@ -155,7 +157,8 @@ class Query:
     def column_of(self, node: dict[str, Any]) -> str:
         parts = node["column_names"]
         column = str(parts[-1]).lower()
-        if len(parts) > 2 or column not in self.owner:
+        if (len(parts) > 2 or column not in self.owner
+                or len(parts) == 2 and self.aliases.get(str(parts[0]).lower()) != self.owner[column]):
             raise Unsupported(f"column {'.'.join(parts)!r}")
         return column
 
@@ -273,7 +276,7 @@ class Query:
         keys: list[str] = []
         for g in groups:
             if g.get("class") == "CONSTANT":  # GROUP BY 2: the second select item
-                g = select[int(_literal(g)) - 1]
+                g = select[_position(g, len(select))]
             elif g.get("class") == "COLUMN_REF" and not self._is_column(g):
                 g = by_alias.get(str(g["column_names"][-1]).lower()) or g
             if any(isinstance(n, dict) and _is_aggregate(n) for n in _walk(g)):
@@ -320,7 +323,7 @@ class Query:
         columns, ascending, extra = [], [], {}
         for expression, descending in self.order:
             if expression.get("class") == "CONSTANT":  # ORDER BY 2
-                column = names[int(_literal(expression)) - 1]
+                column = names[_position(expression, len(names))]
             elif expression.get("class") == "COLUMN_REF" and str(expression["column_names"][-1]).lower() in by_alias:
                 column = by_alias[str(expression["column_names"][-1]).lower()]
             elif expression.get("class") == "COLUMN_REF" and str(expression["column_names"][-1]) in names:
@@ -404,6 +407,14 @@ class Query:
                 out = fill if out is None else out.fillna(fill) if hasattr(out, "fillna") else out
             return out
         raise Unsupported(kind)
+
+
+def _position(node: dict[str, Any], items: int) -> int:
+    """GROUP BY / ORDER BY <n>: the n-th select item's index."""
+    n = _literal(node)
+    if not isinstance(n, int) or not 1 <= n <= items:
+        raise Unsupported(f"position {n!r} of {items} select items")
+    return n - 1
 
 
 def _wide(value: Any) -> Any:

@@ -189,12 +189,17 @@ def _lineorder(rng, ddate: pa.Table) -> pa.Table:
     })
 
 
-@pytest.fixture(scope="module")
-def arrow_tables() -> dict[str, pa.Table]:
+def make_tables() -> dict[str, pa.Table]:
+    """The SSB-shaped data (tests/test_frame_sql.py uses it too)."""
     rng = np.random.default_rng(SEED)
     ddate = _ddate()
     return {"customer": _customer(rng), "supplier": _supplier(rng), "part": _part(rng), "ddate": ddate,
             "lineorder": _lineorder(rng, ddate)}
+
+
+@pytest.fixture(scope="module")
+def arrow_tables() -> dict[str, pa.Table]:
+    return make_tables()
 
 
 @pytest.fixture(scope="module")
