@@ -12,6 +12,7 @@ from olap.frame_sql import Unsupported, run
 from olap.queries import QUERIES, render_sql
 from test_ssb_queries import make_tables
 
+
 @pytest.fixture(scope="module")
 def frames() -> dict[str, pd.DataFrame]:
     return {name: table.to_pandas() for name, table in make_tables().items()}
