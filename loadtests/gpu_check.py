@@ -5,7 +5,8 @@
 1. What is here: the CUDA device (asked through the driver, as the service does), and which GPU libraries are
    installed (CuPy, numba-cuda, cuVS, cuDF, cudf-polars, RMM), with versions.
 2. The GPU tests, each set in its own pytest run: the spatial kernels compiled for the device (not the
-   simulator), the cuVS adapter, the GPU rows of the vector conformance tests, SSB on cuDF. A set whose
+   simulator), the cuVS adapter (a build in a child process included), the GPU rows of the vector conformance
+   tests, SSB on cuDF, ad-hoc SQL on the resident cuDF tables (olap/frame_sql.py). A set whose
    library or device is missing is reported skipped, with pytest's reasons.
 3. The GPU side of the three benchmarks, in-process, each against the CPU engine on the same data and checked
    equal to it: spatial (cuda-spatial against cpu-spatial: point in polygon on synthetic star polygons with
@@ -55,6 +56,7 @@ TEST_SETS = [  # (name, pytest arguments, extra environment)
     ("cuVS adapter", ["tests/test_cuvs_adapter.py"], {}),
     ("vector conformance, GPU rows", ["tests/test_vectors_conformance.py", "-k", "gpu"], {}),
     ("SSB on cuDF", ["tests/test_ssb_service.py", "-k", "cudf"], {}),
+    ("ad-hoc SQL on resident cuDF tables", ["tests/test_frame_sql.py", "-k", "cudf"], {}),
 ]
 
 

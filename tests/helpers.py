@@ -56,3 +56,17 @@ def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestCli
             wait_ready(client)
             client.made = {}
             yield client
+
+
+def cudf_missing() -> str | None:
+    """Why cuDF cannot run here (no device, or not installed), or None."""
+    from service.devices import probe_cuda
+
+    probe = probe_cuda()
+    if not probe.present:
+        return probe.reason
+    try:
+        import cudf  # noqa: F401 - importable is all that is asked
+    except ImportError:
+        return "cuDF is not installed (pip install 'switchyard[gpu]')"
+    return None

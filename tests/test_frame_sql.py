@@ -10,21 +10,37 @@ import pytest
 
 from olap.frame_sql import Unsupported, run
 from olap.queries import QUERIES, render_sql
+from helpers import cudf_missing
 from test_ssb_queries import make_tables
 
 
 @pytest.fixture(scope="module")
-def frames() -> dict[str, pd.DataFrame]:
+def pandas_frames() -> dict[str, pd.DataFrame]:
     return {name: table.to_pandas() for name, table in make_tables().items()}
 
 
+@pytest.fixture(scope="module", params=["pandas", pytest.param("cudf", marks=pytest.mark.skipif(
+    bool(cudf_missing()), reason=f"cuDF: {cudf_missing()}"))])
+def frames(request, pandas_frames):
+    """The tables as the engine holds them: pandas here, cuDF frames on the device (make gpu-check)."""
+    if request.param == "pandas":
+        return pandas_frames
+    import cudf
+
+    return {name: cudf.from_pandas(frame) for name, frame in pandas_frames.items()}
+
+
 @pytest.fixture(scope="module")
-def duck(frames):
+def duck(pandas_frames):
     con = duckdb.connect(":memory:")
-    for name, frame in frames.items():
+    for name, frame in pandas_frames.items():
         con.register(name, frame)
     yield con
     con.close()
+
+
+def on_host(frame):
+    return frame.to_pandas() if hasattr(frame, "to_pandas") else frame
 
 
 AD_HOC = [
@@ -89,7 +105,7 @@ def _normalised(frame: pd.DataFrame, ordered: bool) -> pd.DataFrame:
 
 def _check(sql: str, frames, duck, ordered: bool = True) -> pd.DataFrame:
     expected = duck.execute(sql).df()
-    got = run(sql, frames)
+    got = on_host(run(sql, frames))
     assert len(got.columns) == len(expected.columns)
     assert isinstance(got.index, pd.RangeIndex) and got.index.start == 0
     got.columns = expected.columns  # unaliased expressions are named by their text, DuckDB's otherwise
@@ -122,7 +138,7 @@ def test_max_rows_cuts_after_one_more_row(frames):
     assert len(run(sql + " limit 3", frames, max_rows=5)) == 3
 
 
-def test_only_needed_columns_and_matching_rows_are_joined(frames, monkeypatch):
+def test_only_needed_columns_and_matching_rows_are_joined(pandas_frames, monkeypatch):
     seen = []
     merge = pd.DataFrame.merge
 
@@ -131,8 +147,9 @@ def test_only_needed_columns_and_matching_rows_are_joined(frames, monkeypatch):
         return merge(self, right, **kwargs)
 
     monkeypatch.setattr(pd.DataFrame, "merge", spy)
-    run("select sum(lo_revenue) from lineorder join ddate on lo_orderdate = d_datekey where d_year = 1993", frames)
-    rows_1993 = int((frames["ddate"]["d_year"] == 1993).sum())
+    run("select sum(lo_revenue) from lineorder join ddate on lo_orderdate = d_datekey where d_year = 1993",
+        pandas_frames)
+    rows_1993 = int((pandas_frames["ddate"]["d_year"] == 1993).sum())
     assert seen == [(rows_1993, ["d_datekey", "d_year"])]
 
 
@@ -145,7 +162,7 @@ def test_what_it_cannot_run_is_refused(sql, frames):
 def test_integer_arithmetic_is_exact_past_32_bits(frames, duck):
     assert str(frames["lineorder"]["lo_quantity"].dtype) == "int32"
     power = " * ".join(["lo_quantity"] * 6)  # 50**6 > 2**31: one row's product overflows 32 bits
-    got = run(f"select max({power}) as m, sum({power}) as s from lineorder", frames)
+    got = on_host(run(f"select max({power}) as m, sum({power}) as s from lineorder", frames))
     want = duck.execute(f"select max(cast(lo_quantity as bigint) * {power[14:]}) as m, "
                         f"sum(cast(lo_quantity as bigint) * {power[14:]}) as s from lineorder").fetchone()
     assert want[0] > 2**31 and (int(got["m"][0]), int(got["s"][0])) == want

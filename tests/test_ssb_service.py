@@ -14,12 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import fresh_database, run
-from helpers import assert_problem, wait_ready
+from helpers import assert_problem, cudf_missing, wait_ready
 from olap.plans import run_plan
 from olap.queries import QUERIES, render_sql
 from olap.schema import TABLES, TBL_FILES
 from service.app import create_app
-from service.devices import probe_cuda
 from service.settings import Settings
 
 SF = 0.01
@@ -29,18 +28,7 @@ NON_DEFAULT = {  # one other parameter set per flight, so templates are exercise
 }
 
 
-def _gpu_reason() -> str | None:
-    probe = probe_cuda()
-    if not probe.present:
-        return probe.reason
-    try:
-        import cudf  # noqa: F401
-    except ImportError:
-        return "cuDF is not installed (pip install 'switchyard[gpu]')"
-    return None
-
-
-ENGINES = [pytest.param("cudf", marks=pytest.mark.skipif(bool(_gpu_reason()), reason=f"gpu engine: {_gpu_reason()}")),
+ENGINES = [pytest.param("cudf", marks=pytest.mark.skipif(bool(cudf_missing()), reason=f"gpu engine: {cudf_missing()}")),
            "duckdb", "postgres"]
 
 
@@ -130,7 +118,7 @@ def test_bad_query_requests(app):
     assert body["field"] == "year"
     assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"params": {"colour": 1}}), 422, "validation-error")
     assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"engine": "oracle"}), 422, "validation-error", "engine")
-    if _gpu_reason():
+    if cudf_missing():
         body = assert_problem(app.post("/v1/olap/ssb/queries/1.1", json={"engine": "gpu"}), 409, "engine-unavailable")
         assert "gpu" in body["detail"]
 
