@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -58,15 +59,19 @@ def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestCli
             yield client
 
 
-def cudf_missing() -> str | None:
-    """Why cuDF cannot run here (no device, or not installed), or None."""
+def gpu_library_missing(module: str, label: str) -> str | None:
+    """Why a GPU library cannot run here (no device, or `module` not importable), or None."""
     from service.devices import probe_cuda
 
     probe = probe_cuda()
     if not probe.present:
         return probe.reason
     try:
-        import cudf  # noqa: F401 - importable is all that is asked
+        importlib.import_module(module)
     except ImportError:
-        return "cuDF is not installed (pip install 'switchyard[gpu]')"
+        return f"{label} is not installed (pip install 'switchyard[gpu]')"
     return None
+
+
+def cudf_missing() -> str | None:
+    return gpu_library_missing("cudf", "cuDF")

@@ -3,7 +3,6 @@ SSB queries' SQL and ad-hoc queries of every form it runs; what it does not run 
 
 from __future__ import annotations
 
-import duckdb
 import numpy as np
 import pandas as pd
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from olap.frame_sql import Unsupported, run
 from olap.queries import QUERIES, render_sql
 from helpers import cudf_missing
-from test_ssb_queries import make_tables
+from test_ssb_queries import duckdb_over, make_tables
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +31,7 @@ def frames(request, pandas_frames):
 
 @pytest.fixture(scope="module")
 def duck(pandas_frames):
-    con = duckdb.connect(":memory:")
-    for name, frame in pandas_frames.items():
-        con.register(name, frame)
+    con = duckdb_over(pandas_frames)
     yield con
     con.close()
 

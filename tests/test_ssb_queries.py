@@ -207,11 +207,17 @@ def frames(arrow_tables) -> dict[str, pd.DataFrame]:
     return {name: table.to_pandas() for name, table in arrow_tables.items()}
 
 
-@pytest.fixture(scope="module")
-def duck(frames):
+def duckdb_over(frames: dict[str, pd.DataFrame]) -> duckdb.DuckDBPyConnection:
+    """DuckDB with the frames as its tables: the oracle the dataframe code is held to."""
     con = duckdb.connect(":memory:")
     for name, frame in frames.items():
         con.register(name, frame)
+    return con
+
+
+@pytest.fixture(scope="module")
+def duck(frames):
+    con = duckdb_over(frames)
     yield con
     con.close()
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import service_client, wait_job
-from service.devices import probe_cuda
+from helpers import gpu_library_missing, service_client, wait_job
 from vector_data import b64, clustered, oracle, recall
 
 DIM, N, NQ, K = 24, 3000, 40, 10
@@ -22,14 +21,7 @@ RECALL_FLOOR = 0.9  # every ANN engine below, with the search parameters given, 
 
 
 def gpu_skip_reason() -> str | None:
-    probe = probe_cuda()
-    if not probe.present:
-        return probe.reason
-    try:
-        import cuvs  # noqa: F401
-    except ImportError:
-        return "cuVS is not installed (pip install 'switchyard[gpu]')"
-    return None
+    return gpu_library_missing("cuvs", "cuVS")
 
 
 ENGINES = [
