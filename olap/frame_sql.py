@@ -107,7 +107,8 @@ class Query:
             raise Unsupported("set operations (UNION, EXCEPT, INTERSECT)")
         if (node.get("cte_map") or {}).get("map"):
             raise Unsupported("WITH")
-        if node.get("qualify") or node.get("sample") or node.get("aggregate_handling") not in (None, "STANDARD_HANDLING"):
+        handling = node.get("aggregate_handling")
+        if node.get("qualify") or node.get("sample") or handling not in (None, "STANDARD_HANDLING"):
             raise Unsupported("QUALIFY, SAMPLE or GROUP BY ALL")
         if node.get("grouping_sets") and len(node["grouping_sets"]) > 1:
             raise Unsupported("GROUPING SETS, ROLLUP or CUBE")
@@ -292,7 +293,8 @@ class Query:
             function = str(a["function_name"]).lower()
             if a.get("distinct") or a.get("filter") or (a.get("order_bys") or {}).get("orders"):
                 raise Unsupported(f"{function}(DISTINCT ...), FILTER or ORDER BY in an aggregate")
-            args = [arg["expression"] if "expression" in arg else arg for arg in a.get("arguments", a.get("children", []))]
+            args = [arg["expression"] if "expression" in arg else arg
+                    for arg in a.get("arguments", a.get("children", []))]
             name = f"__a{len(plan)}"
             if function == "count_star":
                 work[name] = 1
