@@ -8,10 +8,10 @@ against DuckDB on the same data (tests/test_frame_sql.py).
 
 What it runs: one SELECT over the SSB tables joined by equalities (JOIN ... ON, or comma joins with the equalities
 in WHERE); filters of comparisons, BETWEEN, IN / NOT IN, AND / OR / NOT and arithmetic; GROUP BY columns,
-expressions, positions or aliases; sum, count, count(*), avg, min and max, and arithmetic over them; HAVING;
-CAST to numeric types; COALESCE; ORDER BY names, aliases, positions or expressions; LIMIT / OFFSET. Anything else
-(DISTINCT, outer joins, subqueries, CTEs, window functions, LIKE, other functions) raises Unsupported, and the
-engine runs the query through cudf-polars over the Parquet files instead.
+expressions, positions or aliases; sum, count, count(DISTINCT), count(*), avg, min and max, and arithmetic over
+them; HAVING; LIKE / NOT LIKE; CAST to numeric types; COALESCE; SELECT DISTINCT; ORDER BY names, aliases,
+positions or expressions; LIMIT / OFFSET. Anything else (outer joins, subqueries, CTEs, window functions, other
+functions) raises Unsupported, and the engine runs the query through cudf-polars over the Parquet files instead.
 
 Only the needed columns move: each table is cut to the columns the query names and filtered by its own
 predicates before it is joined. Unaliased expressions are named by their SQL text.
@@ -20,6 +20,7 @@ predicates before it is joined. Unaliased expressions are named by their SQL tex
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Mapping
 
 from .sqlguard import parse_tree
@@ -116,9 +117,12 @@ class Query:
         self.order: list[tuple[dict[str, Any], bool]] = []
         self.limit: int | None = None
         self.offset = 0
+        self.distinct = False  # SELECT DISTINCT (not DISTINCT ON)
         for modifier in node.get("modifiers", []):
             if modifier["type"] == "ORDER_MODIFIER":
                 self.order = [(o["expression"], o["type"] == "DESCENDING") for o in modifier["orders"]]
+            elif modifier["type"] == "DISTINCT_MODIFIER" and not modifier.get("distinct_on_targets"):
+                self.distinct = True
             elif modifier["type"] == "LIMIT_MODIFIER" and modifier.get("limit_type", "ROW_COUNT") == "ROW_COUNT":
                 self.limit = None if modifier.get("limit") is None else int(self._constant(modifier["limit"]))
                 self.offset = 0 if modifier.get("offset") is None else int(self._constant(modifier["offset"]))
@@ -193,6 +197,8 @@ class Query:
         if len(out) < len(select):
             raise Unsupported("two result columns of one name")
         result = self._frame_like(frame, out)
+        if self.distinct:
+            result = result.drop_duplicates()
         if self.order:
             result = self._sorted(result, frame, context, select)
         start = self.offset
@@ -291,7 +297,8 @@ class Query:
             if _key(a) in context:
                 continue
             function = str(a["function_name"]).lower()
-            if a.get("distinct") or a.get("filter") or (a.get("order_bys") or {}).get("orders"):
+            ordered = (a.get("order_bys") or {}).get("orders")
+            if (a.get("distinct") and function != "count") or a.get("filter") or ordered:
                 raise Unsupported(f"{function}(DISTINCT ...), FILTER or ORDER BY in an aggregate")
             args = [arg["expression"] if "expression" in arg else arg
                     for arg in a.get("arguments", a.get("children", []))]
@@ -302,7 +309,7 @@ class Query:
                 work[name] = self.evaluate(args[0], frame, {})
             else:
                 raise Unsupported(f"{function} of {len(args)} arguments")
-            plan[name] = AGGREGATES[function]
+            plan[name] = "nunique" if a.get("distinct") else AGGREGATES[function]
             context[_key(a)] = name
         for name, value in list(work.items()):  # constants as columns, so that groupby sees every row
             if not hasattr(value, "reset_index"):
@@ -314,7 +321,7 @@ class Query:
             grouped = table.groupby(keys, sort=False).agg(plan) if plan else table[keys].drop_duplicates()
             return grouped.reset_index() if plan else grouped.reset_index(drop=True), context
         # no GROUP BY: one row; SQL's sum/avg/min/max of no rows is a (typed) NULL, its count 0
-        row = {name: [getattr(table[name], how)()] if len(table) else [0] if how == "count"
+        row = {name: [getattr(table[name], how)()] if len(table) else [0] if how in ("count", "nunique")
                else table[name].head(0).reindex([0]) for name, how in plan.items()}
         return _one_row(frame, row), context
 
@@ -388,6 +395,12 @@ class Query:
                 return -args[0]
             if len(args) == 2:
                 return ARITHMETIC[node["function_name"]](*args)
+        if kind == "FUNCTION" and node.get("is_operator") and node["function_name"] in ("~~", "!~~"):
+            value, pattern = (self.evaluate(a["expression"], frame, context) for a in node["arguments"])
+            if not isinstance(pattern, str) or not hasattr(value, "str"):
+                raise Unsupported("LIKE over something other than a string column and a pattern")
+            found = value.str.contains(like_regex(pattern), regex=True)
+            return ~found if node["function_name"] == "!~~" else found
         if kind == "FUNCTION" and _is_aggregate(node):
             raise Unsupported("an aggregate where none is allowed")
         raise Unsupported(f"{node.get('function_name') or node.get('type') or kind}")
@@ -409,6 +422,11 @@ class Query:
                 out = fill if out is None else out.fillna(fill) if hasattr(out, "fillna") else out
             return out
         raise Unsupported(kind)
+
+
+def like_regex(pattern: str) -> str:
+    """SQL LIKE as an anchored regular expression: % any run, _ one character, the rest literal (no ESCAPE)."""
+    return "^" + "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern) + "$"
 
 
 def _position(node: dict[str, Any], items: int) -> int:
