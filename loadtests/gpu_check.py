@@ -12,7 +12,8 @@
    equal to it: spatial (cuda-spatial against cpu-spatial: point in polygon on synthetic star polygons with
    holes, and a distance join of clustered points, first call with its uploads and builds, then resident calls),
    vectors (cuVS brute force, IVF-PQ and CAGRA against exact search: recall@10, batch QPS, build time) and SSB
-   (cuDF's 13 plans against DuckDB on a generated dataset).
+   (cuDF's 13 plans, and the same queries as ad-hoc SQL on the resident tables, against DuckDB on a generated
+   dataset).
    The spatial part needs only CuPy and numba-cuda (no shapely, no pytest), so it runs usefully on machines
    where the RAPIDS wheels cannot be installed; cuVS and cuDF parts are then skipped with the reason.
 
@@ -234,7 +235,7 @@ def bench_olap(size: dict[str, float], runs: int) -> dict[str, Any]:
     from olap.cudf_engine import CudfEngine
     from olap.duckdb_engine import DuckDBEngine
     from olap.generate import generate
-    from olap.queries import QUERIES
+    from olap.queries import QUERIES, render_sql
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "ssb"
@@ -245,8 +246,14 @@ def bench_olap(size: dict[str, float], runs: int) -> dict[str, Any]:
         for query_id in QUERIES:
             gpu_s, got = timed(lambda: gpu.run_query(query_id, None), runs)
             cpu_s, want = timed(lambda: cpu.run_query(query_id, None), runs)
+            # the same query as ad-hoc SQL: olap/frame_sql.py on the resident tables (resident_sql counts it)
+            sql = render_sql(query_id, None)
+            before = gpu.resident_sql
+            sql_s, from_sql = timed(lambda: gpu.run_sql(sql, max_rows=None, timeout_s=None), runs)
             out["queries"][query_id] = {"cudf_s": round(gpu_s, 5), "duckdb_s": round(cpu_s, 5),
-                                        "speedup": round(cpu_s / gpu_s, 2), "equal": got.as_tuples() == want.as_tuples()}
+                                        "speedup": round(cpu_s / gpu_s, 2), "equal": got.as_tuples() == want.as_tuples(),
+                                        "cudf_sql_s": round(sql_s, 5), "sql_resident": gpu.resident_sql > before,
+                                        "sql_equal": from_sql.as_tuples() == want.as_tuples()}
     return out
 
 
@@ -271,7 +278,8 @@ def run_bench(name: str, fn: Callable, needs: tuple[str, ...], size: dict, runs:
     except Exception as exc:  # noqa: BLE001 - a failed part is reported, the others still run
         return {"bench": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     equal = all(v for k, v in result.items() if k.endswith("_equal")) and all(
-        q["equal"] for q in result.get("queries", {}).values())
+        q["equal"] and q.get("sql_equal", True) and q.get("sql_resident", True)
+        for q in result.get("queries", {}).values())
     return {"bench": name, "status": "passed" if equal else "failed", **result}
 
 

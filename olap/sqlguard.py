@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
 import duckdb
@@ -48,6 +49,7 @@ ALLOWED_TYPES = {
     "BPCHAR", "DATE", "UBIGINT", "UINTEGER",
 }
 TABLE_NAMES = set(TABLES)
+_parser = threading.local()  # parse_tree's DuckDB connection, one per thread (a connection is not thread-safe)
 
 
 class SqlRejected(ValueError):
@@ -79,13 +81,15 @@ def _first_line(exc: Exception) -> str:
 
 
 def parse_tree(sql: str) -> dict[str, Any]:
-    con = duckdb.connect(":memory:", config={"enable_external_access": False})
+    """DuckDB's syntax tree of the statement (json_serialize_sql parses; it runs nothing). One parsing connection
+    per thread: opening one took 14 ms, the parse itself 0.6 ms."""
+    con = getattr(_parser, "con", None)
+    if con is None:
+        con = _parser.con = duckdb.connect(":memory:", config={"enable_external_access": False})
     try:
         tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
     except duckdb.Error as exc:
         raise SqlRejected(f"not valid SQL: {_first_line(exc)}") from None
-    finally:
-        con.close()
     if tree.get("error"):
         raise SqlRejected(f"not valid SQL: {tree.get('error_message', 'unparseable')}")
     if len(tree.get("statements", [])) != 1:
