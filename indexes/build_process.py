@@ -9,7 +9,8 @@ and swaps them in as before (resident.py: plan_build, install). A crash or an ou
 the child, not the service; the collection keeps its old index and the rebuild fails with the child's error.
 
 Vectors go to the child as a .npy file and the index comes back as a file, both under the service's data
-directory (not /tmp, which may be memory). Builds too small to be worth a process (fewer than `min_values`
+directory (not /tmp, which may be memory), in a directory named after the service's pid: files a killed service
+left behind are swept before the next build. Builds too small to be worth a process (fewer than `min_values`
 floats) stay on the engine's thread.
 """
 
@@ -20,6 +21,7 @@ import dataclasses
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,7 +62,8 @@ class DetachedBuilder:
         """The serialised index over `vectors`, built in a child process. Blocks the calling thread (never the
         engine's) until the child is done; raises BuildFailed with the child's error."""
         scratch.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="build-", dir=scratch) as tmp:
+        sweep(scratch)
+        with tempfile.TemporaryDirectory(prefix=f"build-{os.getpid()}-", dir=scratch) as tmp:
             src, dst, err = (Path(tmp) / name for name in ("vectors.npy", "index.bin", "error.txt"))
             np.save(src, np.ascontiguousarray(vectors, dtype=np.float32))
             spec = json.dumps({"factory": self.factory, "config": dataclasses.asdict(config), "vectors": str(src),
@@ -92,6 +95,28 @@ class DetachedBuilder:
             children = list(self._children)
         for child in children:
             child.kill()
+
+
+def sweep(scratch: Path) -> list[str]:
+    """Remove the files of builds whose service process is gone (killed mid-build: its temporary directory was
+    never cleaned up). Several service processes may share the directory, so only dead ones' are touched."""
+    removed = []
+    for entry in scratch.glob("build-*-*"):
+        pid = entry.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _resolve(factory: str) -> type:

@@ -5,6 +5,7 @@ would give, a failing or dying child is a clear error, and, through the manager 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +136,21 @@ async def _scenario(manager: CollectionManager, backend: GatedBackend, gate: Pat
     r = manager.resident["a"].index
     assert r.n_dead == 0 and r.count == len(np.flatnonzero(alive_a)) and r.rebuilds >= 1
     await check("a", alive_a)
+
+
+def test_files_of_a_killed_services_build_are_swept(tmp_path, child_path):
+    import subprocess
+    import sys
+
+    from indexes.build_process import sweep
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live = tmp_path / f"build-{gone.pid}-abc", tmp_path / f"build-{os.getpid()}-def"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "vectors.npy").write_bytes(b"x" * 100)
+    assert sweep(tmp_path) == [stale.name] and live.exists() and not stale.exists()
+    DetachedBuilder("indexes.faiss_index:FaissBackend", min_values=0).build(
+        IndexConfig("brute_force", "l2", 4, {}), np.ones((10, 4), np.float32), tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]  # its own directory is gone after the build
