@@ -20,7 +20,6 @@ predicates before it is joined. Unaliased expressions are named by their SQL tex
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Callable, Mapping
 
 from .sqlguard import parse_tree
@@ -303,8 +302,9 @@ class Query:
             args = [arg["expression"] if "expression" in arg else arg
                     for arg in a.get("arguments", a.get("children", []))]
             name = f"__a{len(plan)}"
-            if function == "count_star":
-                work[name] = 1
+            if function == "count_star":  # ones made on the frame's device, not a host list of its length
+                first = frame[frame.columns[0]]
+                work[name] = (first.isna() | first.notna()).astype("int64")
             elif len(args) == 1:
                 work[name] = self.evaluate(args[0], frame, {})
             else:
@@ -424,9 +424,15 @@ class Query:
         raise Unsupported(kind)
 
 
+REGEX_SPECIAL = set(".^$*+?{}[]\\|()")
+
+
 def like_regex(pattern: str) -> str:
-    """SQL LIKE as an anchored regular expression: % any run, _ one character, the rest literal (no ESCAPE)."""
-    return "^" + "".join(".*" if c == "%" else "." if c == "_" else re.escape(c) for c in pattern) + "$"
+    """SQL LIKE as an anchored regular expression: % any run, _ one character, the rest literal (no ESCAPE).
+    Only regex metacharacters are escaped: re.escape also escapes '#' and ' ' (MFGR#12, 'UNITED KI1'), escapes
+    cuDF's regex engine need not take."""
+    return "^" + "".join(".*" if c == "%" else "." if c == "_" else "\\" + c if c in REGEX_SPECIAL else c
+                         for c in pattern) + "$"
 
 
 def _position(node: dict[str, Any], items: int) -> int:

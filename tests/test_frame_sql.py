@@ -190,8 +190,11 @@ def test_the_cudf_engine_answers_ad_hoc_sql_from_its_resident_tables(frames, duc
 def test_like_patterns_are_literal_but_for_percent_and_underscore():
     from olap.frame_sql import like_regex
 
-    cases = {"MFGR#2_2%": ["MFGR#222", "MFGR#2a2x"], "%.%": ["a.b", "."], "a+b": ["a+b"], "(x)%": ["(x)", "(x)y"]}
-    misses = {"MFGR#2_2%": ["MFGR#22", "xMFGR#222"], "%.%": ["ab"], "a+b": ["aab"], "(x)%": ["x"]}
+    cases = {"MFGR#2_2%": ["MFGR#222", "MFGR#2a2x"], "%.%": ["a.b", "."], "a+b": ["a+b"], "(x)%": ["(x)", "(x)y"],
+             "UNITED K%": ["UNITED KI1"], "x\\y": ["x\\y"]}
+    misses = {"MFGR#2_2%": ["MFGR#22", "xMFGR#222"], "%.%": ["ab"], "a+b": ["aab"], "(x)%": ["x"],
+              "UNITED K%": ["UNITED ST0"], "x\\y": ["xy"]}
+    assert like_regex("MFGR#1 %") == "^MFGR#1 .*$"  # only metacharacters escaped (cuDF's regex engine reads it)
     for pattern, hits in cases.items():
         series = pd.Series(hits + misses[pattern])
         assert series.str.contains(like_regex(pattern), regex=True).tolist() == [True] * len(hits) + [False] * len(
