@@ -424,13 +424,13 @@ class Query:
         raise Unsupported(kind)
 
 
-REGEX_SPECIAL = set(".^$*+?{}[]\\|()")
+REGEX_SPECIAL = set(".^$*+?{}[\\|()")  # libcudf's regex page: the characters a backslash escapes (not ']')
 
 
 def like_regex(pattern: str) -> str:
     """SQL LIKE as an anchored regular expression: % any run, _ one character, the rest literal (no ESCAPE).
-    Only regex metacharacters are escaped: re.escape also escapes '#' and ' ' (MFGR#12, 'UNITED KI1'), escapes
-    cuDF's regex engine need not take."""
+    Only the metacharacters libcudf's regex features page lets a backslash escape are escaped: re.escape also
+    escapes '#' and ' ' (MFGR#12, 'UNITED KI1'), which that page leaves undefined."""
     return "^" + "".join(".*" if c == "%" else "." if c == "_" else "\\" + c if c in REGEX_SPECIAL else c
                          for c in pattern) + "$"
 

@@ -191,9 +191,9 @@ def test_like_patterns_are_literal_but_for_percent_and_underscore():
     from olap.frame_sql import like_regex
 
     cases = {"MFGR#2_2%": ["MFGR#222", "MFGR#2a2x"], "%.%": ["a.b", "."], "a+b": ["a+b"], "(x)%": ["(x)", "(x)y"],
-             "UNITED K%": ["UNITED KI1"], "x\\y": ["x\\y"]}
+             "UNITED K%": ["UNITED KI1"], "x\\y": ["x\\y"], "[a]%": ["[a]b"]}
     misses = {"MFGR#2_2%": ["MFGR#22", "xMFGR#222"], "%.%": ["ab"], "a+b": ["aab"], "(x)%": ["x"],
-              "UNITED K%": ["UNITED ST0"], "x\\y": ["xy"]}
+              "UNITED K%": ["UNITED ST0"], "x\\y": ["xy"], "[a]%": ["ab"]}
     assert like_regex("MFGR#1 %") == "^MFGR#1 .*$"  # only metacharacters escaped (cuDF's regex engine reads it)
     for pattern, hits in cases.items():
         series = pd.Series(hits + misses[pattern])
