@@ -103,13 +103,14 @@ def sweep(scratch: Path) -> list[str]:
     removed = []
     for entry in scratch.glob("build-*-*"):
         pid = entry.name.split("-")[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs (a reused pid reads as alive: its files are then kept, never lost)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

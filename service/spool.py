@@ -15,6 +15,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 
+from indexes.build_process import pid_alive
+
 from .disk import ensure_room
 
 FLUSH_BYTES = 8 * 2**20
@@ -29,18 +31,8 @@ def clear(data_dir: Path) -> None:
     directory keep theirs."""
     for path in spool_dir(data_dir).glob("*.arrows"):
         owner = path.name.split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not pid_alive(int(owner)):
             path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def spool(request: Request, data_dir: Path, reserve_bytes: float, what: str) -> Path:
