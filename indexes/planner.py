@@ -96,9 +96,11 @@ def filtered(plan: Plan, matched: int, live: int, k: int, build: dict[str, Any])
     kind, params, why = "ann-filtered", plan.params, plan.why
     if plan.kind == "exact" or matched == 0:
         kind, params = "exact", {}
+    elif matched <= EXACT_MIN_ROWS:  # exact whatever the index would touch: its effort need not be worked out
+        kind, params, why = "exact", {}, f"{matched} matching rows: fewer than an ANN search would touch"
     else:
         params = raise_effort(plan.params, selectivity, k)
-        if matched <= max(EXACT_MIN_ROWS, ann_rows(params, build, live)):
+        if matched <= ann_rows(params, build, live):
             kind, params, why = "exact", {}, f"{matched} matching rows: fewer than an ANN search would touch"
     return Plan(kind, plan.index_type, params, matched, live, selectivity, plan.recall_target,
                 plan.calibrated_recall, why)
