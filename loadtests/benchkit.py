@@ -166,7 +166,11 @@ class MachineLoad:
         total = 0.0
         me = psutil.Process()
         procs = [me, *me.children(recursive=True)]
-        procs += [psutil.Process(p) for p in self.pids() if psutil.pid_exists(p)]
+        for pid in self.pids():
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:  # a PostgreSQL backend or worker that ended meanwhile
+                pass
         seen = set()
         for p in procs:
             if p.pid in seen:
