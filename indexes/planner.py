@@ -96,12 +96,10 @@ def filtered(plan: Plan, matched: int, live: int, k: int, build: dict[str, Any])
     kind, params, why = "ann-filtered", plan.params, plan.why
     if plan.kind == "exact" or matched == 0:
         kind, params = "exact", {}
-    elif matched <= EXACT_MIN_ROWS:  # exact whatever the index would touch: its effort need not be worked out
+    # Below EXACT_MIN_ROWS exact whatever the index would touch: its effort need not be worked out.
+    elif matched <= EXACT_MIN_ROWS or matched <= ann_rows(params := raise_effort(plan.params, selectivity, k),
+                                                          build, live):
         kind, params, why = "exact", {}, f"{matched} matching rows: fewer than an ANN search would touch"
-    else:
-        params = raise_effort(plan.params, selectivity, k)
-        if matched <= ann_rows(params, build, live):
-            kind, params, why = "exact", {}, f"{matched} matching rows: fewer than an ANN search would touch"
     return Plan(kind, plan.index_type, params, matched, live, selectivity, plan.recall_target,
                 plan.calibrated_recall, why)
 

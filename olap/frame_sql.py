@@ -323,7 +323,7 @@ class Query:
         # no GROUP BY: one row; SQL's sum/avg/min/max of no rows is a (typed) NULL, its count 0
         row = {name: [getattr(table[name], how)()] if len(table) else [0] if how in ("count", "nunique")
                else table[name].head(0).reindex([0]) for name, how in plan.items()}
-        return _one_row(frame, row), context
+        return type(frame)(row), context
 
     # -- ORDER BY ------------------------------------------------------------------------------------------
     def _sorted(self, result: Frame, frame: Frame, context: dict[str, str], select: list[dict[str, Any]]) -> Frame:
@@ -342,9 +342,8 @@ class Query:
                 extra[column] = self.evaluate(expression, frame, context)
             columns.append(column)
             ascending.append(not descending)
-        if extra:
-            for name, value in extra.items():
-                result[name] = value.reset_index(drop=True) if hasattr(value, "reset_index") else value
+        for name, value in extra.items():
+            result[name] = value.reset_index(drop=True) if hasattr(value, "reset_index") else value
         result = result.sort_values(by=columns, ascending=ascending)
         return result[names] if extra else result
 
@@ -450,7 +449,3 @@ def _wide(value: Any) -> Any:
     if dtype is not None and dtype.kind in "iu" and dtype.itemsize < 8:
         return value.astype("int64")
     return value
-
-
-def _one_row(frame: Frame, columns: dict[str, list[Any]]) -> Frame:
-    return type(frame)(columns) if columns else type(frame)({"__one": [1]})
