@@ -55,6 +55,7 @@ SWEEPS: dict[str, tuple[dict[str, Any], ...]] = {
 }
 FILTER_CACHE_ENTRIES = 16
 FILTER_CACHE_VECTOR_BYTES = 64 << 20  # a filter's gathered rows are kept for exact plans up to this size
+PLANS_PER_FILTER = 8  # plans remembered per cached filter (distinct k, parameters, recall targets)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,20 @@ class FilterRows:
     count: int
     _rows: np.ndarray | None = None
     _vectors: np.ndarray | None = None
+    _ids: np.ndarray | None = None
+    _plans: dict[tuple, tuple[Plan, dict[str, Any] | None]] = field(default_factory=dict)
+
+    def plan(self, key: tuple, make: Callable[[], Plan]) -> tuple[Plan, dict[str, Any] | None]:
+        """The plan of a search over these rows and its report, made once per `key`, which must hold everything
+        else the plan depends on (k, parameters, recall target, the index and its calibration): the rows are those
+        of one state of the collection, so a filter used by many searches in a row is planned once."""
+        found = self._plans.get(key)
+        if found is None:
+            if len(self._plans) >= PLANS_PER_FILTER:
+                self._plans.clear()
+            plan = make()
+            found = self._plans[key] = (plan, plan.report())
+        return found
 
     @property
     def rows(self) -> np.ndarray:
@@ -214,6 +229,12 @@ class FilterRows:
             self._vectors = gathered
         return gathered
 
+    def ids(self, all_ids: np.ndarray) -> np.ndarray:
+        """The matching rows' ids, gathered once."""
+        if self._ids is None:
+            self._ids = all_ids[self.rows]
+        return self._ids
+
 
 class FilterCache:
     """The rows of recently used filters, valid while the collection does not change (the key holds its
@@ -224,6 +245,11 @@ class FilterCache:
         self._items: OrderedDict[tuple, FilterRows] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    def clear(self) -> None:
+        """Forget every filter's rows and plans."""
+        with self._lock:
+            self._items.clear()
 
     def rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
         full = (filter_key(where), key)

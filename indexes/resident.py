@@ -121,6 +121,7 @@ class ResidentCollection:
         self.calibration: planner.Calibration | None = None  # of the current index (None: not calibrated yet)
         self.held_out: tuple[int, int] | None = None  # rows the last rebuild left out of the index, to calibrate
         self.index: AnnIndex | None = None
+        self.plan_epoch = 0  # moves with the index and its calibration, which remembered plans depend on
         self.watermark = 0
         self.digest = 0
         self.generation = 0
@@ -171,6 +172,7 @@ class ResidentCollection:
     def _swap_index(self, index: AnnIndex | None) -> None:
         """Install a built or restored index over the current rows, telling it which of its rows are dead."""
         self.index = index
+        self.plan_epoch += 1
         if self._own_deletes():
             dead = np.flatnonzero(~self._alive[: index.size])
             if len(dead):
@@ -403,27 +405,38 @@ class ResidentCollection:
         if where is None and recall_target is None:
             return self._search_plain(q, k, params)
         with self.lock.read():
-            watermark = self.watermark
-            index_type = self.index.config.index_type if self.index is not None else None
-            plan = planner.Plan.unfiltered(index_type, params)
-            if recall_target is not None:
-                plan = planner.targeted(plan, self.calibration, recall_target, k)
+            watermark, matched = self.watermark, None
             if where is not None:
                 matched = self.filters.rows(where, self._filter_key(), self._evaluate)
-                plan = planner.filtered(plan, matched.count, self.count, k,
-                                        self.index.config.params if self.index is not None else {})
+                plan, report = matched.plan((k, tuple(params.items()), recall_target, self.plan_epoch),
+                                            lambda: self._plan(k, params, recall_target, matched.count))
+            else:
+                plan = self._plan(k, params, recall_target, None)
+                report = plan.report()
             if self.count == 0 or plan.matched == 0:
                 empty: list[list[Any]] = [[] for _ in range(len(q))]
-                return SearchResult(empty, [list(e) for e in empty], watermark, plan.report())
-            if plan.kind == "exact" and where is not None:
-                scores, rows = self._exact_subset(q, k, matched.rows, matched.vectors(self._vectors))
-            elif plan.kind == "exact" and index_type not in (None, "brute_force"):  # no setting reaches a target
-                scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
+                return SearchResult(empty, [list(e) for e in empty], watermark, report)
+            if plan.kind == "exact" and matched is not None:  # over the matching rows, gathered once per filter
+                scores, local = exact_search(np, matched.vectors(self._vectors), q, k, self.metric)
+                ids = np.where(local >= 0, matched.ids(self._ids).take(local, mode="clip"), -1)
             else:
-                keep = matched.mask if where is not None else self.keep_mask()
-                scores, rows = self._search_rows(q, k, plan.params, keep, where is not None)
-            ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
-        return _shape(ids, from_engine(np, scores, self.metric), watermark, plan.report())
+                if plan.kind == "exact" and plan.index_type not in (None, "brute_force"):  # no setting reaches a target
+                    scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
+                else:
+                    keep = matched.mask if matched is not None else self.keep_mask()
+                    scores, rows = self._search_rows(q, k, plan.params, keep, matched is not None)
+                ids = np.where(rows >= 0, self._ids.take(rows, mode="clip"), -1)  # rows >= 0 are all below n_rows
+        return _shape(ids, from_engine(np, scores, self.metric), watermark, report)
+
+    def _plan(self, k: int, params: dict[str, Any], recall_target: float | None, matched: int | None) -> planner.Plan:
+        """How a search runs (planner.py): for a recall target, and for a filter keeping `matched` rows."""
+        index_type = self.index.config.index_type if self.index is not None else None
+        plan = planner.Plan.unfiltered(index_type, params)
+        if recall_target is not None:
+            plan = planner.targeted(plan, self.calibration, recall_target, k)
+        if matched is not None:
+            plan = planner.filtered(plan, matched, self.count, k, self.index.config.params if self.index is not None else {})
+        return plan
 
     def _search_plain(self, q: np.ndarray, k: int, params: dict[str, Any]) -> SearchResult:
         """search() without a filter or a recall target, which needs no planner: most searches, so kept short."""
@@ -447,10 +460,6 @@ class ResidentCollection:
     def _evaluate(self, where: Node) -> np.ndarray:
         n = self.n_rows
         return self.payloads.evaluate(where, n) & self._alive[:n]
-
-    def _exact_subset(self, q: np.ndarray, k: int, rows: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        scores, local = exact_search(np, vectors, q, k, self.metric)
-        return scores, np.where(local >= 0, rows.take(local, mode="clip"), -1)
 
     def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
                      filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -497,6 +506,7 @@ class ResidentCollection:
         with self.lock.write():
             if self.index is index and found is not None:
                 self.calibration = found
+                self.plan_epoch += 1
         return found
 
     def planner_report(self) -> dict[str, Any]:
@@ -577,6 +587,7 @@ class ResidentCollection:
             self._set_rows(ids, vectors, alive, hashes, payloads)
             self._swap_index(index)
             self.calibration = planner.Calibration(**calibration) if calibration else None
+            self.plan_epoch += 1
             self.watermark = int(state["watermark"])
 
 

@@ -13,7 +13,8 @@ from typing import Callable
 
 class ReadWriteLock:
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._mutex = threading.Lock()  # taken directly where nothing waits: Condition's own `with` is Python
+        self._cond = threading.Condition(self._mutex)
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
@@ -33,13 +34,13 @@ class ReadWriteLock:
         return self._write
 
     def _enter_read(self) -> None:
-        with self._cond:
+        with self._mutex:
             while self._writing or self._writers_waiting:
                 self._cond.wait()
             self._readers += 1
 
     def _exit_read(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._readers -= 1
             if not self._readers and self._writers_waiting:  # readers wait only while a writer writes or waits
                 self._cond.notify_all()

@@ -61,14 +61,28 @@ class SyncSearchProtocol(HttpToolsProtocol):
         else:  # a body is arriving: answer it, then close
             self.stopping = True
 
+    def on_message_begin(self) -> None:
+        # What uvicorn's on_message_begin sets but the ASGI scope, which only a request the lane does not answer
+        # needs (a dict and a copy of the app state per request): made by _app_headers_complete.
+        self.url, self.expect_100_continue, self.headers, self.scope = b"", False, [], None
+
     def on_headers_complete(self) -> None:
         if (self.lane is not None and not self.pipeline and (self.cycle is None or self.cycle.response_complete)
+                and not self.parser.should_upgrade()
                 and (taken := self.lane.take_now(self.parser.get_method(), self.url, self.headers)) is not None):
             self.taken, self.held = taken, []  # the ASGI cycle, if one is needed, is made when the body is complete
             if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.expect_100_continue = False
             return
+        self._app_headers_complete()
+
+    def _app_headers_complete(self) -> None:
+        """uvicorn's on_message_begin (its scope) and on_headers_complete: the request goes to the app."""
+        url, headers, expect_100_continue = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
+        self.scope["headers"] = headers
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -88,7 +102,7 @@ class SyncSearchProtocol(HttpToolsProtocol):
             log.exception("the synchronous search lane failed; the request goes through the app")
             answer = None
         if answer is None:
-            super().on_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
+            self._app_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
             self.cycle.body, self.cycle.more_body = raw, False
             self.cycle.keep_alive = self.cycle.keep_alive and not self.stopping
             self.cycle.message_event.set()
@@ -99,15 +113,25 @@ class SyncSearchProtocol(HttpToolsProtocol):
         """What uvicorn's cycle writes for a 200 JSON answer, then what it does once a response is complete."""
         keep_alive = (self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
                       and not self.stopping)
-        head = [STATUS_LINE[200]]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
-        if not keep_alive:
-            head.append(b"connection: close\r\n")
-        head += [b"\r\n", body]
-        self.transport.write(b"".join(head))
+        head = _head(self.server_state.default_headers)
+        tail = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
+        self.transport.write(b"".join((head, b"%d\r\n" % len(body), tail, body)))
         self.server_state.total_requests += 1
         self.answered = True
         if not keep_alive:
             self.transport.close()
+
+
+_heads: tuple[object, bytes] = (None, b"")
+
+
+def _head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A 200 JSON answer's head up to its content length, with the server's default headers (date, server): made
+    again only when uvicorn replaces them (each second, for the date)."""
+    global _heads
+    source, head = _heads
+    if source is not default_headers:
+        lines = [STATUS_LINE[200], *(name + b": " + value + b"\r\n" for name, value in default_headers)]
+        head = b"".join(lines) + b"content-type: application/json\r\ncontent-length: "
+        _heads = (default_headers, head)
+    return head

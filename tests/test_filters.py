@@ -140,6 +140,19 @@ def make_collection(client, name: str, index_type: str, build: dict, data: np.nd
     assert state["state"] == "succeeded", state
 
 
+def forget_plans(client) -> None:
+    """Drop the filter rows and plans each resident collection remembers: made under the planner's constants of
+    the moment, which some tests patch."""
+    for replica in client.app.state.switchyard.vectors.resident.values():
+        replica.index.filters.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(app):
+    yield
+    forget_plans(app)
+
+
 def collection_for(client, engine_id: str) -> str:
     if engine_id in client.made:
         return client.made[engine_id]
@@ -209,6 +222,7 @@ def test_the_planner_picks_exact_for_selective_filters_and_the_index_otherwise(a
     assert plan({"n": 42, "color": "red"})["plan"] == "exact"
     assert plan({"n": {"$lt": 95}})["plan"] == "exact"  # 2,500 rows: fewer than HNSW at this effort would touch
     monkeypatch.setattr(planner, "HNSW_ROWS_PER_EF", 1)  # as if the collection were six times larger
+    forget_plans(app)  # plans are remembered with a filter's rows, and this one's was made above
     broad = plan({"n": {"$lt": 95}})
     assert broad["plan"] == "ann-filtered" and broad["params"]["ef"] > 64  # effort raised as selectivity falls
     # The payload fields are reported, with how many live rows hold each kind of value.
