@@ -8,7 +8,6 @@ the same reason pgvector is driven through psycopg's C libpq.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from typing import Any
@@ -22,6 +21,18 @@ class HttpError(RuntimeError):
     def __init__(self, method: str, path: str, status: int, body: bytes) -> None:
         super().__init__(f"{method} {path}: HTTP {status}: {body[:500].decode(errors='replace')}")
         self.status = status
+
+
+class _Handle:
+    """A thread's libcurl handle and the options its last request set."""
+
+    def __init__(self, curl: pycurl.Curl) -> None:
+        self.curl = curl
+        self.chunks: list[bytes] = []
+        curl.setopt(pycurl.WRITEFUNCTION, self.chunks.append)
+        self.path: str | None = None
+        self.headers: list[str] | None = None
+        self.method: str | None = None
 
 
 class Rest:
@@ -44,19 +55,19 @@ class Rest:
         self._lock = threading.Lock()
         self._all: list[pycurl.Curl] = []
 
-    def _handle(self) -> pycurl.Curl:
-        curl = getattr(self._local, "curl", None)
-        if curl is None:
+    def _handle(self) -> "_Handle":
+        handle = getattr(self._local, "handle", None)
+        if handle is None:
             curl = pycurl.Curl()
             curl.setopt(pycurl.TCP_NODELAY, 1)
             if self.socket_path is not None:
                 curl.setopt(pycurl.UNIX_SOCKET_PATH, self.socket_path)
             curl.setopt(pycurl.TIMEOUT_MS, int(self.timeout_s * 1000))
             curl.setopt(pycurl.NOSIGNAL, 1)  # threads: no SIGALRM for timeouts
-            self._local.curl = curl
+            handle = self._local.handle = _Handle(curl)
             with self._lock:
                 self._all.append(curl)
-        return curl
+        return handle
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -65,17 +76,28 @@ class Rest:
     def send(self, method: str, path: str, data: bytes | None, headers: list[str]) -> Any:
         """One request with a body already encoded; the JSON answer. libcurl reuses the thread's connection and
         reconnects by itself when the server has closed an idle one."""
-        curl, answer = self._handle(), io.BytesIO()
-        curl.setopt(pycurl.URL, self.base + path)
-        curl.setopt(pycurl.HTTPHEADER, headers)
+        handle = self._handle()
+        curl = handle.curl
+        # Only what differs from this handle's last request is set again: a search client sends the same URL,
+        # headers and method with every vector, and each setopt costs client CPU on the cores the server uses.
+        if path != handle.path:
+            curl.setopt(pycurl.URL, self.base + path)
+            handle.path = path
+        if headers is not handle.headers:
+            curl.setopt(pycurl.HTTPHEADER, headers)
+            handle.headers = headers
         if data is None:
             curl.setopt(pycurl.HTTPGET, 1)
+            handle.method = None  # HTTPGET resets the request method
         else:
             curl.setopt(pycurl.POSTFIELDS, data)
-        curl.setopt(pycurl.CUSTOMREQUEST, method)
-        curl.setopt(pycurl.WRITEDATA, answer)
+        if method != handle.method:
+            curl.setopt(pycurl.CUSTOMREQUEST, method)
+            handle.method = method
+        chunks = handle.chunks
+        chunks.clear()
         curl.perform()
-        status, payload = curl.getinfo(pycurl.RESPONSE_CODE), answer.getvalue()
+        status, payload = curl.getinfo(pycurl.RESPONSE_CODE), b"".join(chunks)
         if status >= 300:
             raise HttpError(method, path, status, payload)
         return orjson.loads(payload) if payload else None
