@@ -9,7 +9,9 @@ rule. Exact search over the matching rows (gathered once, then one matrix produc
 fewer than about 6 * M * ef rows (an HNSW search computes about 2M distances per ef step, each about three times
 the cost of a row in a dense product). IVF scans n_probes lists of about n / n_lists rows; kept to the same number
 of matching rows its effort is n_probes / selectivity, and exact wins while the matching rows are fewer than the
-rows it would scan. The response names the plan, the matching rows and the selectivity.
+rows it would scan. The response names the plan, the matching rows and the selectivity. A filter's rows, their
+vectors and ids, and the plans made for them are kept (FilterCache) until the collection changes: a filter used by
+many searches in a row is evaluated, gathered and planned once.
 
 The exponent is on the safe side where the filter keeps many rows, and kept so: on 100,000 x 128 (HNSW16,
 ef_construction 64, random subsets, 300 queries) holding the unfiltered recall at 50% needed ef x 1.3 (x 1.46
