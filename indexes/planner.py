@@ -246,14 +246,25 @@ class FilterCache:
         self.entries = entries
         self._items: OrderedDict[tuple, FilterRows] = OrderedDict()
         self._lock = threading.Lock()
+        self._last: tuple[Node, tuple, FilterRows] | None = None  # the last filter asked for, its key and rows
         self.hits = self.misses = 0
 
     def clear(self) -> None:
         """Forget every filter's rows and plans."""
         with self._lock:
             self._items.clear()
+            self._last = None
 
     def rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
+        last = self._last  # the same tree (parsed filters are shared) over the same state: no lock, no lookup
+        if last is not None and last[0] is where and last[1] == key:
+            self.hits += 1
+            return last[2]
+        found = self._rows(where, key, evaluate)
+        self._last = (where, key, found)
+        return found
+
+    def _rows(self, where: Node, key: tuple, evaluate: Callable[[Node], np.ndarray]) -> FilterRows:
         full = (filter_key(where), key)
         with self._lock:
             found = self._items.get(full)
