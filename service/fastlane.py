@@ -45,9 +45,10 @@ HEAVY_PREFIXES = ("/v1/olap/", "/v1/spatial/")  # SSB, SQL and geometry: at most
 # A hot request's answer: (search?, collection, body, media type, query string, arrival time) -> the JSON answer,
 # or None when the request fails (the full app then answers it).
 Answer = Callable[[bool, str, bytes, str, str, float], Awaitable["bytes | None"]]
-# A search's answer computed at once, without awaiting anything: (collection, body, media type, query string) ->
-# the JSON answer, or None when it cannot be (the request then takes the ASGI path).
-AnswerNow = Callable[[str, bytes, str, str], "bytes | None"]
+# A search answered at once, without awaiting anything: (collection, body, media type, query string, respond) ->
+# whether it was; the JSON answer goes to `respond` as soon as it is made, before the bookkeeping (metrics), so the
+# client is not kept waiting for it. False: nothing was sent, and the request takes the ASGI path.
+AnswerNow = Callable[[str, bytes, str, str, Callable[[bytes], None]], bool]
 NOW_MAX_BODY = 1 << 20  # bodies the protocol's synchronous lane may hold: a few single-vector searches' worth
 
 
@@ -97,23 +98,24 @@ class HotLane:
             return None
         return NowRequest(match.group(1), media.decode(), query.decode("latin-1"))
 
-    def answer_now(self, request: NowRequest, raw: bytes) -> bytes | None:
+    def answer_now(self, request: NowRequest, raw: bytes, respond: Callable[[bytes], None]) -> bool:
         """The search take_now accepted, answered at once from the HTTP protocol itself (service/hot_protocol.py),
-        before any ASGI machinery, with the same in-flight accounting and metrics as __call__; or None."""
+        before any ASGI machinery, with the same in-flight accounting and metrics as __call__: whether its answer
+        went to `respond`."""
         pressure = self.pressure
         if pressure is not None and not pressure.admit(True):
-            return None
-        start, answer = time.perf_counter(), None
+            return False
+        start, answered = time.perf_counter(), False
         try:
-            answer = self.now(request.collection, raw, request.media, request.query)
+            answered = self.now(request.collection, raw, request.media, request.query, respond)
         finally:
             if pressure is not None:
-                pressure.leave(True, HOT_KINDS[True] if answer is not None else None, time.perf_counter() - start)
-        if answer is not None and self.sample and random.random() < self.sample:
+                pressure.leave(True, HOT_KINDS[True] if answered else None, time.perf_counter() - start)
+        if answered and self.sample and random.random() < self.sample:
             log_request({"client": None, "method": "POST", "path": f"/v1/collections/{request.collection}/search",
                          "query_string": request.query.encode("latin-1")}, 200, time.perf_counter() - start,
                         sampled=True)
-        return answer
+        return answered
 
     def _accepts(self, length: int, media: bytes, authorization: bytes | None, search: bool) -> bool:
         """Whether this request is ours: authorised, declared length within the limit, a body we parse."""
@@ -260,13 +262,16 @@ def local_answer_now(runtime: object) -> AnswerNow:
     """Searches a process that holds the engines answers from its HTTP protocol, at once when it can."""
     from .routes.vectors import search_now
 
-    def answer(name: str, raw: bytes, media: str, query_string: str) -> bytes | None:
+    def answer(name: str, raw: bytes, media: str, query_string: str, respond: Callable[[bytes], None]) -> bool:
         start = time.perf_counter()
         body = search_now(runtime, name, raw, media, query_string)
-        if body is not None:
-            observe_hot(runtime.metrics, True, time.perf_counter() - start)
-            runtime.metrics.synced()
-        return body
+        if body is None:
+            return False
+        took = time.perf_counter() - start
+        respond(body)  # the client has its answer before the metrics below are kept
+        observe_hot(runtime.metrics, True, took)
+        runtime.metrics.synced()
+        return True
 
     return answer
 

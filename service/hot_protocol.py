@@ -4,8 +4,8 @@ Each request uvicorn serves costs an ASGI cycle: a task, receive/send coroutines
 45 us of CPU here before any of our code runs (against ~125 us for a whole HNSW search of a 128-d vector). A
 single-vector search that the resident CPU engine can answer at once (loaded, consistent enough, a free engine
 slot, cheap enough to run on the event loop) needs none of it: when the body is complete, this protocol asks the
-hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself. Whatever answer_now
-declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body already read, so
+hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself, as soon as it is made: the
+lane keeps its metrics after the client has its answer. Whatever answer_now declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body already read, so
 errors, auth failures, deadlines and metrics are the app's own. Requests pipelined behind one still in the app
 wait for it, as uvicorn makes them.
 
@@ -45,6 +45,7 @@ class SyncSearchProtocol(HttpToolsProtocol):
         self.taken: NowRequest | None = None  # ... and what the lane took of its headers
         self.stopping = False
         self.answered = False  # whether the data being parsed completed a request answered here
+        self.responded = False  # whether the lane's answer to the request being completed was sent
 
     def data_received(self, data: bytes) -> None:
         self.answered = False
@@ -96,18 +97,17 @@ class SyncSearchProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         raw, self.held = b"".join(self.held), None
+        self.responded = False
         try:
-            answer = self.lane.answer_now(self.taken, raw)
-        except Exception:  # noqa: BLE001 - the ASGI path runs it again and answers whatever happens there
-            log.exception("the synchronous search lane failed; the request goes through the app")
-            answer = None
-        if answer is None:
+            self.lane.answer_now(self.taken, raw, self._respond)
+        except Exception:  # noqa: BLE001 - unanswered, the ASGI path runs it again and answers whatever happens there
+            log.exception("the synchronous search lane failed%s", "" if self.responded else
+                          "; the request goes through the app")
+        if not self.responded:
             self._app_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
             self.cycle.body, self.cycle.more_body = raw, False
             self.cycle.keep_alive = self.cycle.keep_alive and not self.stopping
             self.cycle.message_event.set()
-            return
-        self._respond(answer)
 
     def _respond(self, body: bytes) -> None:
         """What uvicorn's cycle writes for a 200 JSON answer, then what it does once a response is complete."""
@@ -117,7 +117,7 @@ class SyncSearchProtocol(HttpToolsProtocol):
         tail = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
         self.transport.write(b"".join((head, b"%d\r\n" % len(body), tail, body)))
         self.server_state.total_requests += 1
-        self.answered = True
+        self.answered = self.responded = True
         if not keep_alive:
             self.transport.close()
 
