@@ -595,11 +595,13 @@ class CollectionManager:
 
     def search_now(self, name: str, query: np.ndarray, k: int, engine: str, params: dict[str, Any] | None,
                    consistency: str | None, seq: int | None, payload_filter: dict[str, Any] | None = None,
-                   recall_target: float | None = None) -> SearchAnswer | None:
+                   recall_target: float | None = None,
+                   deliver: Callable[[SearchAnswer], None] | None = None) -> SearchAnswer | None:
         """One query answered at once on the event loop, or None: whatever would have to wait (a catch-up for the
         consistency level, an engine slot, the micro-batcher's thread), fail, or leave the resident engine goes
         through search(), which answers it or says why not. Searches are reads, so the caller may run the same
-        request again there."""
+        request again there. `deliver`, if given, gets the answer as soon as it is found, before the slot and the
+        metrics are seen to (its caller's client need not wait for them)."""
         arrived = time.monotonic()
         c, r = self.catalog.get(name), self.resident.get(name)
         level = consistency or self.consistency.default
@@ -628,15 +630,21 @@ class CollectionManager:
         except Exception:  # noqa: BLE001 - search() runs it again and reports the failure as usual
             found = None
         took = time.perf_counter() - started
-        slot.release(took if found is not None else None)
         if found is None:
+            slot.release(None)
             return None
-        self.guard.succeeded(served)
-        self.observe(served, "search", took, True)
         if run is None:
             ids, distances, watermark = found
             found = SearchResult([ids], [distances], watermark)
-        return SearchAnswer(found, served, round(took * 1000, 3))
+        answer = SearchAnswer(found, served, round(took * 1000, 3))
+        try:
+            if deliver is not None:
+                deliver(answer)
+        finally:
+            slot.release(took)
+            self.guard.succeeded(served)
+            self.observe(served, "search", took, True)
+        return answer
 
     async def _search(self, c: Collection, r: Replica | None, order: list[str], queries: np.ndarray, k: int,
                       engine: str, params: dict[str, Any] | None, where: filters.Node | None,

@@ -263,12 +263,15 @@ def local_answer_now(runtime: object) -> AnswerNow:
     from .routes.vectors import search_now
 
     def answer(name: str, raw: bytes, media: str, query_string: str, respond: Callable[[bytes], None]) -> bool:
-        start = time.perf_counter()
-        body = search_now(runtime, name, raw, media, query_string)
-        if body is None:
+        start, took = time.perf_counter(), 0.0
+
+        def respond_timed(body: bytes) -> None:
+            nonlocal took
+            took = time.perf_counter() - start
+            respond(body)  # the client has its answer before any metrics are kept
+
+        if not search_now(runtime, name, raw, media, query_string, respond_timed):
             return False
-        took = time.perf_counter() - start
-        respond(body)  # the client has its answer before the metrics below are kept
         observe_hot(runtime.metrics, True, took)
         runtime.metrics.synced()
         return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 import orjson
@@ -261,19 +261,21 @@ def search_json(answer: Any, single: bool, consistency: str) -> bytes:
     return orjson.dumps(out)
 
 
-def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_string: str) -> bytes | None:
-    """run_search's answer computed at once, without awaiting anything, or None: a request that is not one plain
-    query served by the resident CPU engine right away, or that fails in any way (run_search then answers it,
-    errors included). Called by the HTTP protocol itself (service/hot_protocol.py)."""
+def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_string: str,
+               respond: Callable[[bytes], None]) -> bool:
+    """run_search's answer computed at once, without awaiting anything, and given to `respond` as soon as it is
+    made; False, with nothing given, for a request that is not one plain query served by the resident CPU engine
+    right away, or that fails in any way (run_search then answers it, errors included). Called by the HTTP
+    protocol itself (service/hot_protocol.py)."""
     vectors = runtime.vectors
     c = vectors.catalog.get(name) if vectors is not None else None
     if c is None:
-        return None
+        return False
     try:
         if content_type == RAW_VECTORS:  # one vector of the collection's dimension: nothing to parse
             body, batch = raw_search_options(query_string)
             if len(raw) != 4 * c.dim:
-                return None
+                return False
             queries, single = np.frombuffer(raw, dtype="<f4").reshape(1, c.dim), not batch
             check_finite(queries, "body")
         else:  # one vector, or a batch of one (answered as a batch)
@@ -281,13 +283,14 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
             body, single = parsed.options, parsed.single
             queries = fit_matrix(parsed.queries, c.dim, parsed.field)
             if len(queries) != 1:
-                return None
+                return False
         consistency = body.consistency or vectors.consistency.default
         answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq,
-                                    body.filter, body.recall_target)
+                                    body.filter, body.recall_target,
+                                    lambda found: respond(search_json(found, single, consistency)))
     except REQUEST_ERRORS:
-        return None
-    return None if answer is None else search_json(answer, single, consistency)
+        return False
+    return answer is not None
 
 
 async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
