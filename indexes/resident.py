@@ -435,7 +435,8 @@ class ResidentCollection:
         if recall_target is not None:
             plan = planner.targeted(plan, self.calibration, recall_target, k)
         if matched is not None:
-            plan = planner.filtered(plan, matched, self.count, k, self.index.config.params if self.index is not None else {})
+            build = self.index.config.params if self.index is not None else {}
+            plan = planner.filtered(plan, matched, self.count, k, build)
         return plan
 
     def _search_plain(self, q: np.ndarray, k: int, params: dict[str, Any]) -> SearchResult:

@@ -4,10 +4,11 @@ Each request uvicorn serves costs an ASGI cycle: a task, receive/send coroutines
 45 us of CPU here before any of our code runs (against ~125 us for a whole HNSW search of a 128-d vector). A
 single-vector search that the resident CPU engine can answer at once (loaded, consistent enough, a free engine
 slot, cheap enough to run on the event loop) needs none of it: when the body is complete, this protocol asks the
-hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself, as soon as it is made: the
-lane keeps its metrics after the client has its answer. Whatever answer_now declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body already read, so
-errors, auth failures, deadlines and metrics are the app's own. Requests pipelined behind one still in the app
-wait for it, as uvicorn makes them.
+hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself, as soon as it is made:
+the engine slot, the metrics and the in-flight accounting are seen to after the client has its answer. Whatever
+answer_now declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body
+already read, so errors, auth failures, deadlines and metrics are the app's own. Requests pipelined behind one
+still in the app wait for it, as uvicorn makes them.
 
 It subclasses uvicorn's HttpToolsProtocol and relies on its per-request attributes (url, headers, cycle,
 pipeline); tests/test_hot_protocol.py checks the behaviour through a real server. `switchyard serve` selects it
