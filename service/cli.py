@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -25,7 +26,8 @@ SYNC_SEARCH = "service.hot_protocol:SyncSearchProtocol"  # uvicorn's httptools p
 def _settings(args: argparse.Namespace) -> Settings:
     # Command-line options override the environment; they go through the environment so that every
     # Uvicorn worker process builds the same Settings.
-    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("fronts", "FRONTS"), ("uds", "UDS"),
+    for option, env in (("host", "HOST"), ("port", "PORT"), ("workers", "WORKERS"), ("fronts", "FRONTS"),
+                        ("engines", "ENGINES"), ("uds", "UDS"),
                         ("data_dir", "DATA_DIR"),
                         ("database_url", "DATABASE_URL"), ("log_level", "LOG_LEVEL")):
         value = getattr(args, option, None)
@@ -57,29 +59,100 @@ def _serve(args: argparse.Namespace) -> int:
     if fronts == 0:  # one process serving HTTP itself, or full replicas
         _serve_here(settings, common)
         return 0
-    # The engine process (this one) listens on unix sockets in a private directory with a short path (socket
-    # names are limited to about 100 bytes); the fronts, a child process tree, listen on the port.
+    engines = settings.engine_processes
+    # Engine processes listen on unix sockets in a private directory with a short path (socket names are limited
+    # to about 100 bytes); the fronts, a child process tree, listen on the port.
     sockets = Path(tempfile.mkdtemp(prefix="switchyard-"))
-    os.environ["SWITCHYARD_ENGINE_SOCKET"] = str(sockets / "engine.sock")
-    os.environ["SWITCHYARD_ENGINE_HTTP"] = http_socket = str(sockets / "engine-http.sock")
-    front = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "service.front:create_front", "--factory", "--host", settings.host,
-         "--port", str(settings.port), "--workers", str(fronts), "--log-level", settings.log_level,
-         "--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20"],
-        preexec_fn=_exit_with_parent)
-    stopping = threading.Event()
-    threading.Thread(target=_stop_when_fronts_exit, args=(front, stopping), daemon=True).start()
+    links = [(sockets / f"engine-{i}.sock", sockets / f"engine-{i}-http.sock") for i in range(engines)]
+    os.environ["SWITCHYARD_ENGINE_LINKS"] = json.dumps([[str(a), str(b)] for a, b in links])
+    os.environ["SWITCHYARD_ENGINES"] = str(engines)  # each engine sizes its threads and memory by it
     try:
-        uvicorn.run("service.app:create_app", factory=True, uds=http_socket, **common)
-    finally:
-        stopping.set()
-        front.terminate()
+        if engines > 1:
+            return _serve_engines(settings, fronts, sockets, links)
+        # One engine: this process, with the fronts as its children.
+        os.environ["SWITCHYARD_ENGINE_SOCKET"] = str(links[0][0])
+        front = _start_fronts(settings, fronts, sockets)
+        stopping = threading.Event()
+        threading.Thread(target=_stop_when_fronts_exit, args=(front, stopping), daemon=True).start()
         try:
-            front.wait(30)
-        except subprocess.TimeoutExpired:
-            front.kill()
+            uvicorn.run("service.app:create_app", factory=True, uds=str(links[0][1]), **common)
+        finally:
+            stopping.set()
+            _stop([front])
+    finally:
         shutil.rmtree(sockets, ignore_errors=True)
     return 0
+
+
+UVICORN_FLAGS = ("--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *options: str) -> list[str]:
+    """The command line of a child Uvicorn (fronts, engines) that logs as this process does, its role named."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = json.loads(json.dumps(LOGGING_CONFIG))  # Uvicorn's own loggers, plus the root logger for ours
+    config["formatters"]["switchyard"] = {"format": LOG_FORMAT.replace("%(name)s", f"%(name)s[{role}]")}
+    config["handlers"]["switchyard"] = {"class": "logging.StreamHandler", "formatter": "switchyard",
+                                        "stream": "ext://sys.stderr"}
+    config["root"] = {"handlers": ["switchyard"], "level": settings.log_level.upper()}
+    config["loggers"]["httpx"] = {"level": "WARNING"}  # a front's pass-through would log every request
+    path = folder / f"logging-{role.replace(' ', '-')}.json"
+    path.write_text(json.dumps(config))
+    return [sys.executable, "-m", "uvicorn", target, "--factory", *options, "--log-config", str(path),
+            "--log-level", settings.log_level, *UVICORN_FLAGS]
+
+
+def _start_fronts(settings: Settings, fronts: int, folder: Path) -> subprocess.Popen:
+    command = _uvicorn_child("service.front:create_front", "front", settings, folder, "--host", settings.host,
+                             "--port", str(settings.port), "--workers", str(fronts))
+    return subprocess.Popen(command, preexec_fn=_exit_with_parent)
+
+
+def _serve_engines(settings: Settings, fronts: int, folder: Path, links: list[tuple[Path, Path]]) -> int:
+    """One engine process per device, as vLLM runs one engine core per device: each a child pinned to its device
+    with CUDA_VISIBLE_DEVICES, holding every resident index and following PostgreSQL's change log as any replica
+    does; the fronts spread requests among them. This process only watches: when one child exits, all stop."""
+    from .devices import device_pins, probe_cuda
+
+    log = logging.getLogger("switchyard")
+    pins = device_pins(probe_cuda(enabled=settings.gpu != "off"), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    children = []
+    for i, (engine_socket, http_socket) in enumerate(links):
+        env = dict(os.environ, SWITCHYARD_ENGINE_SOCKET=str(engine_socket))
+        if pins:  # more engines than devices (SWITCHYARD_ENGINES) share them in turn
+            env["CUDA_VISIBLE_DEVICES"] = pins[i % len(pins)]
+        log.info("engine process %d on %s", i, f"CUDA device {env['CUDA_VISIBLE_DEVICES']}" if pins else "the CPU")
+        command = _uvicorn_child("service.app:create_app", f"engine {i}", settings, folder, "--uds", str(http_socket))
+        children.append(subprocess.Popen(command, env=env, preexec_fn=_exit_with_parent))
+    children.append(_start_fronts(settings, fronts, folder))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    code = 0
+    while not stop.wait(0.2):
+        ended = next((child for child in children if child.poll() is not None), None)
+        if ended is not None:
+            log.error("%s exited (code %s); stopping the others",
+                      "the front processes" if ended is children[-1] else "an engine process", ended.returncode)
+            code = 1
+            break
+    _stop(children[-1:])  # the fronts first: no request reaches an engine that is stopping
+    _stop(children[:-1])
+    return code
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def _serve_here(settings: Settings, common: dict) -> None:
@@ -175,7 +248,6 @@ def _progress(done: int, total: int | None, message: str) -> None:
 
 def _ssb(args: argparse.Namespace) -> int:
     """Generate or import an SSB dataset into the data directory; the service loads it at its next start."""
-    import json
 
     from olap.schema import dataset_dir
 
@@ -209,7 +281,6 @@ def _ssb(args: argparse.Namespace) -> int:
 def _load_vectors(args: argparse.Namespace) -> int:
     """Bulk-load a .npy file into a collection of a running service, with a progress bar."""
     import io
-    import json
     import time
     import urllib.error
     import urllib.request
@@ -278,8 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, help=(
         "full replicas, each with its own indexes and no fronts (SWITCHYARD_WORKERS, default 1)"))
     serve.add_argument("--fronts", type=int, help=(
-        "HTTP front processes before the one engine process (SWITCHYARD_FRONTS; default: one per core on 4 or "
+        "HTTP front processes before the engine processes (SWITCHYARD_FRONTS; default: one per core on 4 or "
         "more cores, none on fewer)"))
+    serve.add_argument("--engines", type=int, help=(
+        "engine processes behind the fronts, each with every resident index, pinned to one CUDA device "
+        "(SWITCHYARD_ENGINES; default: one per device when a GPU engine is installed, else one)"))
     serve.add_argument("--ray", action="store_true", help=(
         "run on a Ray cluster: the app as a Ray Serve ingress, vector shards as Ray actors (the 'ray' extra)"))
     serve.add_argument("--address", help=(
@@ -329,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         return _loadtest(argparse.Namespace(loadtest_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=(getattr(args, "log_level", None) or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
     return args.run(args)
 
 

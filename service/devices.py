@@ -61,6 +61,16 @@ def probe_cuda(enabled: bool = True) -> CudaProbe:
     return CudaProbe(devices=tuple(devices))
 
 
+def device_pins(probe: CudaProbe, visible: str | None = None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for one engine process per device: each names one device as this process sees it.
+
+    A device's index counts within this process's own visible set, in the order CUDA enumerates it (the same
+    CUDA_DEVICE_ORDER reaches the children), so under CUDA_VISIBLE_DEVICES=2,3 device 1 is the token "3": a child
+    pinned to it sees exactly the device its parent called 1, whether tokens are indexes, GPU- or MIG- UUIDs."""
+    tokens = [t.strip() for t in visible.split(",")] if visible and visible.strip() else None
+    return [tokens[d.index] if tokens else str(d.index) for d in probe.devices]
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """An engine ran out of memory: RMM raises MemoryError (std::bad_alloc: out_of_memory), CuPy its
     OutOfMemoryError (a MemoryError), numba-cuda a CudaAPIError naming CUDA_ERROR_OUT_OF_MEMORY."""

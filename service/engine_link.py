@@ -172,6 +172,11 @@ class EngineClient:
         self._ids = itertools.count()
         self._lock = asyncio.Lock()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._link.pending) if self._link is not None else 0
+
     async def call(self, operation: str, *args: object) -> Any:
         """The engine's answer, or None if the request failed there; EngineGone if it cannot be reached."""
         link = self._link

@@ -103,6 +103,11 @@ def _module_present(name: str) -> bool:
         return False
 
 
+def gpu_engine_installed(specs: tuple[EngineSpec, ...] = CATALOG) -> bool:
+    """Whether any built GPU engine has its modules here: without one, a device gets no engine process of its own."""
+    return any(s.kind == "gpu" and s.implementation and all(map(_module_present, s.modules)) for s in specs)
+
+
 def _version(distribution: str | None) -> str | None:
     if distribution is None:
         return None

@@ -1,19 +1,24 @@
 """A front process: HTTP in, parsed requests to the engine process, answers out. It holds no data.
 
 `switchyard serve` runs one engine process (the full app: PostgreSQL pool, resident indexes, jobs, SSB and
-spatial data) listening on unix sockets only, and SWITCHYARD_FRONTS of these (default one per core) on the port.
-A front parses and checks searches and JSON upserts itself (the costly part of a small request: JSON floats,
-validation) and sends them to the engine over service/engine_link.py; the engine answers from its one copy of
-each index, micro-batching the searches of every front together. Everything else, and any hot request that
-fails, is passed through unchanged to the engine's full app over HTTP on its unix socket, so every route, error,
-header and status is the engine's own.
+spatial data) per device, listening on unix sockets only, and SWITCHYARD_FRONTS of these (default one per core)
+on the port. A front parses and checks searches and JSON upserts itself (the costly part of a small request: JSON
+floats, validation) and sends them to an engine over service/engine_link.py; the engine answers from its one copy
+of each index, micro-batching the searches of every front together. Everything else, and any hot request that
+fails, is passed through unchanged to an engine's full app over HTTP on its unix socket, so every route, error,
+header and status is the engine's own. With several engines each request goes to the one with the least in
+flight; /metrics gathers them all and /readyz asks them all.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
+from typing import Callable, Sequence, TypeVar
 
 import httpx
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from . import access_log
@@ -27,6 +32,21 @@ from .settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer
+T = TypeVar("T")
+
+
+class LeastBusy:
+    """Picks the engine with the least in flight; ties go round robin, so that light traffic spreads too."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def __call__(self, engines: Sequence[T], in_flight: Callable[[T], int]) -> T:
+        if len(engines) == 1:
+            return engines[0]
+        start = next(self._turn)
+        order = [engines[(start + i) % len(engines)] for i in range(len(engines))]
+        return min(order, key=in_flight)
 
 
 class EngineProxy:
@@ -35,13 +55,26 @@ class EngineProxy:
     def __init__(self, socket_path: str) -> None:
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
                                         timeout=None)
+        self.in_flight = 0
+
+    @staticmethod
+    def headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER]
+        if scope.get("client"):
+            headers.append((CLIENT_HEADER, scope["client"][0].encode("latin-1")))
+        return headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER]
-        if scope.get("client"):
-            headers.append((CLIENT_HEADER, scope["client"][0].encode("latin-1")))
+        self.in_flight += 1
+        try:
+            await self._pass(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _pass(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = self.headers(scope)
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
 
         async def body():
@@ -58,15 +91,11 @@ class EngineProxy:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as exc:
-            unavailable = problem_response(503, "engine-unavailable", "Engine unavailable", (
-                f"the engine process did not answer ({type(exc).__name__}); it may be starting or restarting"),
-                instance=scope["path"], headers={"Retry-After": "1"})
-            await unavailable(scope, receive, send)
+            await _unavailable(scope, exc)(scope, receive, send)
             return
         try:
             await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k.lower(), v) for k, v in response.headers.raw
-                                    if k.lower() not in HOP_BY_HOP and k.lower() not in FRONT_SETS]})
+                        "headers": _passed_headers(response)})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
@@ -74,14 +103,88 @@ class EngineProxy:
             await response.aclose()
 
 
+def _unavailable(scope: Scope, exc: Exception) -> Response:
+    return problem_response(503, "engine-unavailable", "Engine unavailable", (
+        f"the engine process did not answer ({type(exc).__name__}); it may be starting or restarting"),
+        instance=scope["path"], headers={"Retry-After": "1"})
+
+
+def _passed_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in response.headers.raw
+            if k.lower() not in HOP_BY_HOP and k.lower() not in FRONT_SETS]
+
+
+class EngineProxies:
+    """Passes each request through to the engine process with the least in flight. GET /metrics gathers every
+    engine's metrics into one exposition, each sample labelled engine_process="i"; GET /readyz is ready only when
+    every engine is (else it is the first unready engine's answer)."""
+
+    def __init__(self, proxies: list[EngineProxy]) -> None:
+        self.proxies = proxies
+        self.pick = LeastBusy()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in ("/metrics", "/readyz"):
+            await self._gather(scope, receive, send)
+            return
+        await self.pick(self.proxies, lambda proxy: proxy.in_flight)(scope, receive, send)
+
+    async def _gather(self, scope: Scope, receive: Receive, send: Send) -> None:
+        url = httpx.URL(path=scope["path"], query=scope["query_string"])
+        try:
+            answers = await asyncio.gather(*(p.client.get(url, headers=p.headers(scope)) for p in self.proxies))
+        except httpx.TransportError as exc:
+            await _unavailable(scope, exc)(scope, receive, send)
+            return
+        failed = [a for a in answers if a.status_code != 200]
+        answer = failed[0] if failed else answers[0]
+        body = answer.content
+        if scope["path"] == "/metrics" and not failed:
+            body = merge_metrics([a.text for a in answers]).encode()
+        headers = [(k, v) for k, v in _passed_headers(answer) if k != b"content-length"]
+        await send({"type": "http.response.start", "status": answer.status_code,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """Each engine's Prometheus text as one exposition: every sample labelled with its engine_process, and the
+    samples of a family kept together under one HELP and TYPE (the format allows each family once)."""
+    heads: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for engine, text in enumerate(texts):
+        family = ""
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split(" ", 3)[2]
+                head = heads.setdefault(family, [])
+                if engine == 0 or not any(h.startswith(line[:7]) for h in head):
+                    head.append(line)
+            elif line and not line.startswith("#"):
+                samples.setdefault(family, []).append(_labelled(line, f'engine_process="{engine}"'))
+    families = dict.fromkeys([*heads, *samples])
+    return "".join(line + "\n" for family in families for line in (*heads.get(family, ()), *samples.get(family, ())))
+
+
+def _labelled(sample: str, label: str) -> str:
+    """A sample line (`name{a="b"} 1` or `name 1`) with one more label, first."""
+    brace, space = sample.find("{"), sample.find(" ")
+    if 0 <= brace < space:
+        return f"{sample[:brace + 1]}{label},{sample[brace + 1:]}"
+    return f"{sample[:space]}{{{label}}}{sample[space:]}"
+
+
 class Front(HotLane):
     """The hot lane of a front process: parse here, answer in the engine process."""
 
     def __init__(self, settings: Settings) -> None:
-        if settings.engine_http is None or settings.engine_socket is None:
-            raise RuntimeError("a front process needs SWITCHYARD_ENGINE_HTTP and SWITCHYARD_ENGINE_SOCKET")
-        super().__init__(EngineProxy(str(settings.engine_http)), settings, self._answer)
-        self.engine = EngineClient(settings.engine_socket)
+        if not settings.engine_links:
+            raise RuntimeError("a front process needs SWITCHYARD_ENGINE_LINKS (set by `switchyard serve`)")
+        proxies = [EngineProxy(str(http)) for _, http in settings.engine_links]
+        super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self._answer)
+        self.proxies = proxies
+        self.engines = [EngineClient(socket) for socket, _ in settings.engine_links]
+        self.pick = LeastBusy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -97,8 +200,9 @@ class Front(HotLane):
                     access_log.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.engine.close()
-                await self.app.client.aclose()
+                for engine, proxy in zip(self.engines, self.proxies):
+                    await engine.close()
+                    await proxy.client.aclose()
                 access_log.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -111,8 +215,9 @@ class Front(HotLane):
             return None  # the engine's full app answers the replay with the exact problem
         try:
             # The engine counts the request in its metrics, adding the time spent here.
-            return await self.engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start,
-                                          current_deadline(), PRINCIPAL.get())
+            engine = self.pick(self.engines, lambda client: client.in_flight)
+            return await engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start,
+                                     current_deadline(), PRINCIPAL.get())
         except EngineGone:
             return None  # the replay answers 503 if the engine is still away
 

@@ -25,15 +25,19 @@ class Settings(BaseSettings):
     workers: int = Field(default=1, ge=1, description=(
         "Full replicas: Uvicorn workers that each hold their own resident indexes (no front processes then)."))
     fronts: int | None = Field(default=None, ge=0, le=256, description=(
-        "HTTP front processes before the one engine process (README: Process layout). Default: one per core on "
+        "HTTP front processes before the engine processes (README: Process layout). Default: one per core on "
         "machines with 4 or more, none (the engine process serves HTTP itself) on fewer, where the hop between "
-        "processes costs more than it frees."))
+        "processes costs more than it frees; one per core whenever there are several engine processes."))
+    engines: int | None = Field(default=None, ge=1, le=64, description=(
+        "Engine processes behind the fronts, each holding every resident index and pinned to one CUDA device "
+        "(README: Process layout). Default: one per visible device when a GPU engine is installed, else one."))
     uds: Path | None = Field(default=None, description=(
         "Also listen on this unix socket (besides host:port): local clients skip TCP. Not with front processes."))
     engine_socket: Path | None = Field(default=None, description=(
         "Set by `switchyard serve`: the engine process's unix socket for parsed searches and upserts."))
-    engine_http: Path | None = Field(default=None, description=(
-        "Set by `switchyard serve`: the engine process's HTTP unix socket, where front processes pass requests."))
+    engine_links: list[tuple[Path, Path]] = Field(default_factory=list, description=(
+        "Set by `switchyard serve` for its front processes: each engine process's socket for parsed searches and "
+        "upserts, and its HTTP socket, where every other request is passed through."))
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(default=True, description=(
         "Log every request (logger switchyard.access, written by a background thread) except the hot routes."))
@@ -183,15 +187,34 @@ class Settings(BaseSettings):
         return None if isinstance(key, str) and key.strip() == "" else key
 
     @model_validator(mode="after")
-    def _uds_without_fronts(self) -> "Settings":
-        if self.uds is not None and self.fronts:
+    def _one_layout(self) -> "Settings":
+        if self.uds is not None and (self.fronts or (self.engines or 1) > 1):
             raise ValueError("SWITCHYARD_UDS needs the engine process to serve HTTP itself: set SWITCHYARD_FRONTS=0")
+        if (self.engines or 1) > 1 and self.workers > 1:
+            raise ValueError("SWITCHYARD_ENGINES and SWITCHYARD_WORKERS are two layouts: set one of them")
+        if (self.engines or 1) > 1 and self.fronts == 0:
+            raise ValueError("several engine processes share the port through front processes: SWITCHYARD_FRONTS "
+                             "must be 1 or more")
         return self
 
     @field_validator("data_dir", "ssb_import_dir", "replication_trace_dir", "uds")
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         return path.expanduser().resolve() if path is not None else None
+
+    @property
+    def engine_processes(self) -> int:
+        """How many engine processes `serve` starts: one per visible CUDA device when a GPU engine is installed (as
+        vLLM runs one engine core per device), else one."""
+        if self.engines is not None:
+            return self.engines
+        if self.workers > 1 or self.uds is not None or self.fronts == 0 or self.gpu == "off":
+            return 1
+        from .devices import probe_cuda
+        from .engines import gpu_engine_installed
+
+        devices = len(probe_cuda(enabled=True).devices)
+        return devices if devices > 1 and gpu_engine_installed() else 1
 
     @property
     def front_processes(self) -> int:
@@ -201,18 +224,23 @@ class Settings(BaseSettings):
         if self.fronts is not None:
             return self.fronts
         cores = os.cpu_count() or 1
-        return cores if cores >= 4 else 0
+        return cores if cores >= 4 or self.engine_processes > 1 else 0
+
+    @property
+    def replicas(self) -> int:
+        """Processes on this machine that each hold the resident data (and share its cores and memory)."""
+        return max(self.workers, self.engines or 1)
 
     @property
     def duckdb_memory(self) -> str:
         import psutil
 
-        mb = self.duckdb_memory_mb or max(64, psutil.virtual_memory().total // 2**20 // 4 // self.workers)
+        mb = self.duckdb_memory_mb or max(64, psutil.virtual_memory().total // 2**20 // 4 // self.replicas)
         return f"{mb}MB"
 
     @property
     def engine_threads(self) -> int:
-        return self.cpu_threads or max(1, (os.cpu_count() or 1) // self.workers)
+        return self.cpu_threads or max(1, (os.cpu_count() or 1) // self.replicas)
 
     @property
     def ssb_imports(self) -> Path:
