@@ -8,7 +8,10 @@
    simulator), the cuVS adapter (a build in a child process included), the GPU rows of the vector conformance
    tests, SSB on cuDF, ad-hoc SQL on the resident cuDF tables (olap/frame_sql.py). A set whose
    library or device is missing is reported skipped, with pytest's reasons.
-3. The GPU side of the three benchmarks, in-process, each against the CPU engine on the same data and checked
+3. The process layout: `switchyard serve` plans one engine process per device, and a process pinned the way
+   each engine is (CUDA_VISIBLE_DEVICES from service/devices.device_pins) sees exactly its own device, checked by
+   PCI bus id against what this process sees at that index.
+4. The GPU side of the three benchmarks, in-process, each against the CPU engine on the same data and checked
    equal to it: spatial (cuda-spatial against cpu-spatial: point in polygon on synthetic star polygons with
    holes, and a distance join of clustered points, first call with its uploads and builds, then resident calls),
    vectors (cuVS brute force, IVF-PQ and CAGRA against exact search: recall@10, batch QPS, build time) and SSB
@@ -119,6 +122,53 @@ def run_tests(name: str, args: list[str], env: dict[str, str], timeout_s: float)
     status = "failed" if counts["failed"] or proc.returncode not in (0, 5) else (
         "skipped" if not counts["passed"] else "partial" if counts["skipped"] else "passed")
     return {"set": name, "status": status, **counts, "seconds": took, "cases": cases}
+
+
+# -- the process layout ------------------------------------------------------------------------------------------
+SEEN_DEVICES = """
+import ctypes, json
+cuda, count, seen = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(0), []
+if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0:
+    for i in range(count.value):
+        device, bus = ctypes.c_int(0), ctypes.create_string_buffer(64)
+        cuda.cuDeviceGet(ctypes.byref(device), i)
+        cuda.cuDeviceGetPCIBusId(bus, 64, device)
+        seen.append(bus.value.decode())
+print(json.dumps(seen))
+"""
+
+
+def _seen_devices(env: dict[str, str]) -> list[str]:
+    """The PCI bus ids of the devices a fresh process sees under `env`, in CUDA's order (asked of the driver)."""
+    out = subprocess.run([sys.executable, "-c", SEEN_DEVICES], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def check_layout(here: dict[str, Any]) -> dict[str, Any]:
+    """What `switchyard serve` starts here: one engine process per device, each pinned by CUDA_VISIBLE_DEVICES
+    (service/devices.device_pins) to the device this process calls by its index, and seeing no other."""
+    if here["device_reason"]:
+        return {"status": "skipped", "reason": here["device_reason"]}
+    from service.devices import device_pins, probe_cuda
+    from service.engines import gpu_engine_installed
+
+    pins = device_pins(probe_cuda(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        everything = _seen_devices({})
+        pinned = [_seen_devices({"CUDA_VISIBLE_DEVICES": pin}) for pin in pins]
+    except (subprocess.SubprocessError, ValueError) as exc:
+        return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+    expected = len(pins) if len(pins) > 1 and gpu_engine_installed() else 1
+    try:  # the service's own plan (pydantic-settings may be missing where only CuPy and numba-cuda are)
+        from service.settings import Settings
+
+        engines = Settings().engine_processes
+    except ImportError:
+        engines = None  # not read, so not compared
+    ok = pinned == [[bus] for bus in everything] and engines in (None, expected)
+    return {"status": "passed" if ok else "failed", "engine_processes": engines, "expected": expected,
+            "devices": everything, "pins": pins, "seen_by_each_engine": pinned}
 
 
 # -- the benchmarks ----------------------------------------------------------------------------------------------
@@ -300,6 +350,10 @@ def markdown(report: dict[str, Any]) -> str:
         why = "; ".join(reasons)[:300] or (t.get("reason") or "")[:300]
         lines.append(f"| {t['set']} | {t['status']} | {t.get('passed', 0)} | {t.get('failed', 0)} | "
                      f"{t.get('skipped', 0)} | {why.replace('|', '/')} |")
+    layout = report.get("layout", {})
+    lines += ["", "## Process layout (one engine process per device)", "",
+              f"{layout.get('status', 'not run')}: " + (layout.get("reason") or json.dumps(
+                  {k: v for k, v in layout.items() if k != "status"}))]
     lines += ["", "## Benchmarks (GPU engine against the CPU engine, same data, answers compared)", ""]
     for b in report["benches"]:
         detail = {k: v for k, v in b.items() if k not in ("bench", "status", "reason")}
@@ -326,6 +380,7 @@ def main() -> int:
         for name, pytest_args, env in TEST_SETS:
             print(f"tests: {name} ...", flush=True)
             report["tests"].append(run_tests(name, pytest_args, env, args.test_timeout))
+    report["layout"] = check_layout(here)
     if not args.no_bench:
         for name, fn, needs, sizes in BENCHES:
             print(f"benchmark: {name} ...", flush=True)
@@ -338,6 +393,7 @@ def main() -> int:
     print(f"wrote {path}.json and .md")
     failed = [t["set"] for t in report["tests"] if t["status"] == "failed"]
     failed += [b["bench"] for b in report["benches"] if b["status"] == "failed"]
+    failed += ["process layout"] if report["layout"]["status"] == "failed" else []
     if failed:
         print(f"FAILED: {', '.join(failed)}")
     return 1 if failed else 0

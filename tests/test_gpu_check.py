@@ -26,5 +26,6 @@ def test_without_a_device_everything_gpu_is_skipped_with_a_reason_and_the_report
     assert report["here"]["device"] == [] and report["here"]["device_reason"].startswith("no CUDA device")
     assert [b["bench"] for b in report["benches"]] == ["spatial", "vectors", "olap"]
     assert all(b["status"] == "skipped" and b["reason"] for b in report["benches"])
+    assert report["layout"]["status"] == "skipped" and report["layout"]["reason"].startswith("no CUDA device")
     markdown = report_path.with_suffix(".md").read_text()
     assert "Device: none (no CUDA device" in markdown and "**spatial**: skipped" in markdown
