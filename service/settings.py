@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     max_bulk_bytes: int = Field(default=4 * 1024**3, ge=1024,
                                 description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")
     cpu_threads: int | None = Field(default=None, ge=1, le=1024, description=(
-        "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers."))
+        "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers or "
+        "engine processes."))
     huge_pages: bool = Field(default=True, description=(
         "Back resident FAISS indexes' vectors and graph with transparent huge pages (Linux, THP mode 'madvise' or "
         "'always'): fewer TLB misses per graph search (indexes/hugepages.py)."))
@@ -86,8 +87,8 @@ class Settings(BaseSettings):
     db_connect_timeout_s: float = Field(default=30.0, gt=0)
     db_command_timeout_s: float = Field(default=300.0, gt=0)
     duckdb_memory_mb: int | None = Field(default=None, ge=64, description=(
-        "DuckDB's memory_limit for SSB queries (default: a quarter of RAM divided among the workers); a query that "
-        "needs more fails with a clear error instead of taking the machine."))
+        "DuckDB's memory_limit for SSB queries (default: a quarter of RAM divided among the workers or engines); a "
+        "query that needs more fails with a clear error instead of taking the machine."))
     db_check_interval_s: float = Field(default=1.0, gt=0, le=60, description=(
         "How often the service checks that PostgreSQL answers (at once when a request saw it gone)."))
     db_max_restarts: int = Field(default=10, ge=0, le=1000, description=(
