@@ -459,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running service (default: start one with embedded PostgreSQL)")
     p.add_argument("--workers", type=int, default=4, help="Uvicorn workers of the service started here")
+    p.add_argument("--engines", type=int, default=0, help=(
+        "instead of workers: this many engine processes behind two front processes (the one-engine-per-device "
+        "layout), each a replica checked as a worker is"))
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--duration", type=float, default=60.0, help="seconds (ignored with --ops)")
     p.add_argument("--ops", type=int, help="stop after this many operations")
@@ -478,17 +481,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown level(s): {sorted(unknown)}")
     service = None
     url = args.url
-    workers = 0 if args.url else args.workers
+    workers = 0 if args.url else args.engines or args.workers
     if url is None:
         from benchkit import Service
 
         tmp = Path(tempfile.mkdtemp(prefix="switchyard-consistency-"))
         (tmp / "data").mkdir()
+        layout = ({"SWITCHYARD_ENGINES": str(args.engines), "SWITCHYARD_FRONTS": "2"} if args.engines
+                  else {"SWITCHYARD_WORKERS": str(args.workers)})
         service = Service(tmp / "data", env={
-            "SWITCHYARD_WORKERS": str(args.workers), "SWITCHYARD_BOUNDED_STALENESS_MS": str(args.bound_ms),
+            **layout, "SWITCHYARD_BOUNDED_STALENESS_MS": str(args.bound_ms),
             "SWITCHYARD_REBUILD_DEAD_FRACTION": str(args.rebuild_dead_fraction),
             "SWITCHYARD_REBUILD_DELTA_ROWS": str(args.rebuild_delta_rows)})
-        print(f"starting the service with {args.workers} workers in {tmp} ...", flush=True)
+        print(f"starting the service with {workers} {'engine processes' if args.engines else 'workers'} in {tmp} ...",
+              flush=True)
         service.start()
         url = service.url
     config = Config(url=url, clients=args.clients, duration_s=args.duration, max_ops=args.ops, n_ids=args.ids,
