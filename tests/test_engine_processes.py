@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import psutil
 import pytest
@@ -24,7 +22,7 @@ from service.database import EmbeddedPostgres
 from service.devices import CudaDevice, CudaProbe, device_pins
 from service.front import LeastBusy, merge_metrics
 from service.settings import Settings
-from vector_data import clustered, oracle
+from vector_data import clustered, oracle, search_concurrently
 
 DIM = 16
 TWO_GPUS = CudaProbe(devices=(CudaDevice(0, "GPU A", 80 * 2**30), CudaDevice(1, "GPU B", 80 * 2**30)))
@@ -143,14 +141,7 @@ def test_two_engines_answer_as_one_process_does_and_share_the_load(two_engines):
     queries = clustered(64, DIM, seed=42)
     truth, _ = oracle(data, queries, 5, "l2")
 
-    def search(i: int) -> list[int]:
-        r = two_engines.post("/v1/collections/e1/search", json={"vector": queries[i].tolist(), "k": 5,
-                                                                "consistency": "session", "seq": seq})
-        assert r.status_code == 200, r.text
-        return r.json()["ids"]
-
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(search, range(len(queries)))) == truth.tolist()
+    assert search_concurrently(two_engines, "e1", queries, 5, seq, threads=8) == truth.tolist()
     replicas = two_engines.get("/v1/collections/e1").json()["replication"]["replicas"]
     assert len(replicas) == 2, replicas  # one copy per engine process
     metrics = {f.name: f for f in text_string_to_metric_families(two_engines.get("/metrics").text)}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from helpers import assert_problem
 from loadtests.processes import local_service
 from service.database import EmbeddedPostgres
 from service.engine_link import EngineClient, EngineGone, EngineServer
-from vector_data import b64, clustered, oracle
+from vector_data import b64, clustered, oracle, search_concurrently
 
 DIM = 16
 KEY = "front-test-key"
@@ -102,15 +101,7 @@ def test_concurrent_clients_share_one_engine(fronted):
     queries = clustered(64, DIM, seed=22)
     truth, _ = oracle(data, queries, 5, "l2")
 
-    def search(i: int) -> list[int]:
-        r = fronted.post("/v1/collections/f3/search", json={"vector": queries[i].tolist(), "k": 5,
-                                                            "consistency": "session", "seq": seq})
-        assert r.status_code == 200, r.text
-        return r.json()["ids"]
-
-    with ThreadPoolExecutor(16) as pool:
-        found = list(pool.map(search, range(len(queries))))
-    assert found == truth.tolist()
+    assert search_concurrently(fronted, "f3", queries, 5, seq, threads=16) == truth.tolist()
     replicas = fronted.get("/v1/collections/f3").json()["replication"]["replicas"]
     assert len(replicas) == 1, replicas  # one resident copy, whatever the number of fronts
     metrics = fronted.get("/metrics").text

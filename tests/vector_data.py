@@ -36,3 +36,18 @@ def b64(vectors: np.ndarray) -> str:
 def recall(found: list[list[int]], truth: np.ndarray) -> float:
     k = truth.shape[1]
     return float(np.mean([len(set(f) & set(t.tolist())) / k for f, t in zip(found, truth)]))
+
+
+def search_concurrently(client, name: str, queries: np.ndarray, k: int, seq: int, threads: int) -> list[list[int]]:
+    """Each query as its own single-vector search of collection `name` (session consistency at `seq`), from
+    `threads` clients at once; the ids found, in query order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def search(query: np.ndarray) -> list[int]:
+        r = client.post(f"/v1/collections/{name}/search", json={"vector": query.tolist(), "k": k,
+                                                                "consistency": "session", "seq": seq})
+        assert r.status_code == 200, r.text
+        return r.json()["ids"]
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(search, queries))
