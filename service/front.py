@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import time
 from typing import Callable, Sequence, TypeVar
 
@@ -33,6 +34,7 @@ from .settings import Settings
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer
 T = TypeVar("T")
+IN_FLIGHT = operator.attrgetter("in_flight")  # of an EngineProxy or an EngineClient
 
 
 class LeastBusy:
@@ -127,7 +129,7 @@ class EngineProxies:
         if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in ("/metrics", "/readyz"):
             await self._gather(scope, receive, send)
             return
-        await self.pick(self.proxies, lambda proxy: proxy.in_flight)(scope, receive, send)
+        await self.pick(self.proxies, IN_FLIGHT)(scope, receive, send)
 
     async def _gather(self, scope: Scope, receive: Receive, send: Send) -> None:
         url = httpx.URL(path=scope["path"], query=scope["query_string"])
@@ -215,7 +217,7 @@ class Front(HotLane):
             return None  # the engine's full app answers the replay with the exact problem
         try:
             # The engine counts the request in its metrics, adding the time spent here.
-            engine = self.pick(self.engines, lambda client: client.in_flight)
+            engine = self.pick(self.engines, IN_FLIGHT)
             return await engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start,
                                      current_deadline(), PRINCIPAL.get())
         except EngineGone:

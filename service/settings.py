@@ -189,11 +189,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_layout(self) -> "Settings":
-        if self.uds is not None and (self.fronts or (self.engines or 1) > 1):
+        several_engines = (self.engines or 1) > 1
+        if self.uds is not None and (self.fronts or several_engines):
             raise ValueError("SWITCHYARD_UDS needs the engine process to serve HTTP itself: set SWITCHYARD_FRONTS=0")
-        if (self.engines or 1) > 1 and self.workers > 1:
+        if several_engines and self.workers > 1:
             raise ValueError("SWITCHYARD_ENGINES and SWITCHYARD_WORKERS are two layouts: set one of them")
-        if (self.engines or 1) > 1 and self.fronts == 0:
+        if several_engines and self.fronts == 0:
             raise ValueError("several engine processes share the port through front processes: SWITCHYARD_FRONTS "
                              "must be 1 or more")
         return self
