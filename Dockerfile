@@ -12,12 +12,14 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
+# Every top-level package the wheel holds (tests/test_artifacts.py builds the wheel from exactly these files).
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY indexes ./indexes
 COPY spatial ./spatial
 COPY olap ./olap
 COPY migrations ./migrations
+COPY loadtests ./loadtests
 RUN pip install ".${EXTRAS:+[$EXTRAS]}"
 
 FROM ${CUDA_IMAGE}

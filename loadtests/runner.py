@@ -5,6 +5,7 @@ plots). Locust runs in child processes; this process never imports gevent nor th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -247,6 +248,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = [name for name in ("locust", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:  # find_spec, not import: importing locust monkey-patches the process with gevent
+        sys.exit(f"switchyard loadtest needs the loadtest extra ({', '.join(missing)} missing): "
+                 "pip install 'switchyard[loadtest]'")
     try:
         return args.run(args)
     except ServiceError as exc:
