@@ -202,11 +202,11 @@ class Admission:
     def __init__(self, settings: Any, metrics: Any = None) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.enabled = settings.admission
-        self.max_wait_s = settings.queue_wait_ms / 1000
+        self.enabled = settings.admission.enabled
+        self.max_wait_s = settings.admission.queue_wait_ms / 1000
         self.limits = engine_limits(settings)
-        self.pressure = (InflightLimit(settings.max_inflight, settings.min_inflight, settings.inflight_latency_tolerance,
-                                       self.max_wait_s) if settings.admission and settings.max_inflight else None)
+        self.pressure = (InflightLimit(settings.admission.max_inflight, settings.admission.min_inflight, settings.admission.inflight_latency_tolerance,
+                                       self.max_wait_s) if settings.admission.enabled and settings.admission.max_inflight else None)
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         self.requests: dict[str, TokenBucket] = {}
@@ -217,7 +217,7 @@ class Admission:
         gate = self.gates.get(engine)
         if gate is None:
             limit = self.limits.get(engine, 4)
-            depth = self.settings.queue_depth if self.settings.queue_depth is not None else 2 * limit
+            depth = self.settings.admission.queue_depth if self.settings.admission.queue_depth is not None else 2 * limit
             gate = self.gates[engine] = Gate(engine, limit, depth, self.max_wait_s)
         return gate
 
@@ -234,7 +234,7 @@ class Admission:
             return UNBOUNDED
         breaker = self.breakers.get(engine)
         if ((breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until)
-                or self.settings.quota_engine_seconds_per_s or current_deadline() is not None):
+                or self.settings.admission.quota_engine_seconds_per_s or current_deadline() is not None):
             return None
         gate = self.gate(engine)
         if gate.active >= gate.limit or gate.waiters:
@@ -251,12 +251,12 @@ class Admission:
     # -- quotas ----------------------------------------------------------------------------------------
     def check_request(self, principal: str) -> None:
         """Count one request against the principal's request bucket; 429 past it."""
-        rate = self.settings.quota_requests_per_s
+        rate = self.settings.admission.quota_requests_per_s
         if not rate:
             return
         bucket = self.requests.get(principal)
         if bucket is None:
-            burst = self.settings.quota_burst or max(1.0, 2 * rate)
+            burst = self.settings.admission.quota_burst or max(1.0, 2 * rate)
             bucket = self.requests[principal] = TokenBucket(rate, burst, tokens=burst)
         wait = bucket.take(1.0, time.monotonic())
         if wait:
@@ -264,12 +264,12 @@ class Admission:
             raise OverQuota(f"more than {rate:g} requests per second for this API key or client", wait, reason="quota")
 
     def _engine_bucket(self, principal: str) -> TokenBucket | None:
-        rate = self.settings.quota_engine_seconds_per_s
+        rate = self.settings.admission.quota_engine_seconds_per_s
         if not rate:
             return None
         bucket = self.engine_seconds.get(principal)
         if bucket is None:
-            burst = max(rate, self.settings.quota_engine_seconds_burst or 10 * rate)
+            burst = max(rate, self.settings.admission.quota_engine_seconds_burst or 10 * rate)
             bucket = self.engine_seconds[principal] = TokenBucket(rate, burst, tokens=burst)
         return bucket
 
@@ -280,7 +280,7 @@ class Admission:
         if breaker is None or breaker.open_until == 0.0:
             return None
         now = time.monotonic()
-        if now < breaker.open_until or now - breaker.probe_at < self.settings.breaker_cooldown_s:
+        if now < breaker.open_until or now - breaker.probe_at < self.settings.admission.breaker_cooldown_s:
             return f"is cooling down after {breaker.why()}"
         breaker.probe_at = now  # this caller is the probe; another may go one cool-down later
         return None
@@ -293,10 +293,10 @@ class Admission:
         breaker = self.breakers.setdefault(engine, Breaker())
         breaker.failures += 1
         if exc is not None and is_out_of_memory(exc):
-            breaker.failures = max(breaker.failures, self.settings.breaker_failures)
+            breaker.failures = max(breaker.failures, self.settings.admission.breaker_failures)
             breaker.out_of_memory = True
-        if breaker.failures >= self.settings.breaker_failures:
-            breaker.open_until = time.monotonic() + self.settings.breaker_cooldown_s
+        if breaker.failures >= self.settings.admission.breaker_failures:
+            breaker.open_until = time.monotonic() + self.settings.admission.breaker_cooldown_s
             if self.metrics is not None:
                 self.metrics.breaker_open.labels(engine).set(1)
 
@@ -334,7 +334,7 @@ class Slot:
         if bucket is not None and (wait := bucket.wait_s(time.monotonic())) > 0:
             a.shed(self.engine, "quota")
             raise OverQuota("this API key or client has used its engine-seconds quota "
-                            f"({a.settings.quota_engine_seconds_per_s:g} per second)", wait, reason="quota")
+                            f"({a.settings.admission.quota_engine_seconds_per_s:g} per second)", wait, reason="quota")
         if deadline is not None and deadline <= time.monotonic():
             a.shed(self.engine, "deadline")
             raise QueueDeadline("the request's deadline passed before it reached an engine; it was not run", 1.0,
@@ -375,10 +375,10 @@ class Slot:
 def engine_limits(settings: Any) -> dict[str, int]:
     """How many requests each engine runs at once: its worker threads (the domain managers' executors), times one
     micro-batch for the resident vector engines, whose requests share engine calls."""
-    pool = settings.db_pool_max
+    pool = settings.database.pool_max
     return {
-        "faiss": 2 * settings.batch_max, "cuvs": settings.batch_max,
+        "faiss": 2 * settings.vectors.batch_max, "cuvs": settings.vectors.batch_max,
         "pgvector": max(1, pool // 2), "writes": 4 * pool,
-        "duckdb": 4, "cudf": 1, "postgres": max(1, settings.sql_pool_max),
+        "duckdb": 4, "cudf": 1, "postgres": max(1, settings.database.sql_pool_max),
         "cpu-spatial": 1, "cuda-spatial": 1, "postgis": max(1, pool // 4),
     }

@@ -15,6 +15,7 @@ from .fastlane import HotLane, local_answer, local_answer_now
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
 from .routes import engines, jobs, olap, ops, spatial, vectors
+from .process_links import ProcessLinks
 from .runtime import Runtime
 from .settings import Settings
 
@@ -31,15 +32,16 @@ dropped and answered 503 `deadline-exceeded` (not run), one still running is sto
 """
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, links: ProcessLinks | None = None) -> FastAPI:
     """The FastAPI app behind the hot lane (service/fastlane.py), which serves searches and JSON upserts before
     any middleware, FastAPI's own included; the lane passes attribute access through to the app."""
     settings = settings or Settings()
+    engine_socket = (links or ProcessLinks.handed_down()).engine_socket
     runtime = Runtime(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.access_log or settings.access_log_sample:
+        if settings.server.access_log or settings.server.access_log_sample:
             access_log.start()
         await runtime.start()
         # What start-up made (modules, FastAPI's routes, pydantic's schemas: a few hundred thousand objects) lives
@@ -48,10 +50,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         link = None
-        if settings.engine_socket is not None:  # the engine process of `switchyard serve` with front processes
+        if engine_socket is not None:  # the engine process of `switchyard serve` with front processes
             from .engine_host import engine_server
 
-            link = engine_server(runtime, settings.engine_socket)
+            link = engine_server(runtime, engine_socket)
             await link.start()
         try:
             yield
@@ -71,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
 
     # Added innermost first: metrics see every response, including the 413s the size limit sends.
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
-                       max_bulk_bytes=settings.max_bulk_bytes)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.access_log)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.server.max_body_bytes,
+                       max_bulk_bytes=settings.server.max_bulk_bytes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
     return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app

@@ -16,7 +16,7 @@ bearer_scheme = HTTPBearer(auto_error=False, description="Required when SWITCHYA
 async def require_api_key(
     request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
 ) -> None:
-    key = request.app.state.switchyard.settings.api_key
+    key = request.app.state.switchyard.settings.server.api_key
     if key is None:
         return
     challenge = {"WWW-Authenticate": 'Bearer realm="switchyard"'}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .process_links import EngineSockets, ProcessLinks
 from .settings import Settings
 
 SYNC_SEARCH = "service.hot_protocol:SyncSearchProtocol"  # uvicorn's httptools protocol with a synchronous search lane
@@ -36,7 +38,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        lines = [f"  SWITCHYARD_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()]
+        lines = [f"  {Settings.variable(e['loc'])}: {e['msg']}" for e in exc.errors()]
         sys.exit("invalid configuration:\n" + "\n".join(lines))
 
 
@@ -51,9 +53,9 @@ def _serve(args: argparse.Namespace) -> int:
             ray_module()
         except RuntimeError as exc:
             sys.exit(str(exc))
-        serve_on_ray(settings, args.address or settings.ray_address)
+        serve_on_ray(settings, args.address or settings.cluster.ray_address)
         return 0
-    common = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
+    common = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
                   access_log=False)  # service/access_log.py logs requests off the event loop instead
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
@@ -63,19 +65,21 @@ def _serve(args: argparse.Namespace) -> int:
     # Engine processes listen on unix sockets in a private directory with a short path (socket names are limited
     # to about 100 bytes); the fronts, a child process tree, listen on the port.
     sockets = Path(tempfile.mkdtemp(prefix="switchyard-"))
-    links = [(sockets / f"engine-{i}.sock", sockets / f"engine-{i}-http.sock") for i in range(engines)]
-    os.environ["SWITCHYARD_ENGINE_LINKS"] = json.dumps([[str(a), str(b)] for a, b in links])
+    links = ProcessLinks(tuple(EngineSockets(sockets / f"engine-{i}.sock", sockets / f"engine-{i}-http.sock")
+                               for i in range(engines)))
     os.environ["SWITCHYARD_ENGINES"] = str(engines)  # each engine sizes its threads and memory by it
     try:
         if engines > 1:
             return _serve_engines(settings, fronts, sockets, links)
         # One engine: this process, with the fronts as its children.
-        os.environ["SWITCHYARD_ENGINE_SOCKET"] = str(links[0][0])
-        front = _start_fronts(settings, fronts, sockets)
+        front = _start_fronts(settings, fronts, sockets, links)
         stopping = threading.Event()
         threading.Thread(target=_stop_when_fronts_exit, args=(front, stopping), daemon=True).start()
         try:
-            uvicorn.run("service.app:create_app", factory=True, uds=str(links[0][1]), **common)
+            from .app import create_app
+
+            uvicorn.run(functools.partial(create_app, settings, links.as_engine(0)), factory=True,
+                        uds=str(links.engines[0].http), **common)
         finally:
             stopping.set()
             _stop([front])
@@ -96,37 +100,37 @@ def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *op
     config["formatters"]["switchyard"] = {"format": LOG_FORMAT.replace("%(name)s", f"%(name)s[{role}]")}
     config["handlers"]["switchyard"] = {"class": "logging.StreamHandler", "formatter": "switchyard",
                                         "stream": "ext://sys.stderr"}
-    config["root"] = {"handlers": ["switchyard"], "level": settings.log_level.upper()}
+    config["root"] = {"handlers": ["switchyard"], "level": settings.server.log_level.upper()}
     config["loggers"]["httpx"] = {"level": "WARNING"}  # a front's pass-through would log every request
     path = folder / f"logging-{role.replace(' ', '-')}.json"
     path.write_text(json.dumps(config))
     return [sys.executable, "-m", "uvicorn", target, "--factory", *options, "--log-config", str(path),
-            "--log-level", settings.log_level, *UVICORN_FLAGS]
+            "--log-level", settings.server.log_level, *UVICORN_FLAGS]
 
 
-def _start_fronts(settings: Settings, fronts: int, folder: Path) -> subprocess.Popen:
-    command = _uvicorn_child("service.front:create_front", "front", settings, folder, "--host", settings.host,
-                             "--port", str(settings.port), "--workers", str(fronts))
-    return subprocess.Popen(command, preexec_fn=_exit_with_parent)
+def _start_fronts(settings: Settings, fronts: int, folder: Path, links: ProcessLinks) -> subprocess.Popen:
+    command = _uvicorn_child("service.front:create_front", "front", settings, folder, "--host", settings.server.host,
+                             "--port", str(settings.server.port), "--workers", str(fronts))
+    return subprocess.Popen(command, env={**os.environ, **links.environment()}, preexec_fn=_exit_with_parent)
 
 
-def _serve_engines(settings: Settings, fronts: int, folder: Path, links: list[tuple[Path, Path]]) -> int:
+def _serve_engines(settings: Settings, fronts: int, folder: Path, links: ProcessLinks) -> int:
     """One engine process per device, as vLLM runs one engine core per device: each a child pinned to its device
     with CUDA_VISIBLE_DEVICES, holding every resident index and following PostgreSQL's change log as any replica
     does; the fronts spread requests among them. This process only watches: when one child exits, all stop."""
     from .devices import device_pins, probe_cuda
 
     log = logging.getLogger("switchyard")
-    pins = device_pins(probe_cuda(enabled=settings.gpu != "off"), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    pins = device_pins(probe_cuda(enabled=settings.gpu.mode != "off"), os.environ.get("CUDA_VISIBLE_DEVICES"))
     children = []
-    for i, (engine_socket, http_socket) in enumerate(links):
-        env = dict(os.environ, SWITCHYARD_ENGINE_SOCKET=str(engine_socket))
+    for i, engine in enumerate(links.engines):
+        env = {**os.environ, **links.as_engine(i).environment()}
         if pins:  # more engines than devices (SWITCHYARD_ENGINES) share them in turn
             env["CUDA_VISIBLE_DEVICES"] = pins[i % len(pins)]
         log.info("engine process %d on %s", i, f"CUDA device {env['CUDA_VISIBLE_DEVICES']}" if pins else "the CPU")
-        command = _uvicorn_child("service.app:create_app", f"engine {i}", settings, folder, "--uds", str(http_socket))
+        command = _uvicorn_child("service.app:create_app", f"engine {i}", settings, folder, "--uds", str(engine.http))
         children.append(subprocess.Popen(command, env=env, preexec_fn=_exit_with_parent))
-    children.append(_start_fronts(settings, fronts, folder))
+    children.append(_start_fronts(settings, fronts, folder, links))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -161,16 +165,16 @@ def _serve_here(settings: Settings, common: dict) -> None:
     clients do."""
     import uvicorn
 
-    options = dict(factory=True, host=settings.host, port=settings.port, workers=settings.workers,
-                   http=SYNC_SEARCH if settings.sync_search else "auto", **common)
-    if settings.uds is None:
+    options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=settings.server.workers,
+                   http=SYNC_SEARCH if settings.vectors.sync_search else "auto", **common)
+    if settings.server.uds is None:
         uvicorn.run("service.app:create_app", **options)
         return
     from uvicorn.supervisors import Multiprocess
 
     config = uvicorn.Config("service.app:create_app", **options)
     server = uvicorn.Server(config)
-    path = str(settings.uds)
+    path = str(settings.server.uds)
     if os.path.exists(path):
         os.remove(path)  # left by a process that did not stop cleanly
     local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -217,12 +221,12 @@ def _migrate(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         embedded = None
-        dsn = settings.database_url
+        dsn = settings.database.url
         if dsn is None:
             embedded = EmbeddedPostgres(settings.embedded_pgdata)
             dsn = await asyncio.to_thread(embedded.start)
         try:
-            conn = await connect(dsn, settings.db_connect_timeout_s)
+            conn = await connect(dsn, settings.database.connect_timeout_s)
             try:
                 applied = await apply_migrations(conn)
             finally:

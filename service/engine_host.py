@@ -15,7 +15,7 @@ from .runtime import Runtime
 
 
 def engine_server(runtime: Runtime, path: Path) -> EngineServer:
-    quota = bool(runtime.settings.quota_requests_per_s)
+    quota = bool(runtime.settings.admission.quota_requests_per_s)
     pressure = runtime.admission.pressure  # the in-flight limit covers the fronts' hot requests too
 
     def counted(answer: Callable[[Any, str, Any], Awaitable[bytes]], search: bool) -> Handler:

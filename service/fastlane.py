@@ -69,12 +69,12 @@ class HotLane:
         self.answer = answer
         self.now = answer_now  # None: no synchronous lane (a front process, or the lane turned off)
         self.admission = admission  # None in a front process: the engine process admits
-        self.quota = bool(settings.quota_requests_per_s)  # a front process names the principal; the engine counts
-        self.default_timeout = settings.request_timeout_s
+        self.quota = bool(settings.admission.quota_requests_per_s)  # a front process names the principal; the engine counts
+        self.default_timeout = settings.admission.request_timeout_s
         self.pressure = admission.pressure if admission is not None else None  # the in-flight limit, if any
-        self.max_body = settings.max_body_bytes
-        self.sample = settings.access_log_sample
-        self.key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
+        self.max_body = settings.server.max_body_bytes
+        self.sample = settings.server.access_log_sample
+        self.key = settings.server.api_key.get_secret_value().encode() if settings.server.api_key is not None else None
 
     def __getattr__(self, name: str) -> object:
         if name == "app":  # not set yet: never recurse

@@ -29,6 +29,7 @@ from .admission import PRINCIPAL
 from .deadlines import deadline as current_deadline
 from .fastlane import CLIENT_HEADER, REQUEST_ERRORS, HotLane
 from .vector_requests import parse_search, parse_upsert
+from .process_links import ProcessLinks
 from .settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
@@ -179,13 +180,13 @@ def _labelled(sample: str, label: str) -> str:
 class Front(HotLane):
     """The hot lane of a front process: parse here, answer in the engine process."""
 
-    def __init__(self, settings: Settings) -> None:
-        if not settings.engine_links:
-            raise RuntimeError("a front process needs SWITCHYARD_ENGINE_LINKS (set by `switchyard serve`)")
-        proxies = [EngineProxy(str(http)) for _, http in settings.engine_links]
+    def __init__(self, settings: Settings, links: ProcessLinks) -> None:
+        if not links.engines:
+            raise RuntimeError("a front process is started by `switchyard serve`, which hands it the engines' sockets")
+        proxies = [EngineProxy(str(engine.http)) for engine in links.engines]
         super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self._answer)
         self.proxies = proxies
-        self.engines = [EngineClient(socket) for socket, _ in settings.engine_links]
+        self.engines = [EngineClient(engine.calls) for engine in links.engines]
         self.pick = LeastBusy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -226,4 +227,4 @@ class Front(HotLane):
 
 def create_front() -> Front:
     """Uvicorn's factory for a front process (`uvicorn service.front:create_front --factory`)."""
-    return Front(Settings())
+    return Front(Settings(), ProcessLinks.handed_down())

@@ -76,7 +76,7 @@ def contract(doc: dict[str, Any], settings: Settings) -> dict[str, Any]:
     schemas["Problem"] = PROBLEM
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    if settings.api_key is None:
+    if settings.server.api_key is None:
         components.pop("securitySchemes", None)
     for path, operations in doc.get("paths", {}).items():
         for method, op in operations.items():
@@ -86,7 +86,7 @@ def contract(doc: dict[str, Any], settings: Settings) -> dict[str, Any]:
 
 def _shape(path: str, method: str, op: dict[str, Any], settings: Settings) -> None:
     v1 = path.startswith("/v1/")
-    keyed = settings.api_key is not None and (v1 or settings.ops_auth == "key")
+    keyed = settings.server.api_key is not None and (v1 or settings.server.ops_auth == "key")
     if not keyed:
         op.pop("security", None)
     responses = op.setdefault("responses", {})

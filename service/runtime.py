@@ -41,8 +41,8 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu != "off"),
-                                       gpu_memory_pool_mb=settings.gpu_memory_pool_mb)
+        self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu.mode != "off"),
+                                       gpu_memory_pool_mb=settings.gpu.memory_pool_mb)
         self.phase: Phase = "created"
         self.embedded: EmbeddedPostgres | None = None
         self.dsn: str | None = None
@@ -65,12 +65,12 @@ class Runtime:
         try:
             s = self.settings
             spool.clear(s.data_dir)
-            if s.database_url is None:
+            if s.database.url is None:
                 self.embedded = EmbeddedPostgres(s.embedded_pgdata)
                 self.dsn = await asyncio.to_thread(self.embedded.start)
             else:
-                self.dsn = s.database_url
-            conn = await connect(self.dsn, s.db_connect_timeout_s)
+                self.dsn = s.database.url
+            conn = await connect(self.dsn, s.database.connect_timeout_s)
             try:
                 applied = await apply_migrations(conn)
                 self.postgres_version, extensions = await server_facts(conn)
@@ -79,31 +79,31 @@ class Runtime:
             if applied:
                 log.info("applied %d migration(s): %s", len(applied), ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
             self.pool = await open_pool(
-                self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s,
-                acquire_timeout_s=s.db_acquire_timeout_s)
-            self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=s.sql_pool_max, init=None,
-                                            command_timeout=s.db_command_timeout_s, acquire_timeout_s=s.db_acquire_timeout_s)
+                self.dsn, min_size=s.database.pool_min, max_size=s.database.pool_max, command_timeout=s.database.command_timeout_s,
+                acquire_timeout_s=s.database.acquire_timeout_s)
+            self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=s.database.sql_pool_max, init=None,
+                                            command_timeout=s.database.command_timeout_s, acquire_timeout_s=s.database.acquire_timeout_s)
             self.database = DatabaseSupervisor(
-                self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.db_command_timeout_s),
-                metrics=self.metrics, interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
-                max_restarts=s.db_max_restarts, other_pools=(self.sql_pool,))
+                self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.database.command_timeout_s),
+                metrics=self.metrics, interval_s=s.database.check_interval_s, probe_timeout_s=s.database.readiness_timeout_s,
+                max_restarts=s.database.max_restarts, other_pools=(self.sql_pool,))
             self.database.start()
             self.registry.probe(self.postgres_version, extensions)
-            self.jobs = JobRunner(self.pool, s.max_jobs, s.max_queued_jobs)
+            self.jobs = JobRunner(self.pool, s.jobs.max_jobs, s.jobs.max_queued_jobs)
             if interrupted := await self.jobs.recover():
                 log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
-            if s.replication_trace_dir is not None:
-                self.trace = ReplicationTrace(s.replication_trace_dir)
+            if s.replication.trace_dir is not None:
+                self.trace = ReplicationTrace(s.replication.trace_dir)
             vector_kwargs: dict[str, Any] = dict(
-                dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
-                inline_search_s=s.inline_search_us / 1e6, inline_turn_s=s.inline_turn_us / 1e6,
+                dsn=self.dsn, max_batch=s.vectors.batch_max, batch_window_s=s.vectors.batch_window_ms / 1000,
+                inline_search_s=s.vectors.inline_search_us / 1e6, inline_turn_s=s.vectors.inline_turn_us / 1e6,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
-                consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
-                                        s.replication_poll_ms / 1000),
-                policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
+                consistency=Consistency(s.replication.consistency, s.replication.bounded_staleness_ms / 1000, s.replication.consistency_timeout_ms / 1000,
+                                        s.replication.poll_ms / 1000),
+                policy=RebuildPolicy(dead_fraction=s.replication.rebuild_dead_fraction, delta_rows=s.replication.rebuild_delta_rows),
                 on_applied=self._applied, guard=self.admission,
             )
-            if s.ray_address:
+            if s.cluster.ray_address:
                 from .cluster.ray_layer import vector_shards
                 from .cluster.sharded import ShardedCollections
 
@@ -112,7 +112,7 @@ class Runtime:
             else:
                 self.vectors = CollectionManager(self.pool, s.data_dir, **vector_kwargs)
             observe_spatial = lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok)  # noqa: E731
-            if s.ray_address and s.spatial_partitions:
+            if s.cluster.ray_address and s.cluster.spatial_partitions:
                 from .cluster.partitioned_spatial import PartitionedSpatial
                 from .cluster.ray_layer import spatial_partitions
 
@@ -121,7 +121,7 @@ class Runtime:
             else:
                 self.spatial = SpatialManager(self.pool, self.admission, observe=observe_spatial)
             observe_olap = lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok)  # noqa: E731
-            if s.ray_address and s.olap_partitions:
+            if s.cluster.ray_address and s.cluster.olap_partitions:
                 from .cluster.partitioned_olap import PartitionedOlap
                 from .cluster.ray_layer import olap_partitions
 
@@ -145,8 +145,8 @@ class Runtime:
 
     async def _start_engines(self) -> None:
         await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir, metrics=self.metrics,
-                                  cpu_threads=self.settings.engine_threads, huge_pages=self.settings.huge_pages,
-                                  gpu_build_process=self.settings.gpu_build_process,
+                                  cpu_threads=self.settings.engine_threads, huge_pages=self.settings.cpu.huge_pages,
+                                  gpu_build_process=self.settings.gpu.build_process,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         if self.vectors is not None:
@@ -210,7 +210,7 @@ class Runtime:
             checks["engines"] = "ok" if self.registry.ready else "loading"
             return False, checks
         try:
-            async with asyncio.timeout(self.settings.readiness_timeout_s):
+            async with asyncio.timeout(self.settings.database.readiness_timeout_s):
                 applied = await self.pool.fetchval("SELECT coalesce(max(version), 0) FROM schema_migrations")
             checks["database"] = "ok"
             checks["migrations"] = "ok" if applied >= self.latest_migration else f"at {applied}, need {self.latest_migration}"

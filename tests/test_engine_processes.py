@@ -21,6 +21,7 @@ from service import devices, engines
 from service.database import EmbeddedPostgres
 from service.devices import CudaDevice, CudaProbe, device_pins
 from service.front import LeastBusy, merge_metrics
+from service.process_links import ProcessLinks
 from service.settings import Settings
 from vector_data import clustered, oracle, search_concurrently
 
@@ -132,7 +133,7 @@ def two_engines(tmp_path_factory):
 def test_two_engines_answer_as_one_process_does_and_share_the_load(two_engines):
     serve, engine_processes, fronts = _tree(str(two_engines.base_url))
     assert len(engine_processes) == 2 and fronts
-    sockets = {p.environ()["SWITCHYARD_ENGINE_SOCKET"] for p in engine_processes}
+    sockets = {ProcessLinks.handed_down(p.environ()).engine_socket for p in engine_processes}
     assert len(sockets) == 2
     data = clustered(500, DIM, seed=41)
     assert two_engines.post("/v1/collections", json={"name": "e1", "dim": DIM}).status_code == 201

@@ -44,13 +44,13 @@ class OlapHost:
         if self.olap is None:
             s = self.settings
             self.olap = OlapManager(self.root, Admission(s))
-            if s.gpu != "off" and probe_cuda(enabled=True).present:
+            if s.gpu.mode != "off" and probe_cuda(enabled=True).present:
                 from olap.cudf_engine import CudfEngine
 
                 self.olap.attach(CudfEngine())
             from olap.duckdb_engine import DuckDBEngine
 
-            self.olap.attach(DuckDBEngine(threads=s.cpu_threads, memory_limit=s.duckdb_memory))
+            self.olap.attach(DuckDBEngine(threads=s.cpu.threads, memory_limit=s.duckdb_memory))
             await self.olap.start(load_active=False)  # the ingress names the dataset on every watch
         if dataset is not None and dataset != self.wanted:
             self.wanted, self.error = dataset, None

@@ -44,7 +44,7 @@ def connect(settings: Settings) -> Any:
     """Join the cluster at SWITCHYARD_RAY_ADDRESS ("auto": the one this machine is part of), once per process."""
     ray = ray_module()
     if not ray.is_initialized():
-        ray.init(address=settings.ray_address or "auto", namespace=settings.ray_namespace, ignore_reinit_error=True,
+        ray.init(address=settings.cluster.ray_address or "auto", namespace=settings.cluster.ray_namespace, ignore_reinit_error=True,
                  log_to_driver=False)
     return ray
 
@@ -58,11 +58,11 @@ def _actors(settings: Settings, domain: str, host: type, parts: int, replicas: i
     ones): host(*args, part, parts, replica, settings carried)."""
     ray = connect(settings)
     host_class = ray.remote(host)
-    carried = {name: getattr(settings, name) for name in SHARD_SETTINGS}
+    carried = {name: value for name, value in settings.flat().items() if name in SHARD_SETTINGS}
     return [[host_class.options(
-        name=actor_name(p, parts, r, domain), namespace=settings.ray_namespace, get_if_exists=True,
-        lifetime="detached", max_restarts=-1, max_task_retries=0, num_cpus=settings.shard_cpus,
-        num_gpus=settings.shard_gpus, scheduling_strategy="SPREAD",
+        name=actor_name(p, parts, r, domain), namespace=settings.cluster.ray_namespace, get_if_exists=True,
+        lifetime="detached", max_restarts=-1, max_task_retries=0, num_cpus=settings.cluster.shard_cpus,
+        num_gpus=settings.cluster.shard_gpus, scheduling_strategy="SPREAD",
     ).remote(*args, p, parts, r, carried) for r in range(replicas)] for p in range(parts)]
 
 
@@ -73,13 +73,13 @@ def _shard_set(settings: Settings, replicas: list[list[Any]], *request_errors: t
         return await getattr(actor, method).remote(*args)
 
     return ShardSet(replicas, call, request_errors=(InvalidInput, *request_errors),
-                    call_timeout_s=settings.shard_call_timeout_s)
+                    call_timeout_s=settings.cluster.shard_call_timeout_s)
 
 
 async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
-    actors = _actors(settings, "vectors", ShardHost, settings.shards, settings.shard_replicas, dsn,
+    actors = _actors(settings, "vectors", ShardHost, settings.cluster.shards, settings.cluster.shard_replicas, dsn,
                      str(settings.data_dir))
-    log.info("vector shards: %d x %d replicas on Ray %s", settings.shards, settings.shard_replicas,
+    log.info("vector shards: %d x %d replicas on Ray %s", settings.cluster.shards, settings.cluster.shard_replicas,
              ray_module().__version__)
     return _shard_set(settings, actors)
 
@@ -89,9 +89,9 @@ async def olap_partitions(settings: Settings) -> ShardSet:
 
     from .olap_host import OlapHost
 
-    actors = _actors(settings, "olap", OlapHost, settings.olap_partitions, settings.olap_replicas,
+    actors = _actors(settings, "olap", OlapHost, settings.cluster.olap_partitions, settings.cluster.olap_replicas,
                      str(settings.data_dir))
-    log.info("SSB partitions: %d x %d replicas", settings.olap_partitions, settings.olap_replicas)
+    log.info("SSB partitions: %d x %d replicas", settings.cluster.olap_partitions, settings.cluster.olap_replicas)
     return _shard_set(settings, actors, QueryParamError)
 
 
@@ -100,9 +100,9 @@ async def spatial_partitions(settings: Settings, dsn: str) -> ShardSet:
 
     from .spatial_host import SpatialHost
 
-    actors = _actors(settings, "spatial", SpatialHost, settings.spatial_partitions, settings.spatial_replicas, dsn,
+    actors = _actors(settings, "spatial", SpatialHost, settings.cluster.spatial_partitions, settings.cluster.spatial_replicas, dsn,
                      str(settings.data_dir))
-    log.info("spatial partitions: %d x %d replicas", settings.spatial_partitions, settings.spatial_replicas)
+    log.info("spatial partitions: %d x %d replicas", settings.cluster.spatial_partitions, settings.cluster.spatial_replicas)
     return _shard_set(settings, actors, GeometryError)
 
 
@@ -110,13 +110,13 @@ def remove_shard_actors(settings: Settings) -> int:
     """Kill the hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
     ray = connect(settings)
     killed = 0
-    for domain, parts, replicas in (("vectors", settings.shards, settings.shard_replicas),
-                                    ("olap", settings.olap_partitions, settings.olap_replicas),
-                                    ("spatial", settings.spatial_partitions, settings.spatial_replicas)):
+    for domain, parts, replicas in (("vectors", settings.cluster.shards, settings.cluster.shard_replicas),
+                                    ("olap", settings.cluster.olap_partitions, settings.cluster.olap_replicas),
+                                    ("spatial", settings.cluster.spatial_partitions, settings.cluster.spatial_replicas)):
         for p in range(parts):
             for r in range(replicas):
                 try:
-                    ray.kill(ray.get_actor(actor_name(p, parts, r, domain), namespace=settings.ray_namespace),
+                    ray.kill(ray.get_actor(actor_name(p, parts, r, domain), namespace=settings.cluster.ray_namespace),
                              no_restart=True)
                     killed += 1
                 except ValueError:
@@ -159,7 +159,7 @@ def serve_on_ray(settings: Settings, address: str | None) -> None:
     stay until interrupted; then take the application and the shard actors down."""
     embedded = None
     env = _switchyard_env()
-    if settings.database_url is None:
+    if settings.database.url is None:
         # Shard hosts and ingress replicas all need one database: this machine's embedded server. Other machines
         # cannot reach it (it listens on this host only): a real cluster sets SWITCHYARD_DATABASE_URL.
         embedded = EmbeddedPostgres(settings.embedded_pgdata)
@@ -170,9 +170,9 @@ def serve_on_ray(settings: Settings, address: str | None) -> None:
     if not ray.is_initialized():
         # No address: a Ray instance of this machine, with logical CPUs enough for every actor asked for even
         # on a small machine (they are scheduling units here; the cores are shared as in one process).
-        wanted = settings.shards * settings.shard_replicas * settings.shard_cpus + settings.ray_ingress_replicas
+        wanted = settings.cluster.shards * settings.cluster.shard_replicas * settings.cluster.shard_cpus + settings.cluster.ray_ingress_replicas
         local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(wanted))} if address is None else {}
-        ray.init(address=address, namespace=settings.ray_namespace, ignore_reinit_error=True, **local)
+        ray.init(address=address, namespace=settings.cluster.ray_namespace, ignore_reinit_error=True, **local)
     env["SWITCHYARD_RAY_ADDRESS"] = "auto"  # the replicas run inside the cluster
     env["SWITCHYARD_DATA_DIR"] = str(settings.data_dir)
     from ray import serve
@@ -181,15 +181,15 @@ def serve_on_ray(settings: Settings, address: str | None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(ingress_app(settings.ray_ingress_replicas, env), name=settings.ray_namespace, route_prefix="/")
+        serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
+        serve.run(ingress_app(settings.cluster.ray_ingress_replicas, env), name=settings.cluster.ray_namespace, route_prefix="/")
         log.info("Switchyard on Ray Serve at http://%s:%d (%d ingress replica(s), %d shard(s) x %d replica(s))",
-                 settings.host, settings.port, settings.ray_ingress_replicas, settings.shards,
-                 settings.shard_replicas)
+                 settings.server.host, settings.server.port, settings.cluster.ray_ingress_replicas, settings.cluster.shards,
+                 settings.cluster.shard_replicas)
         stop.wait()
     finally:
         try:
-            serve.delete(settings.ray_namespace)
+            serve.delete(settings.cluster.ray_namespace)
             remove_shard_actors(settings)
         finally:
             if embedded is not None:

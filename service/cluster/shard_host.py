@@ -65,18 +65,18 @@ class ShardHost:
     async def _start(self) -> None:
         s = self.settings
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        pool = await open_pool(self.dsn, min_size=1, max_size=4, command_timeout=s.db_command_timeout_s,
-                               acquire_timeout_s=s.db_acquire_timeout_s)
+        pool = await open_pool(self.dsn, min_size=1, max_size=4, command_timeout=s.database.command_timeout_s,
+                               acquire_timeout_s=s.database.acquire_timeout_s)
         vectors = CollectionManager(
-            pool, self.data_dir, dsn=self.dsn, max_batch=s.batch_max, batch_window_s=s.batch_window_ms / 1000,
-            inline_search_s=s.inline_search_us / 1e6, inline_turn_s=s.inline_turn_us / 1e6,
-            consistency=Consistency(s.consistency, s.bounded_staleness_ms / 1000, s.consistency_timeout_ms / 1000,
-                                    s.replication_poll_ms / 1000),
-            policy=RebuildPolicy(dead_fraction=s.rebuild_dead_fraction, delta_rows=s.rebuild_delta_rows),
+            pool, self.data_dir, dsn=self.dsn, max_batch=s.vectors.batch_max, batch_window_s=s.vectors.batch_window_ms / 1000,
+            inline_search_s=s.vectors.inline_search_us / 1e6, inline_turn_s=s.vectors.inline_turn_us / 1e6,
+            consistency=Consistency(s.replication.consistency, s.replication.bounded_staleness_ms / 1000, s.replication.consistency_timeout_ms / 1000,
+                                    s.replication.poll_ms / 1000),
+            policy=RebuildPolicy(dead_fraction=s.replication.rebuild_dead_fraction, delta_rows=s.replication.rebuild_delta_rows),
             guard=Admission(s), shard=self.shard)
-        gpu = s.gpu != "off" and probe_cuda(enabled=True).present
-        engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu_threads, huge_pages=s.huge_pages,
-                                                       gpu_build_process=s.gpu_build_process)
+        gpu = s.gpu.mode != "off" and probe_cuda(enabled=True).present
+        engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu.threads, huge_pages=s.cpu.huge_pages,
+                                                       gpu_build_process=s.gpu.build_process)
         await engine.start()
         self.kind = vectors.resident_kind
         await vectors.start()

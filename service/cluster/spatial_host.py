@@ -38,9 +38,9 @@ class SpatialHost:
         async with self._lock:
             if self.spatial is None:
                 pool = await open_pool(self.dsn, min_size=1, max_size=2, init=None,
-                                       command_timeout=self.settings.db_command_timeout_s)
+                                       command_timeout=self.settings.database.command_timeout_s)
                 spatial = SpatialManager(pool, Admission(self.settings))
-                if self.settings.gpu != "off" and probe_cuda(enabled=True).present:
+                if self.settings.gpu.mode != "off" and probe_cuda(enabled=True).present:
                     from spatial.cuda_engine import CudaSpatialEngine
 
                     spatial.attach(CudaSpatialEngine())

@@ -79,10 +79,10 @@ def _job(job: Any, response: Response) -> JobAccepted:
 async def _ensure_disk(runtime: Any, manager: Any, need: float, parquet: float, what: str, field: str) -> None:
     """Refuse a dataset that would eat into the disk reserve or pass the SSB quota (507), before any job starts."""
     s = runtime.settings
-    ensure_room(s.data_dir, need, s.disk_reserve_mb * 2**20, what, field)
-    if s.ssb_quota_gb is not None:
+    ensure_room(s.data_dir, need, s.jobs.disk_reserve_mb * 2**20, what, field)
+    if s.jobs.ssb_quota_gb is not None:
         used = await asyncio.to_thread(tree_bytes, manager.root)
-        ensure_quota(used, parquet, s.ssb_quota_gb * 1e9, what, field)
+        ensure_quota(used, parquet, s.jobs.ssb_quota_gb * 1e9, what, field)
 
 
 @router.get("/olap/ssb/datasets", summary="SSB datasets on disk, and which one the engines hold")

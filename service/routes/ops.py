@@ -14,7 +14,7 @@ from ..deps import RuntimeDep
 
 
 async def ops_auth(request: Request, credentials=Depends(bearer_scheme)) -> None:  # noqa: B008 - FastAPI's idiom
-    if request.app.state.switchyard.settings.ops_auth == "key":
+    if request.app.state.switchyard.settings.server.ops_auth == "key":
         await require_api_key(request, credentials)
 
 

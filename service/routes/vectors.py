@@ -196,7 +196,7 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
     s = runtime.settings
-    reserve = s.disk_reserve_mb * 2**20
+    reserve = s.jobs.disk_reserve_mb * 2**20
     path = await spool(request, s.data_dir, reserve, "the bulk load's body")
     try:
         rows = await asyncio.to_thread(check_arrow, path, c.dim)
