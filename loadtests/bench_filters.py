@@ -12,7 +12,7 @@ recall; PostgreSQL's planner may also pick the b-tree and sort, as it would for 
 50%, 10%, 1% and 0.1% of rows (`attr < p * 1,000,000`, VectorDBBench's int-filter cases) and for no filter, each
 system's search parameter is swept: recall@10 against exact search over the matching rows, QPS for one client and
 for 32 client threads (one query per request; clients share the cores with the servers). Then recall targets
-0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under loadtests/results/filters/.
+0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under results_dir("filters") (loadtests/processes.py).
 
 Each system through its fastest client: pgvector through psycopg's binary protocol with a prepared statement,
 Switchyard through libcurl (pycurl, the `bench` extra) with the query as raw float32 and the options and filter in
@@ -32,12 +32,12 @@ from urllib.parse import urlencode
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
 from datasets import mixture
 from vectordbbench.rest import Rest
 
-RESULTS = Path(__file__).resolve().parent / "results" / "filters"
+RESULTS = results_dir("filters")
 ATTR_RANGE = 1_000_000
 SELECTIVITIES = (None, 0.99, 0.5, 0.1, 0.01, 0.001)  # None: no filter
 TARGET = 0.95

@@ -9,7 +9,7 @@ both processes together. Compared side by side:
 - zmq: pyzmq DEALER (zmq.asyncio) to ROUTER over ipc://, multipart frames, no copies of the vector;
 - pipe: a multiprocessing Pipe read through the event loop (length-prefixed msgpack);
 - thread: today's hop inside one process, loop.run_in_executor to a thread (what the micro-batcher does).
-Writes JSON under loadtests/results/ipc/.
+Writes JSON under results_dir("ipc") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ import struct
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import psutil
 
-from benchkit import save_json, versions
+from benchkit import results_dir, save_json, versions
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ipc"
+RESULTS = results_dir("ipc")
 K = 10
 
 

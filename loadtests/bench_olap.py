@@ -8,7 +8,7 @@ into the engines (DuckDB in memory, PostgreSQL heap tables; cuDF when a GPU is p
 warm-up and the median of --runs timed runs for each engine through HTTP, for DuckDB in-process on the same
 Parquet files (tables loaded into memory, the same SQL text), and for PostgreSQL over asyncpg (the same SQL,
 the service's tables). The answers of every system, and of the GPU plans run on pandas, are compared. Writes
-JSON and a PNG bar chart under loadtests/results/olap/.
+JSON and a PNG bar chart under results_dir("olap") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, results_dir, save_json, versions, wait_for_quiet
 
-RESULTS = Path(__file__).resolve().parent / "results" / "olap"
+RESULTS = results_dir("olap")
 
 
 def timed(fn: Callable[[], Any], runs: int) -> tuple[dict[str, float], Any]:

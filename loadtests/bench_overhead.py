@@ -13,7 +13,7 @@ ef_construction=64) bulk-loaded as an Arrow job, and the same FAISS HNSW built i
 - QPS and latency for 1-64 closed-loop clients (threads here, on the same cores as the server: said in the JSON),
   and single-vector upserts per second for 1-16 clients (concurrent small writes share transactions: group commit).
 Pass `--env SWITCHYARD_FRONTS=2` for the front/engine layout (each process's RSS is recorded with its role).
-Writes JSON and a PNG under loadtests/results/overhead/.
+Writes JSON and a PNG under results_dir("overhead") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import numpy as np
 import orjson
 import psutil
 
-from benchkit import MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
+from benchkit import MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
 from datasets import mixture
 
-RESULTS = Path(__file__).resolve().parent / "results" / "overhead"
+RESULTS = results_dir("overhead")
 K, EF, M, EF_CONSTRUCTION = 10, 64, 16, 64
 IDLE_GAP_S = 0.0003  # about one client round trip here
 

@@ -13,7 +13,8 @@ worker logs when it applied each commit); one bulk load; then
    single vectors (k=10, HNSW ef=64) at each consistency level, read-only and beside the same write stream, in
    rounds that take every level in turn; the median round's QPS and latency per level, and the ratio to
    `eventually`.
-Clients and servers share the machine's cores. Writes JSON and a PNG under loadtests/results/replication/.
+Clients and servers share the machine's cores. Writes JSON and a PNG under results_dir("replication")
+(loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import numpy as np
 import orjson
 
 from bench_vectors import bulk_load, make_data
-from benchkit import MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
+from benchkit import MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 
-RESULTS = Path(__file__).resolve().parent / "results" / "replication"
+RESULTS = results_dir("replication")
 LEVELS = ("eventually", "bounded", "session", "strong")
 COLLECTION = "replicated"
 

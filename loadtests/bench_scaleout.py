@@ -9,7 +9,8 @@ ordinary one-process service; `SxR` joins a local Ray cluster (two node processe
 of R replicas each. The fan-out overhead is the one-client latency of a layout minus the single process's: the
 hop to the shard actors and the merge. On one machine the shards and replicas share its cores with the clients
 and PostgreSQL, and each Ray actor call costs the ingress CPU of its own (Ray's core worker threads): this shows
-what the hop costs, not what a cluster of machines would serve. Writes JSON and a PNG under loadtests/results/scaleout/.
+what the hop costs, not what a cluster of machines would serve. Writes JSON and a PNG under results_dir("scaleout")
+(loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from loadtests.bench_overhead import bodies, qps_vs_clients  # noqa: E402
 from loadtests.bench_vectors import bulk_load  # noqa: E402
 from loadtests.benchkit import Service, local_ray_cluster, save_json, versions, wait_for_quiet  # noqa: E402
 from loadtests.datasets import exact_neighbors, mixture  # noqa: E402
+from loadtests.processes import results_dir  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "scaleout"
+RESULTS = results_dir("scaleout")
 M, EF_CONSTRUCTION = 16, 64
 
 

@@ -10,7 +10,7 @@ engine in-process, GeoPandas sjoin(points, polygons, predicate="intersects") on 
 index build included, as a user would pay it), and PostGIS (points with a GiST index, ST_Intersects) when
 --postgis-url is given. Every system's per-polygon counts are compared. Then the distance join: --distance-points
 clustered points at 1 km, checked against a brute-force haversine on a seeded sample of points.
-Writes JSON and a PNG under loadtests/results/spatial/.
+Writes JSON and a PNG under results_dir("spatial") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, MachineLoad, Service, results_dir, save_json, versions, wait_for_quiet
 
-RESULTS = Path(__file__).resolve().parent / "results" / "spatial"
+RESULTS = results_dir("spatial")
 
 
 # Where the points fall: the world for countries; the contiguous US for counties (the counties' own bounds

@@ -10,7 +10,7 @@ the resident index and pgvector's HNSW index (m=16, ef_construction=64) in the s
 engine and each value of its search parameter: recall@10, QPS for one client sending single queries, QPS for 32
 concurrent clients (threads, keep-alive connections; micro-batching on), QPS for batches of 100. pgvector is
 queried directly with asyncpg (prepared statements, one connection per client thread). Clients share the 2 cores
-with the servers. Writes JSON and a PNG (recall against QPS) under loadtests/results/.
+with the servers. Writes JSON and a PNG (recall against QPS) under results_dir("vectors") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,20 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, repeat, run_clients, save_json, versions, wait_for_quiet
+from benchkit import (
+    JsonClient,
+    MachineLoad,
+    Service,
+    repeat,
+    results_dir,
+    run_clients,
+    save_json,
+    versions,
+    wait_for_quiet,
+)
 from datasets import mixture  # sibling module: these scripts run as files
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir("vectors")
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -267,7 +277,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per QPS measurement")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per point (after one warm-up)")
     ap.add_argument("--recall-target", type=float, default=0.95)
-    ap.add_argument("--out", type=Path, default=RESULTS / "vectors")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
     if args.data is not None:

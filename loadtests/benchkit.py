@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import psutil
 
 from loadtests.processes import BENCHMARK_ENV
+from loadtests.processes import results_dir as results_dir  # re-exported for the bench_*.py scripts
 
 
 def free_port() -> int:

@@ -47,7 +47,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results" / "consistency"
 LEVELS = ("strong", "session", "bounded", "eventually")
 # A search by a stored vector finds it at distance 0, float32 rounding aside. Exact search over a masked or batched
 # set expands |q - x|^2 as |q|^2 - 2 q.x + |x|^2, which keeps about one ulp of |q|^2 + |x|^2 (2^-18 at dim 16) and
@@ -474,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="service started here: rebuild when dead rows exceed this share (default 0.02: often)")
     p.add_argument("--rebuild-delta-rows", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, help="JSON report (default loadtests/results/consistency/...)")
+    p.add_argument("--out", type=Path,
+                   help="JSON report (default: results_dir('consistency')/consistency-<time>.json, "
+                        "loadtests/processes.py)")
     args = p.parse_args(argv)
     levels = tuple(args.levels.split(","))
     if unknown := set(levels) - set(LEVELS) - {"none"}:
@@ -505,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         if service is not None:
             service.stop()
     print_report(report)
-    out = args.out or RESULTS / f"consistency-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    from processes import results_dir  # a sibling module: this folder is on sys.path
+
+    out = args.out or results_dir("consistency") / f"consistency-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"report: {out}")

@@ -9,7 +9,7 @@ Without --url it starts `switchyard serve` on a fresh data directory (embedded P
 generated requests reach real resources: a collection, a point layer and a polygon layer, and with --ssb a small
 SSB dataset. Generating and importing SSB data are left out of the run: each generated case would start a job
 writing up to gigabytes (tests/test_ssb_service.py covers both routes). The report (case and failure counts,
-schemathesis's own output and JSON report) goes to loadtests/results/contract/.
+schemathesis's own output and JSON report) goes to results_dir("contract") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from loadtests.processes import local_service  # noqa: E402
+from loadtests.processes import local_service, results_dir  # noqa: E402
 
 CONFIG = HERE / "schemathesis.toml"
-RESULTS = HERE / "results" / "contract"
+RESULTS = results_dir("contract")
 SKIPPED = r"^/v1/olap/ssb/(generate|import)$"
 
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--ssb", action="store_true", help="load an SSB dataset (scale 0.01) so queries answer 200")
-    parser.add_argument("--out", type=Path, help="report folder (default: loadtests/results/contract/<time>)")
+    parser.add_argument("--out", type=Path,
+                        help="report folder (default: results_dir('contract')/contract-<time>, loadtests/processes.py)")
     args = parser.parse_args(argv)
 
     out = args.out or RESULTS / time.strftime("contract-%Y%m%d-%H%M%S")

@@ -15,7 +15,7 @@ each id's writes are ordered: an answered write (2xx) fixes the id's state, and 
 - jobs: none is left queued or running (a job the kill interrupted is failed, and says so);
 - SSB datasets: only complete ones are listed, and the one the engines hold answers Q1.1 on DuckDB and
   PostgreSQL alike.
-A JSON report (kills, what was in flight at each, the checks) goes to loadtests/results/crash/.
+A JSON report (kills, what was in flight at each, the checks) goes to results_dir("crash") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from loadtests.processes import embedded_postgres, free_port  # noqa: E402
+from loadtests.processes import embedded_postgres, free_port, results_dir  # noqa: E402
 
 DIM = 8
 WRITERS = 3
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-s", type=float, default=2.5, help="longest time from ready to kill")
     parser.add_argument("--ssb-every", type=int, default=4, help="an SSB generation runs in every Nth round")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "crash")
+    parser.add_argument("--out", type=Path, default=results_dir("crash"))
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     folder = Path(tempfile.mkdtemp(prefix="switchyard-crash-"))

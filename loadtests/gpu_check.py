@@ -20,8 +20,8 @@
    The spatial part needs only CuPy and numba-cuda (no shapely, no pytest), so it runs usefully on machines
    where the RAPIDS wheels cannot be installed; cuVS and cuDF parts are then skipped with the reason.
 
-Writes gpu-check-<stamp>.json and .md under loadtests/results/gpu-check/. Without a device everything GPU is
-skipped with its reason and the report is still written. Never reports a figure it did not measure.
+Writes gpu-check-<stamp>.json and .md under results_dir("gpu-check") (loadtests/processes.py). Without a device
+everything GPU is skipped with its reason and the report is still written. Never reports a figure it did not measure.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "loadtests" / "results" / "gpu-check"
+from loadtests.processes import results_dir  # noqa: E402
+
+RESULTS = results_dir("gpu-check")
 
 LIBRARIES = {  # module -> the distributions that may provide it
     "cupy": ("cupy-cuda12x", "cupy-cuda13x", "cupy"),

@@ -22,6 +22,23 @@ from pathlib import Path
 # adaptive limit, the default (README: Overload).
 BENCHMARK_ENV = {"SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE": "0"}
 
+# Where benchmarks and load tests write by default (git-ignored in a checkout; never inside site-packages).
+RESULTS_ENV = "SWITCHYARD_RESULTS_DIR"
+_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def results_dir(name: str) -> Path:
+    """The default folder for one benchmark's results (a script's --out, where it has one, still wins):
+    $SWITCHYARD_RESULTS_DIR/<name> when that is set; else loadtests/results/<name> in a source checkout (one with
+    pyproject.toml beside loadtests/); else results/<name> under the current directory, so that an installed
+    package never writes into site-packages. .gitignore covers loadtests/results/ and results/."""
+    base = os.environ.get(RESULTS_ENV)
+    if base:
+        return Path(base).expanduser() / name
+    if (_CHECKOUT / "pyproject.toml").is_file():
+        return _CHECKOUT / "loadtests" / "results" / name
+    return Path.cwd() / "results" / name
+
 
 class ServiceError(RuntimeError):
     pass

@@ -17,7 +17,7 @@ from typing import Any
 
 from loadtests import report
 from loadtests.client import Api
-from loadtests.processes import ServiceError, local_service
+from loadtests.processes import ServiceError, local_service, results_dir
 from loadtests.sweep import Point, Sweep
 
 # Each engine's search parameter and the values swept by default, by the collection's index type.
@@ -44,7 +44,7 @@ def _sweep_overrides(items: list[str]) -> dict[str, list[int]]:
 
 
 def _out_dir(args: argparse.Namespace, workload: str) -> Path:
-    out = Path(args.out) if args.out else Path("loadtests/results/loadtest") / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out) if args.out else results_dir("loadtest") / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -201,7 +201,8 @@ def _common(p: argparse.ArgumentParser, users: str) -> None:
     p.add_argument("--duration", type=float, default=15, help="seconds per point (default 15)")
     p.add_argument("--processes", type=int, default=0, help="Locust --processes (load generator processes; 0: one)")
     p.add_argument("--locust-arg", action="append", default=[], help="passed to every Locust run (repeatable)")
-    p.add_argument("--out", help="report folder (default loadtests/results/loadtest/<workload>-<time>)")
+    p.add_argument("--out", help="report folder (default: $SWITCHYARD_RESULTS_DIR/loadtest/<workload>-<time>; "
+                                 "without it loadtests/results/loadtest/ in a source checkout, else ./results/loadtest/)")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ small SSB dataset, then:
 The mix: single-vector searches (70%), small upserts (20%), SSB queries on DuckDB (10%). Each phase reports
 throughput, p50/p99 of admitted (2xx) requests, the share shed with 429/503 (and whether each carried
 Retry-After), other errors by kind, and the service's memory (RSS of its processes, PostgreSQL's included) every
-half second, with the in-flight limit in force. JSON and a PNG go to loadtests/results/soak/.
+half second, with the in-flight limit in force. JSON and a PNG go to results_dir("soak") (loadtests/processes.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadtests.benchkit import Service, save_json, versions  # noqa: E402
+from loadtests.benchkit import Service, results_dir, save_json, versions  # noqa: E402
 from loadtests.client import Api  # noqa: E402
 
 DIM = 128
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=20, help="seconds per phase")
     parser.add_argument("--factors", default="2,4", help="overload factors of the open-loop phases")
     parser.add_argument("--env", action="append", default=[], help="SWITCHYARD_X=Y for the service (repeatable)")
-    parser.add_argument("--out", type=Path, default=ROOT / "loadtests" / "results" / "soak")
+    parser.add_argument("--out", type=Path, default=results_dir("soak"))
     args = parser.parse_args()
 
     env = dict(item.split("=", 1) for item in args.env)

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loadtests.processes import embedded_postgres, local_service
+from loadtests.processes import embedded_postgres, local_service, results_dir
 
 from . import dataset as ds
 from . import offline, summary
@@ -76,7 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--pgvector-maintenance-work-mem", default="1GB",
                      help="for the pgvector client's index build (VectorDBBench's option; default 1GB)")
     run.add_argument("--insert-batch-size", type=int, default=5000, help="rows per insert call, both systems")
-    run.add_argument("--out", type=Path, default=REPO / "loadtests" / "results" / "vectordbbench")
+    run.add_argument("--out", type=Path, default=results_dir("vectordbbench"),
+                     help="report folder (default: $SWITCHYARD_RESULTS_DIR/vectordbbench; without it "
+                          "loadtests/results/vectordbbench/ in a source checkout, else ./results/vectordbbench/)")
     run.add_argument("--keep-data", action="store_true", help="keep the temporary folder (data set, data dirs)")
     args = parser.parse_args(argv)
     if not args.url and not args.start_service:
