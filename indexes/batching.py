@@ -1,26 +1,11 @@
 """Dynamic micro-batching: concurrent single-vector searches with the same key become one engine call.
 
-While the engine works on one batch, new requests queue; when it finishes, everything queued (up to
-max_batch) goes as the next batch. A lone client therefore waits for nothing, and 32 concurrent clients
-share calls of ~32 vectors. With window_s > 0 the first request of an idle key also waits up to that long
-for company. Every future is resolved, with the result or with the engine's exception.
-
-A lone query of a key whose lone queries have cost less than `inline_below_s` runs on the event loop itself:
-the hop to a worker thread and back cost ~150 us of CPU for one request at a time (loadtests/bench_ipc.py),
-more than an HNSW search of a 128-d vector. Lone means no other search reached the batcher in the same turn of
-the loop (requests that arrive together do: one yield lets them); under concurrency searches keep going to the
-thread in batches, which inlining would serialise. `can_inline(key)` may veto it (say, while a writer holds the
-engine's lock, which would stall the loop).
-
-`try_now(key, vector)` is the same inline search for a caller that cannot wait at all (the HTTP protocol's
-synchronous lane, service/hot_protocol.py): it answers at once or returns None, and the caller takes the
-asynchronous path. Within one turn of the event loop it spends at most `turn_budget_s` of engine time (by each
-key's learnt cost; the first search of a turn always runs): past that, requests are arriving together and go to the
-worker thread as a batch, so the loop keeps reading while FAISS runs. A budget of time, not a count of searches:
-with at most 4 a turn, 32 clients' exact searches over 1,000 filtered rows (~30 us each) mostly went through the
-ASGI app and the thread hop, 198 us of service CPU a search and 5,729 searches/s; with 3 ms a turn, 82 us and
-12,170/s (200,000 x 128 HNSW, 32 client threads on the same 2 cores; unfiltered HNSW searches at ~150 us: 5,478
--> 5,822/s, and 4,745/s with 10 ms a turn, where the worker thread no longer helps).
+While the engine works on one batch, new requests queue and go together as the next (up to max_batch), so a lone
+client waits for nothing; with window_s > 0 an idle key's first request waits that long for company. Every future
+is resolved, with the result or the engine's exception. A lone cheap query (`inline_below_s`) runs on the event
+loop instead of hopping to a worker thread, unless `can_inline(key)` vetoes it; `try_now(key, vector)` is the same
+for a caller that cannot wait (service/hot_protocol.py), within a budget of engine time per turn of the loop
+(`turn_budget_s`). Why, with measurements: docs/design/vectors.md#micro-batching-and-inline-searches.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Index builds in a child process, for an engine whose calls must all come from one thread (cuVS).
 
-Every cuVS call of a process goes through its one GPU worker thread (cuvs_index.py: concurrent calls segfault,
-NVIDIA/cuvs #2041). A CAGRA build of a large collection takes that thread for minutes, and every GPU search of
-every other collection waits behind it. So a large build runs here instead: a fresh `python -m
-indexes.build_process` with its own CUDA context builds the index with the same backend class and writes its
-serialised bytes (AnnIndex.to_bytes); the service then loads them on its GPU thread (one upload, seconds at most)
-and swaps them in as before (resident.py: plan_build, install). A crash or an out-of-memory in the build kills
-the child, not the service; the collection keeps its old index and the rebuild fails with the child's error.
-
-Vectors go to the child as a .npy file and the index comes back as a file, both under the service's data
-directory (not /tmp, which may be memory), in a directory named after the service's pid: files a killed service
-left behind are swept before the next build. Builds too small to be worth a process (fewer than `min_values`
-floats) stay on the engine's thread.
+A large CAGRA build would hold the one GPU worker thread, and every GPU search behind it, for minutes. So a fresh
+`python -m indexes.build_process` with its own CUDA context builds it with the same backend class and writes its
+serialised bytes (AnnIndex.to_bytes); the service loads them on its GPU thread and swaps them in (resident.py:
+plan_build, install). A crash in the build kills the child, not the service. Files go through a pid-named
+directory under the data directory (not /tmp, which may be memory), swept of a killed service's leftovers; builds
+under `min_values` floats stay on the engine's thread.
 """
 
 from __future__ import annotations

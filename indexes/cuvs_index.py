@@ -1,32 +1,13 @@
 """cuVS (GPU) indexes: brute force, IVF-Flat, IVF-PQ with exact re-ranking, and CAGRA (also serving `hnsw`).
 
-The one module that calls cuVS; FAISS's twin is indexes/faiss_index.py (same class and method names).
+The one module that calls cuVS; FAISS's twin is indexes/faiss_index.py (same class and method names). Rows are
+numbered 0..size-1 in insertion order; results are host NumPy in engine space (squared L2, or the dot product),
+missing results row -1, every slot pre-filled and checked on the host. cupy and cuvs are imported on first use.
 
-- Rows are numbered 0..size-1 in insertion order and those row numbers are what cuVS returns: brute force and
-  CAGRA number rows by position, IVF indexes are filled through `extend` with `arange` ids from the start.
-- Results are host NumPy in engine space: squared L2 for "l2" (cuVS "sqeuclidean"), the dot product for
-  "cosine" / "inner_product" (cuVS "inner_product"; cosine vectors arrive unit-normalised). Missing results
-  are row -1 with the worst score; every output slot is pre-filled and every row checked on the host, because
-  filtered cuVS searches may leave slots unwritten when fewer than k rows qualify (zilliztech/knowhere #1742).
-- `hnsw` has no GPU index of its own: it builds CAGRA with graph_degree = 2*m, intermediate degree =
-  2*graph_degree, and searches with itopk_size = max(k, ef). `ef_construction` has no CAGRA counterpart.
-- cupy and cuvs are imported on first use (`_lib()`), so importing this module costs nothing on a machine
-  without a GPU; `VERSION` (the installed cuvs-cu12, or None) is read from package metadata on first access.
-
-Threads: cuVS's Python layer is not thread-safe (NVIDIA/cuvs #2041: concurrent searches segfault in
-device_ndarray.empty). All calls here share one `Resources` and must come from ONE thread: the service routes
-every cuVS call through the single-worker GPU executor of indexes/manager.py, and resident.py additionally
-serialises the calls of each collection under its lock. Do not call into this module from anywhere else. Large
-builds run in a child process of their own (`CuvsBackend.builder`, indexes/build_process.py), so that they do
-not hold that thread; the child's one thread makes its calls.
-
-No RMM pool is installed: `Resources.set_memory_pool` and rmm's Python resource API could not be confirmed
-for the pinned release, and CuPy already pools its own allocations.
-
-Signatures were read from the cuVS Python sources (NVIDIA/cuvs and rapidsai/cuvs `python/cuvs/cuvs/...`,
-26.08-era copies) and cross-checked with shared/research/vector.md section 1 (tag v26.08.01); each call
-cites its file below. cuVS's save/load format is "experimental, subject to change": resident.py keeps the raw
-vectors in every snapshot, so an index that fails to load can be rebuilt.
+Threads: cuVS's Python layer is not thread-safe (NVIDIA/cuvs #2041). Every call must come from ONE thread, the
+single-worker GPU executor of indexes/manager.py: do not call into this module from anywhere else. Large builds run
+in a child process (indexes/build_process.py). Signatures follow the cuVS Python sources (NVIDIA/cuvs tag v26.08.01,
+python/cuvs/cuvs/...); each call cites its file below. More: docs/design/vectors.md#cuvs.
 """
 
 from __future__ import annotations

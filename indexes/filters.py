@@ -1,24 +1,11 @@
 """The payload filter language: parsed and checked once, then evaluated by the resident payload index
 (indexes/payloads.py) or translated to SQL over jsonb for pgvector, with the same meaning on both.
 
-The syntax is MongoDB's, as Chroma and Pinecone use it:
-
-    {"color": "red"}                                   equality (shorthand for {"color": {"$eq": "red"}})
-    {"price": {"$gte": 10, "$lt": 20}}                 several operators on one field: all must hold
-    {"tag": {"$in": ["a", "b"]}}, {"$nin": [...]}      membership
-    {"day": {"$gte": "2024-01-01"}}                    a date range (ISO-8601 strings, compared as instants)
-    {"note": {"$exists": true}}                        the key is present (with any value, null included)
-    {"$and": [f, ...]}, {"$or": [f, ...]}, {"$not": f}  composition; several keys in one object are an $and
-
-Meaning, the same on every engine:
-- Only top-level payload keys are fields. A field's value is a number, a string, a boolean or null; an array or
-  an object matches only `$exists`.
-- `$eq` / `$in` match values of the operand's type: numbers compare as float64 (1 equals 1.0), strings exactly,
-  booleans are not numbers. A missing field matches neither.
-- `$ne` is `$not` of `$eq` and `$nin` `$not` of `$in`: a point without the field matches them (as in MongoDB).
-- `$gt`, `$gte`, `$lt`, `$lte` take a number (matching number values) or an ISO-8601 date / date-time string
-  (matching string values that are such dates, as instants; no offset means UTC). Nothing else has an order.
-A bad filter is an InvalidInput naming the path inside it, e.g. `filter.$or[1].price.$gte`.
+MongoDB's syntax, as Chroma and Pinecone use it, over top-level payload keys: {"color": "red"},
+{"price": {"$gte": 10, "$lt": 20}}, $eq $ne $in $nin $gt $gte $lt $lte $exists, $and / $or / $not. Values match
+values of the operand's type (numbers as float64, strings exactly, ISO-8601 dates as instants); `$ne` / `$nin`
+match points without the key. A bad filter is an InvalidInput naming the path inside it, e.g.
+`filter.$or[1].price.$gte`. The full rules: docs/api.md#filtered-search.
 """
 
 from __future__ import annotations

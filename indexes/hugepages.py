@@ -1,17 +1,10 @@
-"""Transparent huge pages for a resident FAISS index's vectors and graph.
+"""Transparent huge pages for a resident FAISS index's vectors and graph (SWITCHYARD_HUGE_PAGES).
 
-A graph search reads about a thousand vectors at scattered places in tens or hundreds of megabytes. With 4 KiB
-pages nearly each read is a TLB miss, and a server's searches start with the TLB cold: the client and the kernel
-ran between two requests. With 2 MiB pages a 50,000 x 128 collection is 13 pages. Linux gives them to ranges
-advised MADV_HUGEPAGE (the default THP mode, "madvise", gives them to nothing else); MADV_COLLAPSE (Linux 6.1+)
-moves a range onto huge pages at once instead of when khugepaged passes by, minutes later for a large index.
-Measured with loadtests/bench_overhead.py (50,000 x 128 HNSW, one client, raw float32 bodies, runs alternated;
-loadtests/results/overhead/bench_overhead-20261125-105938 to -111240, each with its --env): huge pages for the
-whole process (glibc.malloc.hugetlb=1) gave 162-173 us of service CPU per search against 175-186 without; these
-regions alone 170-171 against 172-182 (SWITCHYARD_HUGE_PAGES=false), within this VM's noise.
-
-Bulk work (a build, a load, a large add: background threads) collapses; a small add, under the replica's lock,
-only advises. Where THP is off, on other systems, or for memory FAISS does not expose, nothing happens.
+A graph search reads about a thousand vectors at scattered places, and with 4 KiB pages nearly each read is a TLB
+miss. Ranges are advised MADV_HUGEPAGE and, after bulk work (builds, loads, large adds: background threads),
+collapsed at once with MADV_COLLAPSE (Linux 6.1+); a small add under the replica's lock only advises. Where THP is
+off, on other systems, or for memory FAISS does not expose, nothing happens. Measurements:
+docs/design/vectors.md#huge-pages.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """How a resident search runs: the plan for a payload filter, and search parameters for a recall target.
 
-Filtered searches (measured with loadtests/bench_filters.py --sweep, FAISS HNSW32 on 200,000 x 128 clustered
-vectors, k = 10, one query per call): with the filter as a bitmap, HNSW's cost stays flat as the filter keeps
-fewer rows but its recall falls (ef 64: 0.96 at 50% of rows, 0.80 at 5%, 0.50 at 1%). Recall 0.95 needed ef 64 at
-50%, 128 at 10%, about 200 at 5%, 350 at 2% and 512 at 1%: ef * selectivity^-0.55 holds it, so that is the effort
-rule. Exact search over the matching rows (gathered once, then one matrix product) cost 15 us at 1% and 190 us at
-10% against HNSW's 320 us and 1.3 ms at the effort that holds recall: exact wins while the matching rows are
-fewer than about 6 * M * ef rows (an HNSW search computes about 2M distances per ef step, each about three times
-the cost of a row in a dense product). IVF scans n_probes lists of about n / n_lists rows; kept to the same number
-of matching rows its effort is n_probes / selectivity, and exact wins while the matching rows are fewer than the
-rows it would scan. The response names the plan, the matching rows and the selectivity. A filter's rows, their
-vectors and ids, and the plans made for them are kept (FilterCache) until the collection changes: a filter used by
-many searches in a row is evaluated, gathered and planned once.
-
-The exponent is on the safe side where the filter keeps many rows, and kept so: on 100,000 x 128 (HNSW16,
-ef_construction 64, random subsets, 300 queries) holding the unfiltered recall at 50% needed ef x 1.3 (x 1.46
-gave 0.982 against 0.975 unfiltered, at 246 us against 202), but on 1,000,000 x 128 (HNSW32, ef_construction 40;
-loadtests/bench_filters.py) x 1.46 gave 0.955 against 0.956 unfiltered: a weaker graph needs it all. Searching
-the index unfiltered for 2k/selectivity rows and filtering them gave the same recall as the bitmap at the same ef
-(0.961 at 50%, ef 96) for 5-12% less time; not worth a third plan.
-
-Recall targets: each build leaves a random sample of 500 stored vectors out of the index (they wait in the exact
-delta), measures recall@10 of the index over a sweep of its search parameter with them as queries, against exact
-search over the indexed rows, then adds them. Stored vectors used as queries while in the index score far too well
-(a graph search starts next to its own node): 0.99 calibrated against 0.64 on fresh queries, measured. A targeted search takes the cheapest swept setting whose calibrated recall reaches the target, scaled
-for k > 10; none reaching it means exact search.
+Filtered: exact search over the matching rows while they are fewer than an ANN search would touch (about
+6 x M x ef rows for HNSW, the scanned lists for IVF), else the index with the filter as a bitmap and its effort
+raised as the filter tightens (ef and itopk_size x selectivity^-0.55, n_probes / selectivity). A filter's rows and
+plans are kept (FilterCache) until the collection changes. Recall targets: the cheapest setting whose recall,
+calibrated at build time on 500 held-out stored vectors, reaches the target; none means exact search.
+The measurements behind these rules: docs/design/vectors.md#filtered-search.
 """
 
 from __future__ import annotations

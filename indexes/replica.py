@@ -1,19 +1,10 @@
 """One collection's resident replica in this process, and how it keeps up with PostgreSQL's change log.
 
-Every change reaches the index in one of two ways, one at a time:
-- `catch_up`: one consistent read of the log after the watermark (deletes and current rows), applied in one
-  step; it also proves the replica fresh as of the moment the read started;
-- `apply_own`: a write this process has just committed, applied from the request's own data when it is the very
-  next change after the watermark (the common case: no read back), otherwise by a catch-up.
-So a failure between a commit and its apply is repaired by the next catch-up (the change follower's
-notification, its poll, or a search that needs freshness).
-
-Consistency levels (Milvus's names) become a moment the replica must be fresh as of:
-  strong      the search's arrival: a catch-up that starts after it (one round trip when nothing changed),
-              shared by every search that arrived before it started;
-  session     watermark >= the seq the client passes (what its write returned); if behind, as strong;
-  bounded     the arrival minus the staleness bound, which the follower's poll keeps true without waiting;
-  eventually  nothing.
+Changes arrive one at a time, by `catch_up` (one consistent read of the log after the watermark, applied in one
+step, which also proves the replica fresh as of the read's start) or `apply_own` (this process's own commit when it
+is the very next change, else a catch-up), so a failure between a commit and its apply is repaired by the next
+catch-up. Consistency levels become a moment to be fresh as of: strong = the search's arrival, session = the
+client's seq, bounded = the arrival minus the staleness bound, eventually = nothing. See docs/consistency.md.
 """
 
 from __future__ import annotations

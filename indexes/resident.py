@@ -1,15 +1,10 @@
 """A collection resident in memory: its vectors, the id <-> row mapping, deletes, and an ANN index.
 
-Engine-neutral: the same code serves FAISS and cuVS indexes (anything with the AnnIndex protocol).
-- Rows 0..index.size-1 are in the ANN index; rows after that (the delta) are searched exactly and merged.
-- A delete or a replaced id marks its row dead (a tombstone); searches never return dead rows, through
-  the index's keep-filter or, for indexes without one, by over-fetching. Rebuild compacts dead rows away.
-- Changes come in only from PostgreSQL's change log (`apply`): the ids deleted and the rows written after the
-  `watermark`, applied in one step, so a replica is always PostgreSQL's state at some seq, never a mix.
-- `digest` is the content digest (indexes/digest.py) of the live rows, kept up to date with every change.
-- `generation` counts layout changes (compactions, restores): row numbers mean the same rows only within one.
-  Within a generation rows are only appended (a replaced or deleted row is marked dead, never rewritten), so a
-  reader may take the arrays and the row count under the lock and copy rows below that count after it.
+Engine-neutral (FAISS and cuVS: anything with the AnnIndex protocol). Rows 0..index.size-1 are in the ANN index,
+later rows (the delta) are searched exactly and merged; deletes and replaced ids are tombstones searches never
+return, compacted away by a rebuild. Changes come only from PostgreSQL's change log (`apply`), in one step, so a
+replica is always PostgreSQL's state at some seq; `digest` follows every change. Within one `generation` rows are
+only appended, so a reader may take the arrays and the row count under the lock and copy rows below it after.
 """
 
 from __future__ import annotations

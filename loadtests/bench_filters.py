@@ -3,21 +3,12 @@
     python loadtests/bench_filters.py                       # 1,000,000 x 128, 200 queries
     python loadtests/bench_filters.py --n 100000 --duration 3
 
-Steps: a seeded mixture (loadtests/datasets.py) with an integer attribute `attr`, uniform in [0, 1,000,000); a
-fresh `switchyard serve` (embedded PostgreSQL), one Arrow bulk load with the attribute in each payload, which
-builds the resident HNSW index (and calibrates it); the same rows in a plain table of the same PostgreSQL with
-`attr` as a real integer column under a b-tree index and an HNSW index (m=16, ef_construction=64), queried
-directly with psycopg prepared statements and `hnsw.iterative_scan = relaxed_order` (pgvector's answer to filtered
-recall; PostgreSQL's planner may also pick the b-tree and sort, as it would for a user). For filters keeping 99%,
-50%, 10%, 1% and 0.1% of rows (`attr < p * 1,000,000`, VectorDBBench's int-filter cases) and for no filter, each
-system's search parameter is swept: recall@10 against exact search over the matching rows, QPS for one client and
-for 32 client threads (one query per request; clients share the cores with the servers). Then recall targets
-0.9 / 0.95 / 0.99 on the held-out queries. Writes JSON and a PNG under results_dir("filters") (loadtests/processes.py).
-
-Each system through its fastest client: pgvector through psycopg's binary protocol with a prepared statement,
-Switchyard through libcurl (pycurl, the `bench` extra) with the query as raw float32 and the options and filter in
-the query string, as VectorDBBench's Switchyard client sends them (loadtests/vectordbbench/rest.py). Both over a
-unix socket: psycopg reaches PostgreSQL through its socket, Switchyard's client through SWITCHYARD_UDS.
+A seeded mixture with an integer attribute, bulk-loaded into a fresh `switchyard serve` and into a plain pgvector
+table (the attribute a real column under a b-tree; HNSW m=16, ef_construction=64; iterative scans on). For filters
+keeping 99% to 0.1% of rows (VectorDBBench's int-filter cases) and for none, each system's search parameter is
+swept: recall@10 and QPS for 1 and 32 clients; then recall targets 0.9 / 0.95 / 0.99 on held-out queries. Each
+system through its fastest client over a unix socket (pycurl with raw float32 bodies; psycopg binary, prepared).
+Writes JSON and a PNG under results_dir("filters").
 """
 
 from __future__ import annotations

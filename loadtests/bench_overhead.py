@@ -3,17 +3,11 @@
     python loadtests/bench_overhead.py                  # 50,000 x 128 and 100,000 x 768, clustered
     python loadtests/bench_overhead.py --sets 20000x128 --workers 2
 
-For each data set: a fresh `switchyard serve` (embedded PostgreSQL), a collection with HNSW (m=16,
-ef_construction=64) bulk-loaded as an Arrow job, and the same FAISS HNSW built in this process. Then:
-- FAISS in-process, one thread, one query per call: CPU per search (ef=64, k=10);
-- the service, one client sending single-vector searches back to back over a keep-alive connection, each body
-  encoding in turn (JSON floats, base64, raw float32): CPU of the service's processes per search, from /proc
-  (user + system, every thread; with several workers all of them), and the same for single-vector upserts (the
-  PostgreSQL server's CPU reported apart);
-- QPS and latency for 1-64 closed-loop clients (threads here, on the same cores as the server: said in the JSON),
-  and single-vector upserts per second for 1-16 clients (concurrent small writes share transactions: group commit).
-Pass `--env SWITCHYARD_FRONTS=2` for the front/engine layout (each process's RSS is recorded with its role).
-Writes JSON and a PNG under results_dir("overhead") (loadtests/processes.py).
+For each data set, a fresh `switchyard serve` with an HNSW collection (m=16, ef_construction=64) and the same FAISS
+index in this process: CPU per search in-process; CPU of the service's processes per single-vector search (JSON,
+base64, raw float32 bodies) and upsert, from /proc; then QPS and latency for 1-64 clients and upserts per second
+for 1-16. `--env SWITCHYARD_FRONTS=2` for the front/engine layout (each process's RSS recorded with its role).
+Writes JSON and a PNG under results_dir("overhead").
 """
 
 from __future__ import annotations

@@ -3,18 +3,11 @@
     python loadtests/bench_replication.py                   # 4 workers, 20,000 x 128, HNSW
     python loadtests/bench_replication.py --workers 2 --write-rate 100
 
-Steps: a fresh `switchyard serve` (embedded PostgreSQL) with SWITCHYARD_WORKERS=N and a replication trace (each
-worker logs when it applied each commit); one bulk load; then
-1. lag: a writer commits small upserts (10 vectors) at a fixed rate, alone, then beside one searching client
-   per worker, then beside --clients (which saturate the cores); each commit's time (vector_commits.committed_at,
-   taken just before COMMIT, so the WAL flush counts) against the moment every worker had applied it (the last
-   of the N) gives the lag from a commit to every worker's index, p50 / p99 / max;
-2. QPS: closed-loop clients (threads, one keep-alive connection each, so they land on different workers) search
-   single vectors (k=10, HNSW ef=64) at each consistency level, read-only and beside the same write stream, in
-   rounds that take every level in turn; the median round's QPS and latency per level, and the ratio to
-   `eventually`.
-Clients and servers share the machine's cores. Writes JSON and a PNG under results_dir("replication")
-(loadtests/processes.py).
+A fresh `switchyard serve` with SWITCHYARD_WORKERS=N and a replication trace, one bulk load, then: (1) the lag from
+a commit (taken just before COMMIT) to the moment the last worker applied it, with writes alone and beside
+searching clients, p50 / p99 / max; (2) search QPS and latency at each consistency level, read-only and beside the
+write stream, as ratios to `eventually`. Clients and servers share the machine's cores. Writes JSON and a PNG under
+results_dir("replication").
 """
 
 from __future__ import annotations

@@ -3,14 +3,11 @@
     python loadtests/bench_vectors.py                      # 100,000 x 384 seeded data, 1,000 queries
     python loadtests/bench_vectors.py --data base.npy --queries-file q.npy
 
-Steps: seeded data set (a Gaussian mixture in a 32-dimensional latent space with 1,000 overlapping clusters,
-projected to 384 dimensions plus isotropic noise: IVF at a few probes is far from recall 0.98), exact ground
-truth, a fresh `switchyard serve` with embedded PostgreSQL, one bulk load (Arrow IPC, as a job) that also builds
-the resident index and pgvector's HNSW index (m=16, ef_construction=64) in the same database; then for each
-engine and each value of its search parameter: recall@10, QPS for one client sending single queries, QPS for 32
-concurrent clients (threads, keep-alive connections; micro-batching on), QPS for batches of 100. pgvector is
-queried directly with asyncpg (prepared statements, one connection per client thread). Clients share the 2 cores
-with the servers. Writes JSON and a PNG (recall against QPS) under results_dir("vectors") (loadtests/processes.py).
+Seeded clustered data (hard enough that IVF at a few probes is far from recall 0.98) and exact ground truth; a
+fresh `switchyard serve` with embedded PostgreSQL and one bulk load that builds the resident index and pgvector's
+HNSW (m=16, ef_construction=64); then per engine and search parameter value: recall@10 and QPS for one client, 32
+clients and batches of 100 (pgvector through asyncpg, prepared statements). Clients share the cores with the
+servers. Writes JSON and a PNG (recall against QPS) under results_dir("vectors").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark drivers: the service under test, machine-load sampling, timing,
 thread-per-client load loops, results on disk.
 
-Method (shared/BENCHMARKS.md): Switchyard and its peers run on the same data in the same run; each
+Method (docs/design/verification.md): Switchyard and its peers run on the same data in the same run; each
 measurement is warmed up, repeated, and stored with how busy the rest of the machine was.
 """
 

@@ -5,26 +5,10 @@
     python loadtests/consistency.py --url http://host:8000   # a running service (rebuild settings are its own)
     python loadtests/consistency.py --levels none            # a server without consistency levels
 
-C concurrent clients (threads, each on its own keep-alive connection, reopened now and then so that requests
-land on every worker) run random upserts of new ids, re-upserts with new vectors, deletes, builds and
-searches against one exact (brute-force) collection. Every search asks for k=1 with the stored vector of one
-id as the query, at a consistency level picked per search. Each operation's invocation and completion times
-(one monotonic clock), its answer and its change `seq` are recorded; afterwards the history is checked:
-
-- deleted-returned: a search returned an id whose last write, completed before the search's cut-off, was a
-  delete, with no write of that id in flight;
-- lost-write: a search by the latest acknowledged vector of an id did not return the id;
-- stale-vector: it returned the id, but not at distance 0 (the index holds an older vector);
-- phantom: a search returned an id no completed write ever stored;
-- error: a 5xx answer or a dropped connection;
-- digest-mismatch / replica-missing: at the end (writes stopped, a settle period passed) a worker's content
-  digest differs from PostgreSQL's, or fewer workers reported than were started.
-
-The cut-off is the search's invocation for `strong`, and for `session` (the checker passes the highest seq
-acknowledged to any client before the invocation: the seq in hand); for `bounded` it is the invocation minus
-the staleness bound; `eventually` searches are counted, not judged. A write whose outcome is unknown (error,
-timeout) stays in flight for ever: the ids it touched are not judged after it. A delete's place among writes is
-its `seq`; writes are ordered by `seq`, never by arrival.
+Concurrent clients run upserts, re-upserts, deletes, builds and k=1 searches by stored vectors, at random
+consistency levels, against one exact collection; the recorded history is then checked for deleted-returned,
+lost-write, stale-vector, phantom and error anomalies at each level's cut-off, and every replica's content digest
+against PostgreSQL's. Exits non-zero on any anomaly. The rules: docs/design/verification.md.
 """
 
 from __future__ import annotations
@@ -85,7 +69,7 @@ class Op:
 
     @property
     def refused(self) -> bool:
-        """Shed before it ran (README: Overload): a definite failure, not an anomaly."""
+        """Shed before it ran (docs/operations.md: Overload): a definite failure, not an anomaly."""
         return self.status in (429, 503) and any(f"problem:{slug}" in (self.error or "") for slug in NOT_RUN)
 
 

@@ -2,26 +2,10 @@
 
     python loadtests/gpu_check.py [--quick] [--no-tests] [--no-bench] [--out DIR]
 
-1. What is here: the CUDA device (asked through the driver, as the service does), and which GPU libraries are
-   installed (CuPy, numba-cuda, cuVS, cuDF, cudf-polars, RMM), with versions.
-2. The GPU tests, each set in its own pytest run: the spatial kernels compiled for the device (not the
-   simulator), the cuVS adapter (a build in a child process included), the GPU rows of the vector conformance
-   tests, SSB on cuDF, ad-hoc SQL on the resident cuDF tables (olap/frame_sql.py). A set whose
-   library or device is missing is reported skipped, with pytest's reasons.
-3. The process layout: `switchyard serve` plans one engine process per device, and a process pinned the way
-   each engine is (CUDA_VISIBLE_DEVICES from service/devices.device_pins) sees exactly its own device, checked by
-   PCI bus id against what this process sees at that index.
-4. The GPU side of the three benchmarks, in-process, each against the CPU engine on the same data and checked
-   equal to it: spatial (cuda-spatial against cpu-spatial: point in polygon on synthetic star polygons with
-   holes, and a distance join of clustered points, first call with its uploads and builds, then resident calls),
-   vectors (cuVS brute force, IVF-PQ and CAGRA against exact search: recall@10, batch QPS, build time) and SSB
-   (cuDF's 13 plans, and the same queries as ad-hoc SQL on the resident tables, against DuckDB on a generated
-   dataset).
-   The spatial part needs only CuPy and numba-cuda (no shapely, no pytest), so it runs usefully on machines
-   where the RAPIDS wheels cannot be installed; cuVS and cuDF parts are then skipped with the reason.
-
-Writes gpu-check-<stamp>.json and .md under results_dir("gpu-check") (loadtests/processes.py). Without a device
-everything GPU is skipped with its reason and the report is still written. Never reports a figure it did not measure.
+Reports the device and GPU libraries, runs every GPU test set, checks the per-device process layout, and runs the
+GPU side of the spatial, vector and SSB benchmarks against the CPU engines with the answers compared. Writes
+gpu-check-<stamp>.json and .md under results_dir("gpu-check"); skips with reasons where a device or library is
+missing, and never reports a figure it did not measure. What each part covers: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # Benchmarks drive the service with closed-loop clients at a fixed concurrency, which is no overload: they run it
 # with a fixed in-flight limit, as peers (pgvector, PostGIS, DuckDB) run with none. loadtests/soak.py measures the
-# adaptive limit, the default (README: Overload).
+# adaptive limit, the default (docs/operations.md: Overload).
 BENCHMARK_ENV = {"SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE": "0"}
 
 # Where benchmarks and load tests write by default (git-ignored in a checkout; never inside site-packages).

@@ -2,17 +2,11 @@
 
     python loadtests/soak.py --duration 20
 
-Starts `switchyard serve` on a fresh data directory (embedded PostgreSQL), loads a vector collection and a
-small SSB dataset, then:
-1. unloaded: one client, back to back: the reference p50/p99;
-2. capacity: open-loop steps at doubling rates until answers stop growing, the most answered with 2xx per second;
-3. open-loop phases at 2x and 4x that rate: requests are sent on a fixed schedule whatever the answers, and
-   latency counts from the scheduled send (no coordinated omission). The generator is asyncio on one core, with
-   as many connections as requests in flight; it reports its own CPU share and how late it sent.
-The mix: single-vector searches (70%), small upserts (20%), SSB queries on DuckDB (10%). Each phase reports
-throughput, p50/p99 of admitted (2xx) requests, the share shed with 429/503 (and whether each carried
-Retry-After), other errors by kind, and the service's memory (RSS of its processes, PostgreSQL's included) every
-half second, with the in-flight limit in force. JSON and a PNG go to results_dir("soak") (loadtests/processes.py).
+A fresh `switchyard serve` with a vector collection and a small SSB dataset; one client back to back (the unloaded
+reference), open-loop steps at doubling rates (capacity), then open-loop phases at 2x and 4x that rate, latency
+counted from the scheduled send. The mix: searches 70%, upserts 20%, SSB queries 10%. Per phase: throughput,
+p50/p99 of admitted requests, the share shed and whether each refusal had Retry-After, other errors, memory and
+the in-flight limit over time. JSON and a PNG go to results_dir("soak") (loadtests/processes.py).
 """
 
 from __future__ import annotations

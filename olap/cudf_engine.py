@@ -1,18 +1,11 @@
 """GPU engine: cuDF with the SSB tables resident in device memory.
 
-The 13 queries run as the dataframe plans of olap/plans.py, written against the API cuDF shares with pandas
-(the CPU tests run the very same plan code on pandas and compare it with DuckDB). Ad-hoc SQL runs on the resident
-tables too, through olap/frame_sql.py (DuckDB's parser, then the same shared API: star joins on equalities,
-filters, GROUP BY, aggregates, ORDER BY, LIMIT; tested on pandas against DuckDB). What it does not run goes through
-the Polars GPU engine (cudf-polars) with raise_on_fail=True, so a plan it cannot run on the GPU is an error the
-service turns into a fallback, never a silent CPU run. cudf-polars cannot read the resident cuDF tables: it takes
-Polars frames, and an in-memory Polars frame is copied host to device on every collect (shared/research/olap.md,
-cudf-polars `DataFrameScan`), so that path scans the Parquet files on the GPU instead (kvikIO, from the page cache
-once read). Neither can be interrupted, so ad-hoc SQL runs under a BoundedRunner: past `timeout_s` the caller gets
-query-timeout at once and the GPU OLAP worker is free, while the query finishes in its own thread (the next ad-hoc
-query meanwhile is refused, and `auto` serves it on DuckDB).
-
-cudf and polars are imported here only, on first use.
+The 13 queries run as olap/plans.py's dataframe plans (the CPU tests run the same plan code on pandas). Ad-hoc SQL
+runs on the resident tables through olap/frame_sql.py, and what that does not cover through the Polars GPU engine
+(cudf-polars, raise_on_fail=True) over the Parquet files, since cudf-polars copies in-memory frames to the device on
+every collect; a plan the GPU cannot run is an error the service turns into a fallback, never a silent CPU run.
+Ad-hoc SQL runs under a BoundedRunner, so a query past `timeout_s` frees the caller at once. cudf and polars are
+imported here only, on first use. More: docs/design/olap.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Ad-hoc SQL over resident dataframes: cuDF tables on the GPU (pandas in the tests), no table moved.
 
-cudf-polars cannot read a resident cuDF table: it copies an in-memory frame host to device on every collect
-(shared/research/olap.md item 6). So the cuDF engine runs ad-hoc SQL here first. DuckDB's parser (the guard's,
-olap/sqlguard.py) gives the syntax tree, and this module runs it with the API cuDF shares with pandas (boolean
-masks, merge, groupby.agg, sort_values), as olap/plans.py does for the 13 queries. The tests run it on pandas
-against DuckDB on the same data (tests/test_frame_sql.py).
-
-What it runs: one SELECT over the SSB tables joined by equalities (JOIN ... ON, or comma joins with the equalities
-in WHERE); filters of comparisons, BETWEEN, IN / NOT IN, AND / OR / NOT and arithmetic; GROUP BY columns,
-expressions, positions or aliases; sum, count, count(DISTINCT), count(*), avg, min and max, and arithmetic over
-them; HAVING; LIKE / NOT LIKE; CAST to numeric types; COALESCE; SELECT DISTINCT; ORDER BY names, aliases,
-positions or expressions; LIMIT / OFFSET. Anything else (outer joins, subqueries, CTEs, window functions, other
-functions) raises Unsupported, and the engine runs the query through cudf-polars over the Parquet files instead.
-
-Only the needed columns move: each table is cut to the columns the query names and filtered by its own
-predicates before it is joined. Unaliased expressions are named by their SQL text.
+cudf-polars copies an in-memory frame host to device on every collect (rapidsai/cudf, cudf_polars/dsl/ir.py,
+DataFrameScan), so the cuDF engine runs ad-hoc SQL here first: DuckDB's parser (olap/sqlguard.py) gives the syntax
+tree, run with the API cuDF shares with pandas, each table cut to its needed columns and filtered before it is
+joined. It covers star joins on equalities, filters, GROUP BY, aggregates, HAVING, ORDER BY and LIMIT (the list:
+docs/gpu.md#ssb-on-cudf); anything else raises Unsupported and the engine uses cudf-polars over the Parquet files.
+Tested on pandas against DuckDB (tests/test_frame_sql.py).
 """
 
 from __future__ import annotations

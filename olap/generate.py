@@ -1,46 +1,9 @@
 """A vectorized Star Schema Benchmark generator that follows eyalroz/ssb-dbgen's rules, written to Parquet.
 
-Every rule below was read in eyalroz/ssb-dbgen (src/build.c, src/dss.h, src/shared.h, src/driver.c,
-src/bm_utils.c); the value lists come from the dists.dss that the SSB dbgen forks share (the TPC-H one).
-
-Exactly as dbgen:
-- Row counts of part, supplier and customer, and the number of orders (1,500,000 x SF). For SF < 1 every base
-  count is multiplied by SF and truncated, with at least 1 row. For SF >= 1 dbgen truncates SF to an integer
-  (`scale = (long) flt_scale`), and so do we: SF 1.5 makes SF 1 data. From SF 1 on, part has
-  200,000 x floor(1 + log2 SF) rows.
-- lo_orderkey: order i (1-based) gets the sparse key ((i >> 3) << 5) | (i & 7) (`mk_sparse` with seq 0), so the
-  set of order keys is dbgen's. Lines are numbered 1..n, with n ~ U[1,7] per order.
-- The value ranges: lo_custkey U[1, customers] with dbgen's mortality fix-up (a multiple of 3 becomes k+1, or
-  k-1 at the top), so it is never a multiple of 3. lo_partkey U[1, 200,000 x (floor(ln SF) + 1)]
-  (natural log, `L_PKEY_MAX`; SF < 1 uses the scaled part count). lo_suppkey U[1, suppliers]. Quantity U[1,50],
-  discount U[0,10], tax U[0,8]. Order date uniform over 1992-01-01..1998-08-02 (`O_ODATE_MAX`), commit date =
-  order date + U[30,90] days. Order priority and ship mode uniform over the dists.dss lists. lo_shippriority '0'.
-- The arithmetic: rprice = 90000 + (p/10)%20001 + 100*(p%1000), extendedprice = rprice*quantity,
-  revenue = ext*(100-discount)/100, supplycost = 6*rprice/10, and ordtotalprice = the order's sum of
-  (ext*(100-discount)/100)*(100+tax)/100, all in integer division as dbgen's C longs.
-- customer / supplier: names 'Customer#%09d' / 'Supplier#%09d'; nation uniform over the 25 dists.dss nations,
-  region from dbgen's cumulative nation weights (5 nations per region); city = first 9 characters of the nation,
-  space-padded to 9, plus a digit U[0,9] (`gen_city`); phone 'CC-AAA-EEE-NNNN' with CC = nation index + 10,
-  AAA, EEE U[100,999], NNNN U[1000,9999] (`gen_phone`); address = U[6,24] characters from dbgen's 64-character
-  alphabet (`a_rnd` with C_ADDR_LEN/S_ADDR_LEN 15 x [0.4, 1.6]); c_mktsegment uniform over 5 segments.
-- part: p_mfgr 'MFGR#'+U[1,5], p_category = p_mfgr+U[1,5], p_brand1 = p_category+U[1,40] without zero padding
-  (1,000 brands, 'MFGR#111'..'MFGR#5540'). Three distinct colours are drawn (`agg_str`, P_NAME_SCL 3); `gen_color`
-  moves the first to p_color and leaves the other two, space-separated, in p_name (p_color is therefore never
-  a word of p_name). p_type uniform over 150 types, p_size U[1,50], p_container uniform over 40 containers.
-- ddate: all 17 columns are deterministic and equal dbgen's output when dbgen runs with TZ=UTC, including its
-  labelling quirks: d_daynuminweek = (tm_wday+1)%7+1, so 1992-01-01 (a Wednesday) is day 5 and is called
-  "Thursday"; every d_dayofweek name is the real weekday's successor, d_lastdayinweekfl marks Fridays and
-  d_weekdayfl is 0 on Fridays and Saturdays. d_weeknuminyear = daynuminyear/7 + 1 (not ISO weeks). Selling
-  seasons and holiday flags come from build.c's tables.
-
-Not as dbgen:
-- The random streams. dbgen's per-column LCG streams are not reproduced, so individual values, the total
-  lineorder row count (~6,000,000 x SF but not dbgen's 6,001,173 at SF 1) and the query answers differ from a
-  dbgen data set. Distributions and domains are the same.
-- The date table always has 2,557 rows. dbgen at SF < 1 also scales the date table (DATE lies in driver.c's
-  scaling loop), leaving e.g. 25 days at SF 0.01 while order dates still span 1992-1998. We keep the full
-  calendar so every lo_orderdate joins.
-- Flags (d_*fl) are int32 0/1 and lo_shippriority a string, per olap/schema.py; dbgen prints text.
+Cardinalities, key layouts, value domains, the price arithmetic and the date table's columns are dbgen's (read in
+its src/build.c, dss.h, shared.h, driver.c, bm_utils.c and the dists.dss value lists); its random streams are not,
+so individual rows and the query answers differ from a dbgen data set. The date table keeps all 2,557 days at every
+scale factor, so every order date joins. The rules one by one: docs/design/olap.md.
 """
 
 from __future__ import annotations
@@ -317,7 +280,7 @@ def date_keys() -> np.ndarray:
 
 
 def make_ddate() -> pa.Table:
-    """mk_date for index 1..2557 in UTC, quirks included (see the module docstring)."""
+    """mk_date for index 1..2557 in UTC, quirks included (docs/design/olap.md)."""
     cal = _calendar()
     year, month, day = cal["year"], cal["month"], cal["day"]
     daynuminweek = (cal["wday"] + 1) % 7 + 1         # dbgen's formula: Wednesday -> 5 -> "Thursday"

@@ -1,15 +1,10 @@
 """The guard in front of ad-hoc SQL: one read-only SELECT over the SSB tables, nothing else.
 
-The statement is parsed by DuckDB's parser (a PostgreSQL dialect) and its syntax tree walked:
-- exactly one statement, and it is a SELECT (WITH ... SELECT included);
-- every table it reads is one of the SSB tables or a CTE of the query itself defined before the read (a CTE's
-  own body cannot vouch for a table of its name), unqualified (no schema or catalog, so no pg_catalog,
-  information_schema or attached databases); no WITH RECURSIVE;
-- no table functions (read_csv, read_parquet, glob, generate_series ...), no functions outside an allowlist of
-  plain SQL arithmetic, string, aggregate and window functions (so no pg_read_file, current_setting, set_config,
-  getenv ...), and casts only to plain built-in types (no regclass and friends).
-This is the first of two walls: the engines also run ad-hoc SQL with file and network access off (DuckDB) or as
-an unprivileged role in a read-only transaction (PostgreSQL).
+DuckDB's parser (a PostgreSQL dialect) gives the syntax tree, which must hold exactly one SELECT reading only
+unqualified SSB tables or the query's own earlier CTEs (no WITH RECURSIVE), no table functions, functions from an
+allowlist only, and casts to plain built-in types only. This is the first of two walls: the engines also run ad-hoc
+SQL with file and network access off (DuckDB) or as an unprivileged role in a read-only transaction (PostgreSQL).
+The rules in full: docs/design/olap.md#the-sql-guard.
 """
 
 from __future__ import annotations

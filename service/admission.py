@@ -1,20 +1,11 @@
 """Admission control: admit what the engines can serve well, refuse the rest early and say when to come back.
 
-Each engine has a gate: a concurrency limit sized from its worker threads (for resident vector engines, one full
-micro-batch per thread) and a short FIFO queue. A request that finds the queue full, or that waits in it past
-SWITCHYARD_QUEUE_WAIT_MS or its own deadline, is refused with 503 and Retry-After without running; one admitted
-runs. The engines' thread pools are separate per domain and kind, so heavy work (SSB SQL, spatial joins) never
-takes a vector search's thread; jobs (bulk loads, builds, SSB generation) have their own limit (service/jobs.py).
-
-A request's deadline comes from its `X-Request-Timeout` header (seconds) or SWITCHYARD_REQUEST_TIMEOUT_S. It bounds
-the queue wait, the engine call (504 when it passes there) and, through statement_timeout, each PostgreSQL
-statement the request runs (service/database.py).
-
-Per-principal token buckets (the API key, or the client address without one) bound requests per second and
-engine-seconds per second: past them, 429 with Retry-After. A circuit breaker per resident engine: after
-SWITCHYARD_BREAKER_FAILURES failures in a row, `auto` routes around the engine for SWITCHYARD_BREAKER_COOLDOWN_S,
-then lets one request probe it. Domain managers see this module only as an object with slot(), cooling(),
-failed() and succeeded(), so they stay free of service/.
+Each engine has a gate (a concurrency limit sized from its worker threads, and a short FIFO queue): a request that
+finds the queue full, or waits past SWITCHYARD_QUEUE_WAIT_MS or its deadline, gets 503 with Retry-After unrun.
+Deadlines (X-Request-Timeout or SWITCHYARD_REQUEST_TIMEOUT_S) also bound the engine call and PostgreSQL statements.
+Per-principal token buckets bound requests and engine-seconds per second (429); a circuit breaker per resident
+engine lets `auto` route around one that keeps failing. Domain managers see this module only as an object with
+slot(), cooling(), failed() and succeeded(), so they stay free of service/. More: docs/operations.md#overload.
 """
 
 from __future__ import annotations

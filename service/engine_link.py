@@ -1,15 +1,11 @@
 """The hop between the front processes and the engine process: pickled frames over a unix socket (and, on a Ray
 cluster, between an ingress and the shard hosts over TCP: service/cluster/fanout.py).
 
-loadtests/bench_ipc.py measured the candidates on this machine: a length-prefixed frame over a pipe or unix
-socket costs 28-154 µs of CPU per round trip, ZeroMQ through zmq.asyncio 82-314 µs. Pickle (protocol 5) carries
-the parsed request as it is, numpy arrays as their raw bytes. Both ends are this codebase on one machine, and
-the socket sits in a directory only this user can open.
-
-A request is (id, operation, arguments); its answer is (id, bytes), or (id, None) when it failed, in which case
-the front replays the request through the engine's full app, which formats the error exactly as it would
-without the hop. Answers come back as they finish, so one connection carries every request of a front process
-at once, and the engine's micro-batcher sees the searches of all fronts together.
+A request is (id, operation, arguments); its answer is (id, bytes), or (id, None) when it failed, and the front then
+replays the request through the engine's full app, which formats the error as it would without the hop. Answers
+come back as they finish, so one connection carries every request of a front at once. Pickle carries numpy arrays
+as raw bytes; both ends are this codebase, and the socket sits in a directory only this user can open. Why this
+transport (measured against ZeroMQ): docs/design/serving.md#front-and-engine-processes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Uvicorn's httptools protocol with a synchronous lane for plain searches: answered from the parser's callbacks.
 
-Each request uvicorn serves costs an ASGI cycle: a task, receive/send coroutines and their message dicts, about
-45 us of CPU here before any of our code runs (against ~125 us for a whole HNSW search of a 128-d vector). A
-single-vector search that the resident CPU engine can answer at once (loaded, consistent enough, a free engine
-slot, cheap enough to run on the event loop) needs none of it: when the body is complete, this protocol asks the
-hot lane (service/fastlane.py, HotLane.answer_now) for the answer and writes it itself, as soon as it is made:
-the engine slot, the metrics and the in-flight accounting are seen to after the client has its answer. Whatever
-answer_now declines, and every other request, becomes the ASGI cycle uvicorn would have made, with the body
-already read, so errors, auth failures, deadlines and metrics are the app's own. Requests pipelined behind one
-still in the app wait for it, as uvicorn makes them.
-
-It subclasses uvicorn's HttpToolsProtocol and relies on its per-request attributes (url, headers, cycle,
-pipeline); tests/test_hot_protocol.py checks the behaviour through a real server. `switchyard serve` selects it
-(SWITCHYARD_SYNC_SEARCH=false leaves uvicorn's own protocol).
+A single-vector search the resident CPU engine can answer at once (loaded, consistent enough, a free slot, cheap
+enough for the event loop) needs no ASGI cycle: when its body is complete this protocol asks the hot lane
+(service/fastlane.py, HotLane.answer_now) and writes the answer itself. Whatever answer_now declines, and every
+other request, becomes the ASGI cycle uvicorn would have made, body already read, so errors and metrics are the
+app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline), checked by
+tests/test_hot_protocol.py. SWITCHYARD_SYNC_SEARCH=false leaves uvicorn's protocol. Why: docs/design/serving.md.
 """
 
 from __future__ import annotations

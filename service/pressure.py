@@ -1,25 +1,10 @@
 """The process's in-flight limit, following the latency of what it admits: serve promptly, refuse the rest.
 
-A fixed limit cannot know how much of the machine a process will get: PostgreSQL, DuckDB's and FAISS's threads
-and other processes all take cores, and every request in flight past that point only waits longer. So the limit
-adapts, in the way of TCP Vegas: it compares the latency of answered requests with their latency unqueued, and
-while they take more than `tolerance` times that (requests queue somewhere: the event loop, a thread pool,
-PostgreSQL) it cuts the limit, by a quarter or in proportion to the excess (at most to a quarter in one step);
-while they do not and requests had to wait for a slot, it grows by a tenth.
-
-Requests differ in cost (a search takes a millisecond, an SSB query twenty), so the comparison is per kind of
-request (its route): each kind's unqueued latency is the least mean of FOUR of its consecutive answers over the
-last WINDOW_S seconds, and an interval's slowdown is its answers' total latency over the total of their kinds'
-unqueued latencies, whatever the mix.
-
-A request that finds the limit full waits for a slot in a FIFO queue, before its body is read, so that a burst
-(or a few more clients than the limit) is served rather than refused. The queue holds at most two waiters per
-slot, each for at most `max_wait_s`; a request that finds it full takes the place of the oldest waiter, which is
-answered 503 (drop from the head, as CoDel does: under overload the queue turns over quickly, so what is admitted
-has waited least, and a burst that fits is never refused).
-
-Vector requests (searches, writes, collections, jobs) may fill the whole limit; heavy work (SSB queries, SQL,
-geometry layers and joins) at most half of it, so it never crowds out vector searches.
+As TCP Vegas does: the limit is cut while answered requests take more than `tolerance` times their unqueued latency
+(per kind of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows by a tenth while they do
+not and requests had to wait. A request that finds the limit full waits in a FIFO queue of two waiters per slot for
+at most `max_wait_s`; when the queue is full the oldest waiter is answered 503 (drop from the head, as CoDel does).
+Heavy work (SSB queries, SQL, geometry) may fill at most half the limit. Why: docs/design/serving.md.
 """
 
 from __future__ import annotations

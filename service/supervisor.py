@@ -1,15 +1,11 @@
 """Watching PostgreSQL while the service runs: notice when it is gone, restart the embedded server, say when it is
 back.
 
-Every `interval_s` (at once when a request saw a lost connection: `poke()`) the supervisor asks the pool for
-`SELECT 1`. While that fails the state is `unreachable`; with the embedded server and its postmaster dead, the
-supervisor restarts it (PostgreSQL replays its WAL first, so nothing committed is lost), at most `max_restarts`
-times in a row with a growing pause, logging each attempt; after that it only watches, and an operator must act.
-An external server is only watched: asyncpg's pool reconnects by itself once the server answers. When the
-database answers again the pool's idle connections are replaced, the state returns to `ok` and
-`switchyard_database_reconnects_total` counts it (`_restarts_total` the restarts, `switchyard_database_up` the
-state). Meanwhile requests that need the database get 503
-`database-unavailable` with Retry-After (service/errors.py) and /readyz shows this state.
+Every `interval_s` (at once after `poke()`) it asks the pool for `SELECT 1`. With the embedded server's postmaster
+dead it restarts it (WAL replay first), at most `max_restarts` times in a row with a growing pause; an external
+server is only watched. Meanwhile requests that need the database get 503 `database-unavailable` with Retry-After
+(service/errors.py) and /readyz shows the state; when it answers again idle connections are replaced and the
+reconnect is counted. See docs/operations.md#when-postgresql-goes-away.
 """
 
 from __future__ import annotations

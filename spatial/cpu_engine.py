@@ -1,32 +1,12 @@
 """CPU spatial engine: numba kernels over the shared GeoArrow buffers (spatial/geoarrow.py).
 
-Point in polygon (`pip_counts`, `pip_pairs`), boundary included (shapely `covers`):
+Point in polygon: a uniform grid over the polygons whose cells are decided once (inside or outside a part) where no
+edge reaches them, and elsewhere an exact crossing number over the edges of the point's row band; pairs are
+counted, scanned, then written. Distance join: b's 3-D unit vectors in a grid of cells at least the radius's chord
+wide, so no antimeridian or pole cases. Index layout and rules: docs/design/spatial.md.
 
-* Index, built once per Polygons object (kept for the last few objects, so chunked calls reuse it):
-  - a uniform grid of about max(4 x edges, 2^16) cells (at most 2^22) over the extent of all vertices;
-  - for every (part, grid row) a "band": the edges of that part whose y-range reaches the row. The crossing
-    number of a horizontal ray only ever involves edges whose y-range contains the point's y, so the band of
-    the point's row holds every edge that can cross the ray or carry the point: the same answer as walking all
-    the part's rings, over a few edges (kernels.point_in_edges);
-  - for every grid cell, the parts whose bounding box overlaps it, each with a state: BOUNDARY when some edge's
-    bounding box reaches the cell (padded by 1e-6 of a cell, far above the rounding of the cell arithmetic, so
-    every point the cell function puts in the cell is covered), else the whole cell is on one side of the part:
-    INSIDE (listed) or OUTSIDE (dropped), decided by the exact test at the cell's centre.
-* Query, one point per iteration of a numba prange loop: its cell; for each listed part in part order (so
-  geometries ascend and a MultiPolygon's later parts are skipped once one part covers the point) either INSIDE
-  straight away or the bounding-box check and the exact banded crossing number.
-* `pip_pairs` counts first (keeping the first hit of every point), takes the exclusive scan, then writes: a
-  point with one hit is written from the first pass, only points with several are tested again.
-
-Distance join (`within_distance`): b's 3-D unit vectors in a uniform grid whose cell side is at least the chord
-of the radius (kernels.grid_side), cells sorted by key; for each a-point, the 3 x 3 column ranges of the 27
-cells around it, a chord check against the cell side (cheap, conservative), then the exact haversine
-(kernels.haversine_m); count, scan, write, and each point's hits sorted by j. The grid has no antimeridian or
-pole special cases.
-
-The scalar cores come from spatial/kernels.py compiled with numba.njit (cache=True). numba's cache tracks the
-source file of each cached function only: after editing kernels.py, clear spatial/__pycache__/*.nbi/*.nbc if
-cpu_engine.py did not change too.
+numba's cache tracks the source file of each cached function only: after editing kernels.py, clear
+spatial/__pycache__/*.nbi/*.nbc if cpu_engine.py did not change too.
 """
 
 from __future__ import annotations
@@ -223,7 +203,7 @@ def _build_cells(states, vstart, vend, pcx0, pcx1, prow0, prow1, rect_off, gx, n
 
 
 class PipIndex:
-    """The grid, bands and cell lists of one Polygons object (see the module docstring)."""
+    """The grid, bands and cell lists of one Polygons object (docs/design/spatial.md)."""
 
     def __init__(self, polygons: Polygons, target_cells: int | None = None) -> None:
         x = np.ascontiguousarray(polygons.x, dtype=np.float64)

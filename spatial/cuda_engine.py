@@ -1,42 +1,10 @@
-"""GPU spatial engine: cuSpatial's quadtree point-in-polygon, re-implemented with numba-cuda.
+"""GPU spatial engine: cuSpatial's quadtree point-in-polygon and a grid distance join, in numba-cuda.
 
-Nothing here imports numba.cuda (or cupy) at module import: `import spatial.cuda_engine` always works, and the
-kernels are compiled on first use (`_build`). The kernels run on a CUDA device, or in numba-cuda's simulator
-when NUMBA_ENABLE_CUDASIM=1 was set before numba was first imported (CI has no GPU). The array-namespace steps
-use `xp`: cupy on a real device (device arrays end to end, the kernels take them through the CUDA array
-interface), numpy under the simulator (or on a device without cupy, when numba copies per launch).
-
-Point in polygon (after Zhang et al., ADMS 2019, and cuSpatial 25.04's quadtree_point_in_polygon). Where each
-step runs ("device" = on the GPU, or in the simulator; "xp" = cupy kernels on a GPU, numpy under the simulator):
-
-1. Part bounding boxes, one thread per part: `part_bbox_kernel` (device). The extent: xp.min / xp.max.
-2. Morton key of every point over the polygons' extent, max_depth levels (scale = longest side / 2^max_depth):
-   `morton_kernel` (device). A point outside the extent gets a sentinel key and is dropped after the sort
-   (cuSpatial gives it the largest key and lets the refine reject it).
-3. Sort of the keys, point_indices = the permutation: xp.argsort.
-4. Quadtree, bottom-up: reduce_by_key of the sorted keys into the quadrants of level max_depth, then
-   parent = child >> 2 level by level up to level 1, each node keeping its key, first point, point count, first
-   child and child count: xp (run starts via flatnonzero, counts via a scan).
-5. Breadth-first filter: every (part bbox, level-1 node) pair, then level by level the quadrant's extent (from
-   key, level and scale, padded by one finest cell) against the bbox. A hit on a node with <= max_size points
-   (or at max_depth) emits a (part, leaf) pair; a hit on an internal node expands to its children (scan of child
-   counts, gather): xp. The host only drives the level loop.
-6. Refine, one thread per (part, point) candidate (its pair found by a binary search over the scan of leaf
-   sizes), running kernels.point_in_part, the same scalar core the CPU engine uses, compiled as a device
-   function: flags (`refine_kernel`, device) -> exclusive scan (xp.cumsum) -> scatter (`scatter_kernel`,
-   device): count, scan, write, with exact allocation, in chunks of at most `max_candidates` candidates.
-7. Parts -> geometries, sort by (point, geometry) with xp.lexsort, drop repeats (a point in two parts of one
-   MultiPolygon): xp. pip_counts is the bincount of those pairs' geometries (host numpy).
-
-Distance join: the unit-vector grid of kernels.grid_side. `unit_key_kernel` (device) keys b and keeps its unit
-vectors, xp.argsort orders it, then `dwithin_count_kernel` (count, device) -> xp.cumsum (exclusive scan) ->
-`dwithin_write_kernel` (write, device), both running kernels.dwithin_point (the same chord check and haversine
-core as the CPU), and xp.lexsort orders the pairs by (i, j).
-
-Results are returned as numpy arrays. Floating point: the exact orientation keeps PIP identical to the CPU
-engine on every device; its two rounded products go through libdevice dmul_rn on a real GPU (see
-spatial/kernels.py). Haversine distances use libdevice's sin/cos/asin on a real GPU, which may differ from the
-CPU's libm in the last ulp, so a pair at a distance within ~1e-9 m of the radius could be decided differently.
+Nothing here imports numba.cuda (or cupy) at module import: the kernels compile on first use (`_build`) and run on
+a CUDA device, or in numba-cuda's simulator when NUMBA_ENABLE_CUDASIM=1 was set before numba was first imported
+(CI has no GPU). Array steps use `xp`: cupy on a device, numpy under the simulator. The refine and distance kernels
+run the scalar cores of spatial/kernels.py, so answers equal the CPU engine's; results are numpy arrays. The
+pipeline step by step (after Zhang et al., ADMS 2019, and cuSpatial 25.04): docs/design/spatial.md.
 """
 
 from __future__ import annotations
@@ -228,7 +196,7 @@ class _Resident:
 
 
 class CudaSpatialEngine:
-    """cuSpatial's quadtree PIP and a grid distance join as numba-cuda kernels (see the module docstring).
+    """cuSpatial's quadtree PIP and a grid distance join as numba-cuda kernels (docs/design/spatial.md).
 
     Layers stay resident on the device between requests: each Points / Polygons object is uploaded once, and what
     is derived from it (the points' quadtree, a distance grid per radius, the parts' boxes) and the PIP result of

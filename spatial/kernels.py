@@ -1,40 +1,11 @@
 """Scalar cores shared by every spatial engine: written once, compiled twice.
 
-Every function below is plain Python that uses only scalar arithmetic, `math` and array indexing, so the same
-source compiles with `numba.njit` (the CPU engine) and with `numba.cuda.jit(device=True)` (the GPU engine, and
-the CUDA simulator in CI). `compile_core(jit)` rebinds the functions to a private namespace in which each name
-refers to its compiled twin, so the cores call one another through whatever the chosen compiler produced.
-Called directly, they are ordinary Python (the tests use that against `fractions.Fraction`).
-
-Robust orientation (`orient2d`): Shewchuk's stage-A filter (J. R. Shewchuk, "Adaptive Precision Floating-Point
-Arithmetic and Fast Robust Geometric Predicates", 1997: ccwerrboundA = (3 + 16 eps) eps, eps = 2^-53) decides
-almost every call with two products. When the rounded determinant lies inside the error bound the sign is taken
-exactly: the determinant is expanded into six products of input coordinates, each made error-free with Dekker's
-TwoProduct (Veltkamp splitting, no fma), and the sign of that 12-term sum is found with error-free TwoSum passes
-(Ogita-Rump-Oishi VecSum) until the leading term dominates the rest. The answer is exact for every input whose
-coordinate products neither overflow nor underflow (|coordinates| between ~1e-140 and ~1e140, true of lon/lat
-except for coordinates that are themselves almost exactly zero but not zero). So on-boundary decisions equal
-GEOS's (shapely `covers`), whose orientation test is exact as well, including points exactly on diagonal edges.
-
-On the GPU, a PTX `mul.f64` feeding an add may be fused into an fma by the code generator (NVVM's -fma=1 and
-ptxas's --fmad=true are the defaults). Fusion is harmless where the product is exact (the split halves) and only
-tightens the stage-A filter (the bound covers the unfused, larger error), but it would break the splitter and
-the leading product of TwoProduct, so those two go through `rmul`, which the GPU build replaces with libdevice's
-`dmul_rn` (PTX `mul.rn.f64`, which is never fused; CUDA C's __dmul_rn). The CPU build (numba, no fastmath) never
-contracts.
-
-Point in polygon part (`point_in_part`): crossing number of a ray towards +x over every ring of the part (the
-shell and its holes, so holes XOR out), with an exact on-boundary check: a point on an edge or a vertex of any
-ring is BOUNDARY, which every engine counts as covered (shapely `covers`). Rings may be closed or unclosed
-(edge i runs from vertex i to vertex i+1, the last one back to the ring's first vertex; the zero-length closing
-edge of a closed ring is harmless), and zero-length edges only report a point equal to their vertex.
-
-Haversine (`haversine_m`): great-circle distance on a sphere of radius EARTH_RADIUS_M = 6,371,008.8 m, the
-IUGG mean Earth radius R1 = (2a + b) / 3 of WGS84 (Moritz, "Geodetic Reference System 1980"). One formula,
-used by both engines and the distance-join filter:
-    h = sin^2((lat2 - lat1) / 2) + cos(lat1) cos(lat2) sin^2((lon2 - lon1) / 2),  d = 2 R asin(sqrt(min(h, 1)))
-It is symmetric bit for bit in its two points (so a self-join's i < j rule is consistent). Its error is a few
-ulps except near antipodal points, where asin is ill-conditioned (~1e-8 relative).
+Plain Python over scalars, `math` and array indexing, so the same source compiles with `numba.njit` (CPU engine)
+and `numba.cuda.jit(device=True)` (GPU engine, CUDA simulator in CI); `compile_core(jit)` rebinds the functions so
+that they call one another's compiled twins. Called directly they are ordinary Python (the tests check them against
+`fractions.Fraction`). `orient2d` is exact (Shewchuk's filter, then an error-free expansion), so on-boundary
+decisions equal GEOS's; `rmul` keeps the GPU build from fusing the products exactness needs; `point_in_part` counts
+boundary points as covered; `haversine_m` is symmetric bit for bit. The arithmetic in detail: docs/design/spatial.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The OpenAPI document is the contract: schemathesis `run --checks all` (coverage, fuzzing and stateful phases)
-against a served process finds no failure. A short pass; the long one (over 10,000 cases) is in the README."""
+against a served process finds no failure. A short pass; the long one: docs/design/verification.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The crash test (loadtests/crashtest.py), short: SIGKILL the whole service mid-write a few times, restart it,
-and check PostgreSQL, the resident index, jobs and SSB data. The full run (50 kills) is in the README."""
+and check PostgreSQL, the resident index, jobs and SSB data. The full run (50 kills): docs/design/verification.md."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class SwitchyardHNSWConfig(BaseModel, DBCaseConfig):
                 "pgvector_index": pgvector}
 
     def search_param(self) -> dict:
-        # Every engine's search parameter is set explicitly (the README: FAISS's defaults differ from cuVS's).
+        # Every engine's search parameter is set explicitly (docs/api.md: FAISS's defaults differ from cuVS's).
         params = {"ef_search": self.ef_search} if self.engine == "pgvector" else {"ef": self.ef_search}
         out = {"engine": self.engine, "params": params}
         if self.consistency is not None:
