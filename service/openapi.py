@@ -22,7 +22,7 @@ from .settings import Settings
 PROBLEM = {
     "type": "object",
     "title": "Problem",
-    "description": "RFC 9457 problem details. `type` is a stable URN per kind of problem (see the README).",
+    "description": "RFC 9457 problem details. `type` is a stable URN per kind of problem (docs/api.md#errors).",
     "required": ["type", "title", "status", "detail"],
     "properties": {
         "type": {"type": "string", "examples": ["urn:switchyard:problem:validation-error"]},

@@ -38,7 +38,7 @@ class SearchOptions(BaseModel):
     filter: dict[str, Any] | None = Field(default=None, description=(
         "Payload filter, MongoDB-style: `{\"color\": \"red\"}` (equality), `{\"price\": {\"$gte\": 10, \"$lt\": 20}}`, "
         "`$eq $ne $in $nin $gt $gte $lt $lte $exists` on top-level payload keys, `$and $or $not` to compose; "
-        "range bounds are numbers or ISO-8601 dates. The same meaning on every engine; see the README's "
+        "range bounds are numbers or ISO-8601 dates. The same meaning on every engine; see docs/api.md, "
         "'Filtered search'. A bad filter is a 422 naming the path inside it."),
         examples=[{"$and": [{"category": {"$in": ["books", "music"]}}, {"price": {"$lt": 20}}]}])
     recall_target: float | None = Field(default=None, description=(

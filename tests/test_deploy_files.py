@@ -63,7 +63,7 @@ def test_dockerfile_is_cuda_based_healthy_unprivileged_and_serves():
     assert re.search(r'^CMD \["switchyard", "serve"\]', text, re.M)
     assert "EXPOSE 8000" in text
     # The pip install names each package directory the project ships.
-    for package in ("service", "indexes", "spatial", "olap", "migrations"):
+    for package in ("service", "indexes", "spatial", "olap", "migrations", "loadtests"):
         assert f"COPY {package} ./{package}" in text
 
 
