@@ -34,10 +34,10 @@ from .build_process import DetachedBuilder
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionEmpty, CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
 from .follower import Follower
-from .replica import Applied, Replica, check_level
-from .resident import Changes, IndexBackend, PendingBuild, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
 from .planner import CALIBRATION_QUERIES
+from .replica import Applied, Replica, check_level
+from .resident import Changes, IndexBackend, PendingBuild, RebuildPolicy, ResidentCollection, SearchResult
 from .shards import Shard
 from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
 from .tasks import stop_tasks

@@ -25,6 +25,7 @@ from .distance import exact_search, from_engine, merge_topk, prepare
 from .filters import Node
 from .payloads import PayloadIndex, parsed
 from .rwlock import ReadWriteLock
+
 # A write of up to this many rows goes straight into an index that can add (HNSW): cheap, and under the write
 # lock. Larger ones wait in the delta (searched exactly) for a background rebuild: HNSW adds of 5,000 768-d rows
 # took a second each, in the acknowledgement path and blocking searches (a 100k x 768 load of 5,000-row upserts

@@ -19,8 +19,7 @@ import asyncpg
 import numpy as np
 import orjson
 
-from . import pgcopy
-from . import digest
+from . import digest, pgcopy
 from .distance import prepare
 from .errors import CollectionExists, CollectionNotFound, InvalidInput
 from .resident import Changes

@@ -32,8 +32,8 @@ from urllib.parse import urlencode
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
+from benchkit import JsonClient, MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from datasets import mixture
 from vectordbbench.rest import Rest
 

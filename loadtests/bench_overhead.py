@@ -30,8 +30,8 @@ import numpy as np
 import orjson
 import psutil
 
-from benchkit import MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
+from benchkit import MachineLoad, Service, run_clients, save_json, versions, wait_for_quiet
 from datasets import mixture
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead"

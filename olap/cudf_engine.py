@@ -28,7 +28,6 @@ from .plans import run_plan
 from .results import Result, from_arrow
 from .schema import TABLES
 
-
 log = logging.getLogger("switchyard.olap")
 
 

@@ -8,9 +8,8 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import __version__
+from . import __version__, access_log, openapi
 from .errors import install_error_handlers
-from . import access_log, openapi
 from .fastlane import HotLane, local_answer, local_answer_now
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware

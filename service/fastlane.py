@@ -28,8 +28,8 @@ from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, S
 from .deadlines import set_deadline
 from .errors import ProblemError
 from .metrics import StatusSend
-from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
 from .settings import Settings
+from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes

@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import asyncpg
 
-from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
@@ -23,6 +22,7 @@ from spatial.manager import SpatialManager
 
 from . import spool
 from .admission import Admission
+from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from .devices import probe_cuda
 from .engines import EngineRegistry
 from .jobs import JobRunner

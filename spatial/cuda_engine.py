@@ -51,7 +51,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import kernels
-from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
+from .geoarrow import Points, Polygons, check_distance_join, point_range
 
 OUTSIDE = kernels.OUTSIDE
 MAX_CELLS_PER_AXIS = 1 << 20

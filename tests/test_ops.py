@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
 
-from conftest import fresh_database, run, _execute
+from conftest import _execute, fresh_database, run
 from helpers import wait_ready
 from service.app import create_app
 

@@ -7,7 +7,6 @@ this machine has no CUDA device or no cuVS).
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

@@ -22,8 +22,8 @@ import numpy as np
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.workloads import LEVELS
 from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fire_figure, problem_text, worker_index
+from loadtests.workloads import LEVELS
 
 STATE: dict[str, Any] = {}
 ID_SPACE = 1_000_000_000  # each load-generator process writes ids above rows + ID_SPACE * (worker index + 1)

@@ -27,8 +27,8 @@ from indexes.shards import Shard
 
 from ..admission import Admission
 from ..database import open_pool
-from ..engine_link import EngineServer
 from ..devices import probe_cuda
+from ..engine_link import EngineServer
 from ..settings import Settings
 
 log = logging.getLogger("switchyard.cluster")

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from olap.queries import QUERIES, params_schema
 
 from ..deadlines import remaining
-from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..deps import RuntimeDep, domain, v1_router
+from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..errors import Forbidden, NotFound, Unprocessable
 from ..jsonnum import Float, Int
 from ..vector_requests import parse_json

@@ -7,19 +7,36 @@ from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 import orjson
-
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.vectors import (MAX_K, arrow_chunks, as_matrix, check_arrow, check_batch, check_finite, check_ids,
-                             checked_points, fit_matrix)
+from indexes.vectors import (
+    MAX_K,
+    arrow_chunks,
+    as_matrix,
+    check_arrow,
+    check_batch,
+    check_finite,
+    check_ids,
+    checked_points,
+    fit_matrix,
+)
 
 from ..deps import RuntimeDep, domain, v1_router
-from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
+from ..jsonnum import Float, Int, IntList
 from ..spool import spool
-from ..vector_requests import (RAW_VECTORS, REQUEST_ERRORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
-                               parse_search, parse_upsert, raw_search_options)
+from ..vector_requests import (
+    RAW_VECTORS,
+    REQUEST_ERRORS,
+    ParsedSearch,
+    ParsedUpsert,
+    SearchRequest,
+    UpsertPoints,
+    parse_search,
+    parse_upsert,
+    raw_search_options,
+)
 
 router = v1_router(tags=["vectors"])
 
