@@ -65,7 +65,8 @@ class MicroBatcher:
         self.queries = 0
         self.inline = 0
 
-    def timed(self, key: Hashable, queries: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
+    def timed(self, key: Hashable, queries: np.ndarray,
+              run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
         """The key's search (`run`, or the batcher's own), its cost learnt when it is one query."""
         return self._timed(key, queries, run)[0]
 
@@ -88,7 +89,8 @@ class MicroBatcher:
         return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
                 and (self.can_inline is None or self.can_inline(key)))
 
-    def try_now(self, key: Hashable, vector: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
+    def try_now(self, key: Hashable, vector: np.ndarray,
+                run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
         """The inline search, now, or None: not cheap enough, the key's lane is busy, another search is deciding,
         or it would take this turn of the loop past its budget (see the module's docstring). `run`: a search of
         the key's own (a filtered one, say) instead of the batcher's; its cost is learnt by timed()."""

@@ -171,7 +171,8 @@ class CollectionManager:
 
     @property
     def ready(self) -> bool:
-        return self.loading is not None and self.loading.done() and all(r.loaded or r.error for r in self.resident.values())
+        return (self.loading is not None and self.loading.done()
+                and all(r.loaded or r.error for r in self.resident.values()))
 
     async def start(self) -> None:
         await self.follower.start()  # listening before loading: nothing committed meanwhile is missed
@@ -372,7 +373,8 @@ class CollectionManager:
             return await self._upsert_now(name, points)
         group = self.write_groups.get(name)
         if group is None:
-            group = self.write_groups[name] = GroupCommit(lambda merged: self._upsert_now(name, merged), SMALL_WRITE_ROWS)
+            group = self.write_groups[name] = GroupCommit(lambda merged: self._upsert_now(name, merged),
+                                                          SMALL_WRITE_ROWS)
         return await group.upsert(points)
 
     async def _upsert_now(self, name: str, points: Points) -> int:
@@ -385,7 +387,8 @@ class CollectionManager:
         """Returns how many points existed, and the change seq after which they are gone."""
         def deleted(c: Collection, result: tuple[np.ndarray, Commit]) -> tuple[Commit, Changes]:
             gone, commit = result
-            return commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64), np.empty((0, c.dim), np.float32))
+            return commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
+                                   np.empty((0, c.dim), np.float32))
 
         gone, commit = await self._write(name, lambda c: self.store.delete(c, ids), deleted)
         return len(gone), commit.seq
@@ -749,7 +752,8 @@ class CollectionManager:
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
         if queries.shape[1] != c.dim:
-            raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}", field="queries")
+            raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}",
+                               field="queries")
         # Exact search over every row: seconds of CPU for large collections, so off the event loop.
         truth_scores, truth_rows = await asyncio.to_thread(exact_search, np, data, prepare(np, queries, c.metric), k,
                                                            c.metric)

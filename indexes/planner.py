@@ -23,8 +23,9 @@ the index unfiltered for 2k/selectivity rows and filtering them gave the same re
 Recall targets: each build leaves a random sample of 500 stored vectors out of the index (they wait in the exact
 delta), measures recall@10 of the index over a sweep of its search parameter with them as queries, against exact
 search over the indexed rows, then adds them. Stored vectors used as queries while in the index score far too well
-(a graph search starts next to its own node): 0.99 calibrated against 0.64 on fresh queries, measured. A targeted search takes the cheapest swept setting whose calibrated recall reaches the target, scaled
-for k > 10; none reaching it means exact search.
+(a graph search starts next to its own node): 0.99 calibrated against 0.64 on fresh queries, measured. A targeted
+search takes the cheapest swept setting whose calibrated recall reaches the target, scaled for k > 10; none reaching
+it means exact search.
 """
 
 from __future__ import annotations

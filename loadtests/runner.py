@@ -43,7 +43,8 @@ def _sweep_overrides(items: list[str]) -> dict[str, list[int]]:
 
 
 def _out_dir(args: argparse.Namespace, workload: str) -> Path:
-    out = Path(args.out) if args.out else Path("loadtests/results/loadtest") / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = (Path(args.out) if args.out
+           else Path("loadtests/results/loadtest") / f"{workload}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -57,7 +58,8 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
-    return {"command": "switchyard loadtest " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]),
+    arguments = sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]
+    return {"command": "switchyard loadtest " + " ".join(arguments),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "versions": versions,
             "note": "Locust runs on the same machine as the service: client and server share its cores."}
@@ -75,7 +77,8 @@ def vectors(args: argparse.Namespace) -> int:
     from loadtests import baseline, datasets
 
     out = _out_dir(args, "vectors")
-    data = datasets.load_vectors(args.vectors, args.queries, args.rows, args.dim, args.query_count, args.metric, args.seed)
+    data = datasets.load_vectors(args.vectors, args.queries, args.rows, args.dim, args.query_count, args.metric,
+                                 args.seed)
     print(f"data: {data.source}; exact neighbours of {len(data.queries)} queries ...", file=sys.stderr)
     folder = datasets.save(out / "dataset", data, datasets.exact_neighbors(data.base, data.queries, data.metric),
                            args.collection)
@@ -172,7 +175,8 @@ def _resident_type(info: dict[str, Any]) -> str:
 
 def _prepare_collection(api: Api, args: argparse.Namespace, data: Any) -> dict[str, Any]:
     existing = api.collection(args.collection)
-    if existing is not None and args.reuse and existing["count"] == len(data.base) and existing["dim"] == data.base.shape[1]:
+    if (existing is not None and args.reuse and existing["count"] == len(data.base)
+            and existing["dim"] == data.base.shape[1]):
         print(f"reusing collection {args.collection} ({existing['count']:,} points)", file=sys.stderr)
         return {"reused": True}
     if existing is not None:

@@ -49,7 +49,8 @@ class DatasetInUse(Exception):
 
 
 class OlapManager:
-    def __init__(self, data_dir: Path, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, data_dir: Path, guard: Any,
+                 observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         self.root = data_dir / "ssb"
         self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.engines: dict[str, Any] = {}  # kind -> engine
@@ -65,7 +66,8 @@ class OlapManager:
         self.engines[engine.kind] = engine
         if engine.kind != "postgres":  # PostgreSQL is reached asynchronously; the others block a thread
             workers = 1 if engine.kind == "gpu" else 4
-            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"olap-{engine.kind}")
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers,
+                                                             thread_name_prefix=f"olap-{engine.kind}")
 
     @property
     def ready(self) -> bool:

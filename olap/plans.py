@@ -2,15 +2,16 @@
 
 Each plan uses only methods that cuDF's DataFrame/Series share with pandas: boolean masks (`==`, `<`, `&`,
 `Series.isin`, `Series.between`), `DataFrame.loc[mask, columns]`, `DataFrame.merge(right, how="inner", left_on=...,
-right_on=...)`, column `__setitem__`, Series arithmetic and `astype("int64")`, `DataFrame.groupby(keys, sort=False).agg({...})`,
-`reset_index`, `sort_values(by=[...], ascending=[...])`, `Series.sum()`, and the frame's own constructor `type(frame)(dict)`.
-Neither pandas nor cuDF is imported here: the frames passed in decide which library runs the plan.
+right_on=...)`, column `__setitem__`, Series arithmetic and `astype("int64")`,
+`DataFrame.groupby(keys, sort=False).agg({...})`, `reset_index`, `sort_values(by=[...], ascending=[...])`,
+`Series.sum()`, and the frame's own constructor `type(frame)(dict)`. Neither pandas nor cuDF is imported here: the
+frames passed in decide which library runs the plan.
 
 Shape of every plan: filter each dimension table and keep only its join key and the columns the query needs, apply the
 fact table's own predicates while projecting lineorder, inner-merge the fact rows with the (small) filtered dimensions,
-aggregate, then sort exactly as the SQL does (olap/queries.py `Query.order_by`, tie-breakers included) and reset the index.
-The result has the SQL's columns in the SQL's order, with the aggregate as int64; run_plan(q, tables, params) equals
-DuckDB's result of render_sql(q, params) row for row (tests/test_ssb_queries.py).
+aggregate, then sort exactly as the SQL does (olap/queries.py `Query.order_by`, tie-breakers included) and reset the
+index. The result has the SQL's columns in the SQL's order, with the aggregate as int64; run_plan(q, tables, params)
+equals DuckDB's result of render_sql(q, params) row for row (tests/test_ssb_queries.py).
 """
 
 from __future__ import annotations

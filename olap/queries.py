@@ -4,26 +4,26 @@ One source of truth for what each query means. `render_sql` gives the SQL that D
 olap/plans.py runs the same queries as dataframe plans (pandas / cuDF) and validates through `validate_params`.
 
 Semantics are the ORIGINAL SSB texts (O'Neil et al., Rev. 3; anilshanbhag/crystal `test/ssb/queries/original/`), not the
-"flat" rewrites: Q1.3 filters `d_weeknuminyear = 6 AND d_year = 1994` (the dbgen week, daynuminyear/7 + 1, not the ISO week),
-Q2.3 uses brand 'MFGR#2221', and Q4.3 keeps `c_region = 'AMERICA'`. The published constants are the defaults.
+"flat" rewrites: Q1.3 filters `d_weeknuminyear = 6 AND d_year = 1994` (the dbgen week, daynuminyear/7 + 1, not the ISO
+week), Q2.3 uses brand 'MFGR#2221', and Q4.3 keeps `c_region = 'AMERICA'`. The published constants are the defaults.
 
 SQL conventions (all standard SQL, nothing DuckDB- or PostgreSQL-only):
 - Explicit `JOIN ... ON`, lineorder first, joined to part / supplier / customer before ddate.
-- Aggregates are named and cast to BIGINT (`CAST(SUM(lo_revenue) AS BIGINT) AS revenue`): DuckDB's SUM(BIGINT) is HUGEINT and
-  PostgreSQL's is NUMERIC, so without the cast the engines return different types. Q1.x wraps the sum in COALESCE(..., 0) so an
-  empty selection gives 0 (as a dataframe sum does) instead of NULL.
+- Aggregates are named and cast to BIGINT (`CAST(SUM(lo_revenue) AS BIGINT) AS revenue`): DuckDB's SUM(BIGINT) is
+  HUGEINT and PostgreSQL's is NUMERIC, so without the cast the engines return different types. Q1.x wraps the sum in
+  COALESCE(..., 0) so an empty selection gives 0 (as a dataframe sum does) instead of NULL.
 - Result columns: the group keys in GROUP BY order, then the aggregate last (`revenue` for Q1-Q3, `profit` for Q4).
   Q1.x: revenue; Q2.x: d_year, p_brand1, revenue; Q3.1: c_nation, s_nation, d_year, revenue;
-  Q3.2-Q3.4: c_city, s_city, d_year, revenue; Q4.1: d_year, c_nation, profit; Q4.2: d_year, s_nation, p_category, profit;
-  Q4.3: d_year, s_city, p_brand1, profit.
-- Deterministic order (tie-breaker rule): ORDER BY the published keys, then every remaining group key ascending, in GROUP BY
-  order. Only Q3.x needs it: `ORDER BY d_year ASC, revenue DESC, c_nation ASC, s_nation ASC` (c_city, s_city for Q3.2-Q3.4),
-  since two groups of one year can have equal revenue. Q2.x and Q4.x already order by their full group key.
-  Strings compare byte-wise ('MFGR#2210' < 'MFGR#222'); that is DuckDB's and the dataframes' order, and PostgreSQL's under the
-  "C" collation. The SSB string domains (upper-case ASCII, digits, '#', space at fixed positions) sort the same under the
-  usual glibc/ICU collations too.
-- Values are inlined as literals after validation: integers through int(), strings single-quoted with quotes doubled. Every
-  string parameter must also match a strict domain pattern, so no quote can reach the SQL text in the first place.
+  Q3.2-Q3.4: c_city, s_city, d_year, revenue; Q4.1: d_year, c_nation, profit; Q4.2: d_year, s_nation, p_category,
+  profit; Q4.3: d_year, s_city, p_brand1, profit.
+- Deterministic order (tie-breaker rule): ORDER BY the published keys, then every remaining group key ascending, in
+  GROUP BY order. Only Q3.x needs it: `ORDER BY d_year ASC, revenue DESC, c_nation ASC, s_nation ASC` (c_city, s_city
+  for Q3.2-Q3.4), since two groups of one year can have equal revenue. Q2.x and Q4.x already order by their full group
+  key. Strings compare byte-wise ('MFGR#2210' < 'MFGR#222'); that is DuckDB's and the dataframes' order, and
+  PostgreSQL's under the "C" collation. The SSB string domains (upper-case ASCII, digits, '#', space at fixed positions)
+  sort the same under the usual glibc/ICU collations too.
+- Values are inlined as literals after validation: integers through int(), strings single-quoted with quotes doubled.
+  Every string parameter must also match a strict domain pattern, so no quote can reach the SQL text in the first place.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ FIRST_YEAR, LAST_YEAR = 1992, 1998
 
 
 def city_prefix(nation: str) -> str:
-    """gen_city: a city is the nation's first 9 characters, space-padded to 9, plus one digit ('UNITED KI1', 'PERU     3')."""
+    """gen_city: a city is the nation's first 9 characters, space-padded to 9, plus one digit ('UNITED KI1',
+    'PERU     3')."""
     return nation[:9].ljust(9)
 
 

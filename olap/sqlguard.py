@@ -134,8 +134,9 @@ def _walk(node: Any, ctes: set[str]) -> None:
 def _check_table(node: dict[str, Any], ctes: set[str]) -> None:
     name = str(node.get("table_name", "")).lower()
     if node.get("schema_name") or node.get("catalog_name"):
-        raise SqlRejected(f"qualified table names are not allowed ({node.get('schema_name') or node.get('catalog_name')}."
-                          f"{name}); the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
+        raise SqlRejected("qualified table names are not allowed "
+                          f"({node.get('schema_name') or node.get('catalog_name')}.{name}); "
+                          f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
     if name not in TABLE_NAMES and name not in ctes:
         raise SqlRejected(f"unknown table {name!r}; the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
 

@@ -205,7 +205,8 @@ class Admission:
         self.enabled = settings.admission
         self.max_wait_s = settings.queue_wait_ms / 1000
         self.limits = engine_limits(settings)
-        self.pressure = (InflightLimit(settings.max_inflight, settings.min_inflight, settings.inflight_latency_tolerance,
+        self.pressure = (InflightLimit(settings.max_inflight, settings.min_inflight,
+                                       settings.inflight_latency_tolerance,
                                        self.max_wait_s) if settings.admission and settings.max_inflight else None)
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}

@@ -254,8 +254,8 @@ async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: 
     """A pool whose connections speak pgvector's binary format (the vector extension must exist; init=None for
     a pool that does not need it)."""
     pool = Pool(dsn, min_size=min_size, max_size=max_size, init=init, acquire_timeout_s=acquire_timeout_s,
-                max_queries=50_000, max_inactive_connection_lifetime=300.0, loop=None, connection_class=asyncpg.Connection,
-                record_class=asyncpg.Record, **connect_kwargs(command_timeout))
+                max_queries=50_000, max_inactive_connection_lifetime=300.0, loop=None,
+                connection_class=asyncpg.Connection, record_class=asyncpg.Record, **connect_kwargs(command_timeout))
     await pool
     return pool
 

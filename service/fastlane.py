@@ -218,7 +218,8 @@ class HotLane:
         await response(scope, receive, send)
 
 
-def read_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes, bytes | None, bytes | None, bytes | None, bool]:
+def read_headers(headers: list[tuple[bytes, bytes]]
+                 ) -> tuple[int, bytes, bytes | None, bytes | None, bytes | None, bool]:
     """What the lanes read of a request's headers: declared length (-1: none or not a number), media type,
     Authorization, X-Request-Timeout, a front process's forwarded client, whether the body is chunked."""
     length, media, authorization, timeout, forwarded, chunked = -1, JSON, None, None, None, False

@@ -55,7 +55,8 @@ class SyncSearchProtocol(HttpToolsProtocol):
         # parsed, and only when no request is left in flight (a pipelined one may have started a cycle).
         if (self.answered and self.held is None and (self.cycle is None or self.cycle.response_complete)
                 and self.timeout_keep_alive_task is None and not self.transport.is_closing()):
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def shutdown(self) -> None:
         if self.held is None:

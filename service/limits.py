@@ -31,7 +31,8 @@ class BodySizeLimitMiddleware:
         self.max_bulk_bytes = max_bulk_bytes or max_body_bytes
 
     def _problem(self, scope: Scope, limit: int, declared: int):
-        setting = "SWITCHYARD_MAX_BULK_BYTES" if limit == self.max_bulk_bytes != self.max_body_bytes else "SWITCHYARD_MAX_BODY_BYTES"
+        setting = ("SWITCHYARD_MAX_BULK_BYTES" if limit == self.max_bulk_bytes != self.max_body_bytes
+                   else "SWITCHYARD_MAX_BODY_BYTES")
         return problem_response(
             413, "payload-too-large", "Payload too large",
             f"{declared} bytes exceeds the limit of {limit} bytes ({setting}); "

@@ -77,12 +77,14 @@ class Runtime:
             finally:
                 await conn.close()
             if applied:
-                log.info("applied %d migration(s): %s", len(applied), ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
+                log.info("applied %d migration(s): %s", len(applied),
+                         ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
             self.pool = await open_pool(
                 self.dsn, min_size=s.db_pool_min, max_size=s.db_pool_max, command_timeout=s.db_command_timeout_s,
                 acquire_timeout_s=s.db_acquire_timeout_s)
             self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=s.sql_pool_max, init=None,
-                                            command_timeout=s.db_command_timeout_s, acquire_timeout_s=s.db_acquire_timeout_s)
+                                            command_timeout=s.db_command_timeout_s,
+                                            acquire_timeout_s=s.db_acquire_timeout_s)
             self.database = DatabaseSupervisor(
                 self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.db_command_timeout_s),
                 metrics=self.metrics, interval_s=s.db_check_interval_s, probe_timeout_s=s.readiness_timeout_s,
@@ -144,7 +146,8 @@ class Runtime:
             self.trace.applied(collection_id, seq, now)
 
     async def _start_engines(self) -> None:
-        await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir, metrics=self.metrics,
+        await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir,
+                                  metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads, huge_pages=self.settings.huge_pages,
                                   gpu_build_process=self.settings.gpu_build_process,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
@@ -213,7 +216,8 @@ class Runtime:
             async with asyncio.timeout(self.settings.readiness_timeout_s):
                 applied = await self.pool.fetchval("SELECT coalesce(max(version), 0) FROM schema_migrations")
             checks["database"] = "ok"
-            checks["migrations"] = "ok" if applied >= self.latest_migration else f"at {applied}, need {self.latest_migration}"
+            checks["migrations"] = ("ok" if applied >= self.latest_migration
+                                    else f"at {applied}, need {self.latest_migration}")
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             checks["database"] = f"unreachable: {type(exc).__name__}"
             checks["migrations"] = "unknown"

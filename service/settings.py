@@ -18,8 +18,10 @@ class Settings(BaseSettings):
         description="PostgreSQL URL (postgresql://user:pass@host:port/db). Unset: an embedded PostgreSQL "
         "with pgvector is started in <data_dir>/postgres and stopped on shutdown.",
     )
-    data_dir: Path = Field(default=Path("data"), description="Local state: embedded database, index snapshots, SSB data.")
-    api_key: SecretStr | None = Field(default=None, description="If set, every /v1 route needs 'Authorization: Bearer <key>'.")
+    data_dir: Path = Field(default=Path("data"),
+                           description="Local state: embedded database, index snapshots, SSB data.")
+    api_key: SecretStr | None = Field(default=None,
+                                      description="If set, every /v1 route needs 'Authorization: Bearer <key>'.")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     workers: int = Field(default=1, ge=1, description=(
@@ -43,16 +45,19 @@ class Settings(BaseSettings):
         "Log every request (logger switchyard.access, written by a background thread) except the hot routes."))
     access_log_sample: float = Field(default=0.0, ge=0.0, le=1.0, description=(
         "Share of hot-route requests (search, JSON upsert) that are access-logged too: 0 none, 1 all."))
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Larger request bodies get 413 unparsed.")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024,
+                                description="Larger request bodies get 413 unparsed.")
     max_bulk_bytes: int = Field(default=4 * 1024**3, ge=1024,
-                                description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, loaded as a job).")
+                                description="Limit for bulk loads sent as an Arrow IPC stream (read into memory, "
+                                            "loaded as a job).")
     cpu_threads: int | None = Field(default=None, ge=1, le=1024, description=(
         "Threads one CPU engine call may use (FAISS's OpenMP). Default: the cores divided among the workers or "
         "engine processes."))
     huge_pages: bool = Field(default=True, description=(
         "Back resident FAISS indexes' vectors and graph with transparent huge pages (Linux, THP mode 'madvise' or "
         "'always'): fewer TLB misses per graph search (indexes/hugepages.py)."))
-    batch_max: int = Field(default=64, ge=1, le=4096, description="Most single-vector searches merged into one engine call.")
+    batch_max: int = Field(default=64, ge=1, le=4096,
+                           description="Most single-vector searches merged into one engine call.")
     inline_search_us: float = Field(default=500, ge=0, le=100_000, description=(
         "A lone single-vector search on the CPU whose engine time has averaged under this runs on the event loop "
         "instead of a worker thread (the hop costs more than a small search); 0: always a thread."))
@@ -103,8 +108,8 @@ class Settings(BaseSettings):
         "Admission control (README: Overload): per-engine concurrency limits and short queues, 503 past them."))
     max_inflight: int = Field(default_factory=lambda: 64 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
         "Most /v1 requests a process serves at once (default 64 per core; the limit in force adapts below it, see "
-        "SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE); past it a request is answered 503 at once, before its body is read, so "
-        "admitted requests keep their latency when the event loop itself is the bottleneck (0: no limit)."))
+        "SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE); past it a request is answered 503 at once, before its body is read, "
+        "so admitted requests keep their latency when the event loop itself is the bottleneck (0: no limit)."))
     inflight_latency_tolerance: float = Field(default=1.5, ge=0, le=1000, description=(
         "The in-flight limit adapts (README: Overload): it is cut while admitted requests take more than this many "
         "times their least recent mean latency, and raised while they do not; 0: a fixed SWITCHYARD_MAX_INFLIGHT."))

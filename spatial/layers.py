@@ -43,7 +43,8 @@ def _ids(ids: Any, n: int) -> np.ndarray:
 def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | None]]:
     import shapely
 
-    if not isinstance(data, dict) or data.get("type") != "FeatureCollection" or not isinstance(data.get("features"), list):
+    if (not isinstance(data, dict) or data.get("type") != "FeatureCollection"
+            or not isinstance(data.get("features"), list)):
         raise GeometryError("must be a GeoJSON FeatureCollection", field="geojson")
     geoms, ids, props = [], [], []
     for i, feature in enumerate(data["features"]):

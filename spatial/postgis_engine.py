@@ -46,7 +46,8 @@ class PostgisEngine:
             else:
                 await conn.execute(
                     f"CREATE TABLE IF NOT EXISTS {table} AS SELECT position, "
-                    f"ST_Multi(ST_GeomFromWKB(wkb, 4326)) AS geom FROM spatial_polygons WHERE layer_id = {int(layer_id)}")
+                    "ST_Multi(ST_GeomFromWKB(wkb, 4326)) AS geom FROM spatial_polygons "
+                    f"WHERE layer_id = {int(layer_id)}")
             await conn.execute(f"CREATE INDEX IF NOT EXISTS {table}_geom ON {table} USING gist (geom)")
             await conn.execute(f"ANALYZE {table}")
             self._ready_layers.add(layer_id)

@@ -45,7 +45,8 @@ class SpatialStore:
                 import shapely
 
                 wkb = shapely.to_wkb(polygons_to_shapely(layer.geometry))
-                props = [orjson.dumps(p).decode() if p is not None else None for p in (layer.properties or [None] * len(layer))]
+                props = [orjson.dumps(p).decode() if p is not None else None
+                         for p in (layer.properties or [None] * len(layer))]
                 await conn.copy_records_to_table(
                     "spatial_polygons", columns=["layer_id", "position", "id", "wkb", "properties"],
                     records=[(layer_id, int(i), int(fid), bytes(b), p)

@@ -97,7 +97,8 @@ def test_errors_are_the_engines_own(fronted):
 def test_concurrent_clients_share_one_engine(fronted):
     data = clustered(400, DIM, seed=21)
     assert fronted.post("/v1/collections", json={"name": "f3", "dim": DIM}).status_code == 201
-    seq = fronted.put("/v1/collections/f3/points", json={"ids": list(range(400)), "vectors": data.tolist()}).json()["seq"]
+    seq = fronted.put("/v1/collections/f3/points",
+                      json={"ids": list(range(400)), "vectors": data.tolist()}).json()["seq"]
     queries = clustered(64, DIM, seed=22)
     truth, _ = oracle(data, queries, 5, "l2")
 

@@ -49,7 +49,8 @@ def _load(environment: Any, **_: Any) -> None:
     if data is None:
         return
     rng = np.random.default_rng(1_000_003 + worker_index(environment))
-    STATE.update(data=data, rng=rng, next_id=itertools.count(data.meta["rows"] + ID_SPACE * (worker_index(environment) + 1)),
+    STATE.update(data=data, rng=rng,
+                 next_id=itertools.count(data.meta["rows"] + ID_SPACE * (worker_index(environment) + 1)),
                  live={}, deleted={}, recent_deleted=[], last_seq=0, levels=itertools.cycle(LEVELS))
 
 

@@ -43,7 +43,8 @@ class ImportRequest(BaseModel):
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: Engine = "auto"
-    params: dict[str, Any] | None = Field(default=None, description="Template parameters; the published values by default.")
+    params: dict[str, Any] | None = Field(default=None,
+                                          description="Template parameters; the published values by default.")
 
 
 class SqlRequest(BaseModel):
@@ -94,7 +95,8 @@ async def datasets(runtime: RuntimeDep) -> list[dict[str, Any]]:
                responses={404: {"description": "No such dataset."},
                           409: {"description": "The dataset is the one the engines hold."}})
 async def delete_dataset(runtime: RuntimeDep, name: str = PathParam(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="The dataset's directory name (see GET datasets).")) -> Response:
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="The dataset's directory name (see GET datasets).")) -> Response:
     try:
         await domain(runtime, "olap").delete_dataset(name)
     except KeyError:
@@ -149,9 +151,11 @@ def _query_route(query_id: str, title: str) -> None:
         body = parse_json(QueryRequest, await request.body())
         return _result(await domain(runtime, "olap").run_query(query_id, body.params, body.engine))
 
-    router.add_api_route(f"/olap/ssb/queries/{query_id}", run_query, methods=["POST"], summary=f"SSB Q{query_id}: {title}",
+    router.add_api_route(f"/olap/ssb/queries/{query_id}", run_query, methods=["POST"],
+                         summary=f"SSB Q{query_id}: {title}",
                          operation_id=f"ssb_query_{query_id.replace('.', '_')}", response_model=ResultOut,
-                         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}})
+                         openapi_extra={"requestBody": {"required": True,
+                                                        "content": {"application/json": {"schema": schema}}}})
 
 
 for _query in QUERIES.values():
