@@ -52,7 +52,7 @@ def import_tbl(src_dir: Path, out_dir: Path, expected_rows: dict[str, int] | Non
     is called per written batch; total is the sum of expected_rows when it covers all tables, else None.
     """
     src_dir = Path(src_dir)
-    for table, file in TBL_FILES.items():        # fail before any work if a file is missing
+    for _table, file in TBL_FILES.items():       # fail before any work if a file is missing
         if not (src_dir / file).is_file():
             raise SsbImportError(file, f"file not found in {src_dir}")
     expected = dict(expected_rows or {})

@@ -106,8 +106,8 @@ def test_concurrent_clients_share_one_engine(fronted):
     replicas = fronted.get("/v1/collections/f3").json()["replication"]["replicas"]
     assert len(replicas) == 1, replicas  # one resident copy, whatever the number of fronts
     metrics = fronted.get("/metrics").text
-    line = next(l for l in metrics.splitlines() if l.startswith("switchyard_http_requests_total")
-                and 'route="/v1/collections/{name}/search"' in l and 'status="200"' in l)
+    line = next(m for m in metrics.splitlines() if m.startswith("switchyard_http_requests_total")
+                and 'route="/v1/collections/{name}/search"' in m and 'status="200"' in m)
     assert float(line.rsplit(" ", 1)[1]) >= len(queries)
 
 

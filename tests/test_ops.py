@@ -89,7 +89,8 @@ def test_tallied_metrics_render_exactly_what_direct_updates_would():
             latency.labels("/v1/x", "POST", str(status)).observe(seconds)
 
         def lines(text: bytes, prefix: str) -> list[str]:
-            return sorted(l for l in text.decode().splitlines() if l.startswith(prefix) and "_created" not in l)
+            return sorted(line for line in text.decode().splitlines()
+                          if line.startswith(prefix) and "_created" not in line)
 
         for prefix in ("switchyard_http_requests_total", "switchyard_http_request_duration_seconds"):
             assert lines(metrics.render(), prefix) == lines(generate_latest(direct), prefix), (round_, prefix)

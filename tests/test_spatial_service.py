@@ -196,7 +196,7 @@ def test_layers_survive_a_restart(make_settings, tmp_path):
 ])
 def test_bad_layers_are_422_naming_the_feature(app, body, field):
     assert_problem(app.post("/v1/spatial/layers", json=body), 422, "validation-error", field)
-    assert "b" not in [l["name"] for l in app.get("/v1/spatial/layers").json()]
+    assert "b" not in [layer["name"] for layer in app.get("/v1/spatial/layers").json()]
 
 
 def test_unknown_duplicate_and_wrong_kind(app, layers):

@@ -95,7 +95,8 @@ async def upload_layer(request: Request, runtime: RuntimeDep, name: str = LayerN
 
 @router.get("/spatial/layers", summary="List layers")
 async def list_layers(runtime: RuntimeDep) -> list[LayerOut]:
-    return [LayerOut(name=l.name, kind=l.kind, count=len(l)) for l in domain(runtime, "spatial").layers.values()]
+    return [LayerOut(name=layer.name, kind=layer.kind, count=len(layer))
+            for layer in domain(runtime, "spatial").layers.values()]
 
 
 @router.delete("/spatial/layers/{name}", status_code=204, summary="Delete a layer")
