@@ -35,8 +35,9 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-# run(key, queries (n, dim)) -> one result per query row, in order.
-RunBatch = Callable[[Hashable, np.ndarray], list[Any]]
+# run(key, queries (n, dim)) -> one result per query row, in order. The key is whatever the caller submits
+# (Any: a run that takes its own kind of key, say a tuple, fits).
+RunBatch = Callable[[Any, np.ndarray], list[Any]]
 
 
 @dataclass
@@ -47,7 +48,7 @@ class _Lane:
 
 class MicroBatcher:
     def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0,
-                 inline_below_s: float = 0.0, can_inline: Callable[[Hashable], bool] | None = None,
+                 inline_below_s: float = 0.0, can_inline: Callable[[Any], bool] | None = None,
                  turn_budget_s: float = 0.003) -> None:
         self.run = run
         self.executor = executor

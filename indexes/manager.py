@@ -498,8 +498,7 @@ class CollectionManager:
         while True:
             task = r.rebuild_task
             if task is None or task.done():
-                self._start_rebuild(r, say)
-                await asyncio.shield(r.rebuild_task)
+                await asyncio.shield(self._start_rebuild(r, say))
                 return
             if r.rebuild_started >= asked:
                 await asyncio.shield(task)
@@ -508,7 +507,7 @@ class CollectionManager:
             if r.index.compact:  # the rebuild that was running already covers every row (a bulk load's)
                 return
 
-    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
+    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> asyncio.Task:
         async def rebuild() -> None:
             index, kind = r.index, self._kind_of(r)
             loop = asyncio.get_running_loop()
@@ -522,14 +521,14 @@ class CollectionManager:
             self._snapshot_soon(r)
 
         r.rebuild_started = time.monotonic()
-        r.rebuild_task = asyncio.ensure_future(rebuild())
+        r.rebuild_task = task = asyncio.ensure_future(rebuild())
+        return task
 
     def _maybe_rebuild(self, r: Replica) -> None:
         if r.bulk_loading or not r.loaded:
             return
         if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
-            self._start_rebuild(r, None)
-            self._spawn(asyncio.shield(r.rebuild_task), f"background rebuild of {r.collection.name}")
+            self._spawn(asyncio.shield(self._start_rebuild(r, None)), f"background rebuild of {r.collection.name}")
 
     # -- reads -----------------------------------------------------------------------------------------
     def engine_order(self, r: Replica | None, engine: str) -> list[str]:
@@ -563,9 +562,9 @@ class CollectionManager:
         c, level, where = await self.check_search(name, queries, k, consistency, seq, params, payload_filter,
                                                   recall_target)
         r = self.resident.get(name)
-        order = self.engine_order(r, engine)
+        order = self.engine_order(r, engine)  # a resident engine in it only where there is a replica
         fallback = None
-        if order[0] != "pgvector" and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
+        if order[0] != "pgvector" and r is not None and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
             try:
                 async with asyncio.timeout(self.consistency.timeout_s):  # not wait_for: see indexes/follower.py
                     await r.reach(level, seq, arrived, self.consistency.bound_s)
@@ -668,6 +667,7 @@ class CollectionManager:
                         pg_params = pgvector_search.check_search_params(params if engine == "pgvector" else None)
                         result = await pgvector_search.search(self.pool, c, queries, k, pg_params, where)
                     else:
+                        assert r is not None  # engine_order named a resident engine
                         result = await self._search_resident(r, queries, k, params, where, single, recall_target)
                 except (InvalidInput, EngineUnavailable):
                     raise

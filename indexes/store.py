@@ -10,6 +10,7 @@ process that listens; catalog changes notify "c:<collection id>".
 
 from __future__ import annotations
 
+import builtins
 import io
 import re
 from dataclasses import dataclass, field
@@ -309,7 +310,7 @@ class CollectionStore:
             "ON CONFLICT (process, collection_id) DO UPDATE SET request = EXCLUDED.request, report = EXCLUDED.report, "
             "reported_at = clock_timestamp()", process, collection_id, request, orjson.dumps(report).decode())
 
-    async def reports(self, c: Collection, request: str) -> list[dict[str, Any]]:
+    async def reports(self, c: Collection, request: str) -> builtins.list[dict[str, Any]]:  # list: the method above
         rows = await self.pool.fetch("SELECT report FROM vector_replica_reports "
                                      "WHERE collection_id = $1 AND request = $2", c.id, request)
         return [orjson.loads(r["report"]) for r in rows]

@@ -20,11 +20,12 @@ from loadtests.processes import ServiceError, local_service
 from loadtests.sweep import Point, Sweep
 
 # Each engine's search parameter and the values swept by default, by the collection's index type.
-SEARCH_PARAMS = {"hnsw": ("ef", [16, 32, 64, 128]), "ivf_flat": ("n_probes", [1, 4, 16, 64]),
-                 "ivf_pq": ("n_probes", [4, 16, 64]), "cagra": ("itopk_size", [32, 64, 128]),
-                 "brute_force": (None, [None])}
-PGVECTOR_PARAMS = {"hnsw": ("ef_search", [20, 40, 80, 160]), "ivfflat": ("probes", [1, 4, 16, 64]),
-                   "none": (None, [None])}
+ParamSweep = tuple[str | None, list[int | None]]
+SEARCH_PARAMS: dict[str, ParamSweep] = {"hnsw": ("ef", [16, 32, 64, 128]), "ivf_flat": ("n_probes", [1, 4, 16, 64]),
+                                        "ivf_pq": ("n_probes", [4, 16, 64]), "cagra": ("itopk_size", [32, 64, 128]),
+                                        "brute_force": (None, [None])}
+PGVECTOR_PARAMS: dict[str, ParamSweep] = {"hnsw": ("ef_search", [20, 40, 80, 160]),
+                                          "ivfflat": ("probes", [1, 4, 16, 64]), "none": (None, [None])}
 
 
 def _ints(text: str) -> list[int]:
@@ -92,6 +93,7 @@ def vectors(args: argparse.Namespace) -> int:
         api = Api(url, args.api_key)
         summary["load"] = _prepare_collection(api, args, data)
         info = api.collection(args.collection)
+        assert info is not None  # _prepare_collection made it
         summary["collection"] = {"index": info["index"], "pgvector_index": info["pgvector_index"],
                                  "count": info["count"]}
         targets = []

@@ -77,6 +77,7 @@ class CudfEngine:
             return from_arrow(to_arrow(frame), max_rows)
         import polars as pl
 
+        assert self.dataset is not None  # run_sql checked
         frames = {table: pl.scan_parquet(self.dataset / f"{table}.parquet") for table in TABLES}
         lazy = pl.SQLContext(frames=frames).execute(sql)  # eager=False: a LazyFrame
         if max_rows is not None:

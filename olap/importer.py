@@ -83,6 +83,7 @@ def _check_count(file: str, table: str, rows: int, expected: int | None) -> None
 def _write_parquet(batches: Iterator[pa.RecordBatch], path: Path, table: str,
                    report: Callable[[int, str], None]) -> int:
     """Write batches in row groups of ~ROWS_PER_GROUP (CSV batches are far smaller); return the row count."""
+    pending: list[pa.RecordBatch]
     written, pending, pending_rows = 0, [], 0
     with pq.ParquetWriter(path, TABLES[table]) as writer:
         def flush() -> None:

@@ -196,6 +196,7 @@ class OlapManager:
                      user_errors: tuple[type[Exception], ...] = ()) -> Answer:
         order = self._order(engine)
         fallback = None
+        expected: tuple[type[Exception], ...] = (TimeoutError, *user_errors)
         for position, kind in enumerate(order):
             name = ENGINE_NAMES[kind]
             last = position + 1 == len(order)
@@ -211,7 +212,7 @@ class OlapManager:
                             result = await self._run(kind, method, *args)
                     else:
                         result = await self._run(kind, method, *args)
-                except (TimeoutError, *user_errors):
+                except expected:
                     self.observe(name, operation, time.perf_counter() - started, False)
                     raise
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto

@@ -122,7 +122,7 @@ class _Text:
         return value
 
     def schema(self) -> dict:
-        out = {"type": "string", "pattern": self.pattern}
+        out: dict[str, Any] = {"type": "string", "pattern": self.pattern}
         if self.choices is not None:
             out["enum"] = list(self.choices)
         return out

@@ -90,7 +90,9 @@ def parse_tree(sql: str) -> dict[str, Any]:
     if con is None:
         con = _parser.con = duckdb.connect(":memory:", config={"enable_external_access": False})
     try:
-        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+        assert row is not None  # a SELECT of one value: one row
+        tree = json.loads(row[0])
     except duckdb.Error as exc:
         raise SqlRejected(f"not valid SQL: {_first_line(exc)}") from None
     if tree.get("error"):

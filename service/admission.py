@@ -105,7 +105,7 @@ class Gate:
                        "the request was not run", self.retry_after_s(), engine=self.name, reason="queue_full")
         wait = self.max_wait_s
         by_deadline = deadline is not None and deadline - time.monotonic() < wait
-        if by_deadline:
+        if by_deadline and deadline is not None:  # (by_deadline implies the latter)
             wait = deadline - time.monotonic()
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)

@@ -73,4 +73,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_bulk_bytes=settings.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.access_log)
-    return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app
+    # an ASGI app that behaves as the FastAPI app
+    return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value]

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -53,8 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
             sys.exit(str(exc))
         serve_on_ray(settings, args.address or settings.ray_address)
         return 0
-    common = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
-                  access_log=False)  # service/access_log.py logs requests off the event loop instead
+    common: dict[str, Any] = dict(log_level=settings.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
+                                  access_log=False)  # service/access_log.py logs requests off the event loop instead
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
         _serve_here(settings, common)

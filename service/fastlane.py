@@ -18,7 +18,7 @@ import random
 import re
 import time
 from types import SimpleNamespace
-from typing import Awaitable, Callable, NamedTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,9 +27,12 @@ from .access_log import log_request
 from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
 from .deadlines import set_deadline
 from .errors import ProblemError
-from .metrics import StatusSend
+from .metrics import Metrics, StatusSend
 from .settings import Settings
 from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
+
+if TYPE_CHECKING:
+    from .runtime import Runtime  # not at run time: front processes import this module, not the engines
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes
@@ -106,6 +109,7 @@ class HotLane:
         if pressure is not None and not pressure.admit(True):
             return False
         start, answered = time.perf_counter(), False
+        assert self.now is not None  # take_now accepted the request
         try:
             answered = self.now(request.collection, raw, request.media, request.query, respond)
         finally:
@@ -152,6 +156,7 @@ class HotLane:
             return
         light = not scope["path"].startswith(HEAVY_PREFIXES)
         if not await pressure.enter(light):
+            assert self.admission is not None  # the pressure is the admission's
             self.admission.shed("requests", "inflight")
             await self._answer_failure(scope, receive, send, Shed(
                 f"the service is serving {pressure.inflight} requests, its limit under the present load "
@@ -239,7 +244,7 @@ def read_headers(headers: list[tuple[bytes, bytes]]
     return length, media, authorization, timeout, forwarded, chunked
 
 
-def local_answer(runtime: object) -> Answer:
+def local_answer(runtime: Runtime) -> Answer:
     """Hot requests of a process that holds the engines: parsed and answered here."""
     from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
 
@@ -259,7 +264,7 @@ def local_answer(runtime: object) -> Answer:
     return answer
 
 
-def local_answer_now(runtime: object) -> AnswerNow:
+def local_answer_now(runtime: Runtime) -> AnswerNow:
     """Searches a process that holds the engines answers from its HTTP protocol, at once when it can."""
     from .routes.vectors import search_now
 
@@ -274,7 +279,7 @@ def local_answer_now(runtime: object) -> AnswerNow:
     return answer
 
 
-def observe_hot(metrics: object, search: bool, seconds: float) -> None:
+def observe_hot(metrics: Metrics, search: bool, seconds: float) -> None:
     """Count a hot request under its full route's labels."""
     template = (SEARCH_ROUTE if search else POINTS_ROUTE).path
     metrics.observe_request(template, "POST" if search else "PUT", 200, seconds)

@@ -130,6 +130,7 @@ class DatabaseSupervisor:
             await self.pool.release(holder)
 
     async def _restart_embedded(self) -> None:
+        assert self.embedded is not None  # called only with an embedded server
         if self.restart_attempts >= self.max_restarts:
             if self.state != "gave-up":
                 self.state = "gave-up"

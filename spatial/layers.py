@@ -129,7 +129,7 @@ def parse_layer(name: str, kind: str, body: dict[str, Any]) -> Layer:
         raise GeometryError("give exactly one of lon/lat, geojson, wkt and wkb_b64", field="body")
     source = given[0]
     if kind == "points" and source == "lon":
-        geometry = points_from_lonlat(body["lon"], body.get("lat", []))
+        geometry: Points | Polygons = points_from_lonlat(body["lon"], body.get("lat", []))
         return Layer(name, kind, _ids(body.get("ids"), len(geometry)), geometry)
     if source == "lon":
         raise GeometryError("polygon layers come as geojson, wkt or wkb_b64", field="lon")

@@ -69,7 +69,8 @@ class PostgisEngine:
             rows = await conn.fetch(
                 f"SELECT p.position AS i, g.position AS j FROM {pts} p JOIN {polys} g ON ST_Intersects(g.geom, p.geom) "
                 f"WHERE p.position >= $1 AND p.position < $2 ORDER BY 1, 2", start, stop)
-        return _columns(rows, "i", "j")
+        i, j = _columns(rows, "i", "j")
+        return i, j
 
     async def within_distance(self, left: str, right: str, radius_m: float, start: int, stop: int,
                               self_join: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

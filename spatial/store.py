@@ -11,7 +11,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from .geoarrow import Points, polygons_from_shapely, polygons_to_shapely
+from .geoarrow import Points, Polygons, polygons_from_shapely, polygons_to_shapely
 from .layers import Layer
 
 
@@ -44,6 +44,7 @@ class SpatialStore:
             else:
                 import shapely
 
+                assert isinstance(layer.geometry, Polygons)  # kind "polygons"
                 wkb = shapely.to_wkb(polygons_to_shapely(layer.geometry))
                 props = [orjson.dumps(p).decode() if p is not None else None
                          for p in (layer.properties or [None] * len(layer))]

@@ -138,7 +138,7 @@ def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> An
 
             return create_app()
 
-    return SwitchyardIngress.bind()
+    return SwitchyardIngress.bind()  # type: ignore[attr-defined]  # a Deployment: mypy keeps a decorated class's type
 
 
 def _switchyard_env() -> dict[str, str]:

@@ -109,8 +109,8 @@ async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Respons
     manager = domain(runtime, "olap")
     await _ensure_disk(runtime, manager, SSB_BYTES_PER_SF * body.scale_factor, PARQUET_BYTES_PER_SF * body.scale_factor,
                        f"an SSB dataset of scale factor {body.scale_factor:g}", "scale_factor")
-    job = await runtime.jobs.start("ssb_generate", f"sf{body.scale_factor:g}",
-                                   lambda progress: manager.generate(body.scale_factor, body.seed, progress))
+    job = await domain(runtime, "jobs").start("ssb_generate", f"sf{body.scale_factor:g}",
+                                              lambda progress: manager.generate(body.scale_factor, body.seed, progress))
     return _job(job, response)
 
 
@@ -128,7 +128,7 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
         raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
     tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
     await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
-    job = await runtime.jobs.start("ssb_import", body.name, lambda progress: manager.import_tbl(
+    job = await domain(runtime, "jobs").start("ssb_import", body.name, lambda progress: manager.import_tbl(
         source, body.name, body.expected_rows, progress))
     return _job(job, response)
 

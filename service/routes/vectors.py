@@ -353,7 +353,8 @@ async def build(name: CollectionName, runtime: RuntimeDep, response: Response,
                 pgvector: FallbackBuild = "background") -> JobAccepted:
     vectors = domain(runtime, "vectors")
     await vectors.collection(name)  # 404 now rather than in the job
-    job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress, fallback=pgvector))
+    job = await domain(runtime, "jobs").start("build", name,
+                                              lambda progress: vectors.build(name, progress, fallback=pgvector))
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobAccepted(job=job.id, state=job.state, location=f"/v1/jobs/{job.id}")
 
