@@ -9,8 +9,14 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 run: $(VENV)/.installed
 	$(BIN)/switchyard serve
 
-test: $(VENV)/.installed-test
+test: lint
 	$(BIN)/python -m pytest
+
+# ruff (pyflakes, pycodestyle, import order, bugbear) over the repository, mypy over the service's packages:
+# configured in pyproject.toml. `make test` runs it first.
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Every GPU test and the GPU side of the benchmarks, one report (loadtests/gpu_check.py; skips with reasons
 # where there is no device). Install the gpu extra first for cuVS / cuDF: $(PIP) install -e '.[gpu]'
@@ -32,4 +38,4 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	@touch $@ $(VENV)/.installed
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

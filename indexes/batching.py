@@ -20,8 +20,9 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-# run(key, queries (n, dim)) -> one result per query row, in order.
-RunBatch = Callable[[Hashable, np.ndarray], list[Any]]
+# run(key, queries (n, dim)) -> one result per query row, in order. The key is whatever the caller submits
+# (Any: a run that takes its own kind of key, say a tuple, fits).
+RunBatch = Callable[[Any, np.ndarray], list[Any]]
 
 
 @dataclass
@@ -32,7 +33,7 @@ class _Lane:
 
 class MicroBatcher:
     def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0,
-                 inline_below_s: float = 0.0, can_inline: Callable[[Hashable], bool] | None = None,
+                 inline_below_s: float = 0.0, can_inline: Callable[[Any], bool] | None = None,
                  turn_budget_s: float = 0.003) -> None:
         self.run = run
         self.executor = executor
@@ -50,7 +51,8 @@ class MicroBatcher:
         self.queries = 0
         self.inline = 0
 
-    def timed(self, key: Hashable, queries: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
+    def timed(self, key: Hashable, queries: np.ndarray,
+              run: Callable[[np.ndarray], list[Any]] | None = None) -> list[Any]:
         """The key's search (`run`, or the batcher's own), its cost learnt when it is one query."""
         return self._timed(key, queries, run)[0]
 
@@ -73,7 +75,8 @@ class MicroBatcher:
         return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
                 and (self.can_inline is None or self.can_inline(key)))
 
-    def try_now(self, key: Hashable, vector: np.ndarray, run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
+    def try_now(self, key: Hashable, vector: np.ndarray,
+                run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
         """The inline search, now, or None: not cheap enough, the key's lane is busy, another search is deciding,
         or it would take this turn of the loop past its budget (see the module's docstring). `run`: a search of
         the key's own (a filtered one, say) instead of the batcher's; its cost is learnt by timed()."""

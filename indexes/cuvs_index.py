@@ -349,29 +349,31 @@ class CuvsIndex:
         rows = np.unique(rows[(rows >= 0) & (rows < self._size)])
         if len(rows) == 0:
             return
-        first = self._alive is None
+        alive = self._alive
+        first = alive is None
+        if alive is None:
+            alive = self._alive = np.ones(self._size, dtype=bool)
+        self.n_dead += int(np.count_nonzero(alive[rows]))
+        alive[rows] = False
         if first:
-            self._alive = np.ones(self._size, dtype=bool)
-        self.n_dead += int(np.count_nonzero(self._alive[rows]))
-        self._alive[rows] = False
-        if first:
-            self._upload_alive()
+            self._upload_alive(alive)
             return
+        assert self._alive_words is not None  # uploaded with the mask
         words = np.unique(rows >> 5)
         bits = np.arange(32) + 32 * words[:, None]
-        in_words = self._alive[np.minimum(bits, self._size - 1)] & (bits < self._size)  # bits past the end: 0
+        in_words = alive[np.minimum(bits, self._size - 1)] & (bits < self._size)  # bits past the end: 0
         self._alive_words[words] = keep_bitset(in_words.ravel(), bits.size)
         self._alive_bits[_lib().cp.asarray(words)] = _lib().cp.asarray(self._alive_words[words])
 
-    def _upload_alive(self) -> None:
-        self._alive_words = keep_bitset(self._alive, self._size)
+    def _upload_alive(self, alive: np.ndarray) -> None:
+        self._alive_words = keep_bitset(alive, self._size)
         self._alive_bits = _lib().cp.asarray(self._alive_words)
 
     def _grow_alive(self, added: int) -> None:
         """Rows appended by add are alive: the mask and bitset grow (one upload per batched add)."""
         if self._alive is not None:
             self._alive = np.concatenate([self._alive, np.ones(added, dtype=bool)])
-            self._upload_alive()
+            self._upload_alive(self._alive)
 
     def add(self, vectors: np.ndarray) -> None:
         if not self.supports_add:

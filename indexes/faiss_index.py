@@ -66,12 +66,13 @@ class FaissIndex:
         _use_threads(len(vectors), threads)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
+        index: faiss.Index
         if t == "brute_force":
             index = faiss.IndexFlat(d, metric)
         elif t in ("hnsw", "cagra"):
             m = p["m"] if t == "hnsw" else max(4, p["graph_degree"] // 2)
-            index = faiss.IndexHNSWFlat(d, m, metric)
-            index.hnsw.efConstruction = p["ef_construction"] if t == "hnsw" else p["intermediate_graph_degree"]
+            index = hnsw = faiss.IndexHNSWFlat(d, m, metric)
+            hnsw.hnsw.efConstruction = p["ef_construction"] if t == "hnsw" else p["intermediate_graph_degree"]
         elif t in ("ivf_flat", "ivf_pq"):
             # FAISS's Python constructors keep a reference to the quantizer / base index they are given.
             n_lists = p.get("n_lists") or default_n_lists(n)
@@ -124,17 +125,19 @@ class FaissIndex:
             hugepages.back_index(self.index, collapse)
 
     def _search_parameters(self, k: int, params: dict[str, Any], selector: Any) -> tuple[Any, int]:
+        # The ignores: faiss's stubs (faiss/__init__.pyi) lack SearchParametersHNSW and the keyword arguments that
+        # SWIG's constructors of parameter objects take.
         t = self.config.index_type
         if t in ("hnsw", "cagra"):
             ef = params.get("ef") if t == "hnsw" else params.get("itopk_size")
-            return faiss.SearchParametersHNSW(efSearch=max(k, int(ef or 64)), sel=selector), k
+            return faiss.SearchParametersHNSW(efSearch=max(k, int(ef or 64)), sel=selector), k  # type: ignore[attr-defined]
         if t == "ivf_flat":
-            return faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector), k
+            return faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector), k  # type: ignore[call-arg]
         if t == "ivf_pq":
             ratio = float(params.get("refine_ratio", 2.0))
-            inner = faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector)
-            return faiss.IndexRefineSearchParameters(k_factor=ratio, base_index_params=inner), k
-        return (faiss.SearchParameters(sel=selector) if selector is not None else None), k
+            inner = faiss.SearchParametersIVF(nprobe=int(params.get("n_probes", 20)), sel=selector)  # type: ignore[call-arg]
+            return faiss.IndexRefineSearchParameters(k_factor=ratio, base_index_params=inner), k  # type: ignore[call-arg]
+        return (faiss.SearchParameters(sel=selector) if selector is not None else None), k  # type: ignore[call-arg]
 
     def search(self, queries: np.ndarray, k: int, params: dict[str, Any],
                keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +152,9 @@ class FaissIndex:
             filtered = self._filtered
             if filtered is None or filtered[0] is not base or filtered[1] != shape:
                 bitmap = np.packbits(keep[: self.size], bitorder="little")
-                filtered = (base, shape, bitmap, self._search_parameters(k, params, faiss.IDSelectorBitmap(bitmap)))
+                # faiss's Python wrapper takes the bitmap array alone; its stubs know only the SWIG (n, bitmap) form
+                selector = faiss.IDSelectorBitmap(bitmap)  # type: ignore[call-arg, arg-type]
+                filtered = (base, shape, bitmap, self._search_parameters(k, params, selector))
                 self._filtered = filtered
             search_params, kk = filtered[3]
         else:

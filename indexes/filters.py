@@ -32,7 +32,8 @@ LOGICAL_OPS = ("$and", "$or", "$not")
 # The date strings both sides read as instants. Strict on purpose: PostgreSQL and Python must agree on exactly
 # which strings are dates (switchyard_instant in migrations/0007 uses the same pattern).
 DATE_PATTERN = (r"^[1-9][0-9]{3}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-                r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,6})?)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?)?$")
+                r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]{1,6})?)?"
+                r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])?)?$")
 _DATE = re.compile(DATE_PATTERN)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
@@ -227,7 +228,8 @@ def to_sql(node: Node, args: list[Any]) -> str:
     if numbers:
         parts.append(f"({_NUMBER.format(f=f)}) = ANY({_arg(args, numbers)}::float8[])")
     if strings:
-        parts.append(f"(jsonb_typeof(payload -> {f}) = 'string' AND payload ->> {f} = ANY({_arg(args, strings)}::text[]))")
+        parts.append(f"(jsonb_typeof(payload -> {f}) = 'string' "
+                     f"AND payload ->> {f} = ANY({_arg(args, strings)}::text[]))")
     if others:
         literals = ["null" if v is None else "true" if v else "false" for v in others]
         parts.append(f"payload -> {f} = ANY({_arg(args, literals)}::jsonb[])")

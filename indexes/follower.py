@@ -75,7 +75,8 @@ class Follower:
                 conn = await asyncpg.connect(self.dsn, timeout=10,
                                              server_settings={"application_name": self.application_name[:63]})
                 lost = asyncio.Event()
-                conn.add_termination_listener(lambda _conn: lost.set())
+                # bound now: a late termination of this connection sets its own event, never a later connection's
+                conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
                 await conn.add_listener(CHANNEL, self._on_notification)
                 self.listening = True
                 if not first:

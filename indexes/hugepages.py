@@ -63,7 +63,7 @@ def regions(index: Any) -> list[Any]:
     index = faiss.downcast_index(index)
     out = []
     if isinstance(index, faiss.IndexHNSW):
-        out += [index.hnsw.neighbors, index.hnsw.offsets, index.hnsw.levels]
+        out += [index.hnsw.neighbors, index.hnsw.offsets, index.hnsw.levels]  # type: ignore[attr-defined]  # not in faiss's stubs
         index = faiss.downcast_index(index.storage)
     elif isinstance(index, faiss.IndexRefine):
         index = faiss.downcast_index(index.refine_index)

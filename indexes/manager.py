@@ -34,10 +34,10 @@ from .build_process import DetachedBuilder
 from .distance import METRICS, exact_search, from_engine, prepare
 from .errors import CollectionEmpty, CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
 from .follower import Follower
-from .replica import Applied, Replica, check_level
-from .resident import Changes, IndexBackend, PendingBuild, RebuildPolicy, ResidentCollection, SearchResult
 from .group_commit import GroupCommit
 from .planner import CALIBRATION_QUERIES
+from .replica import Applied, Replica, check_level
+from .resident import Changes, IndexBackend, PendingBuild, RebuildPolicy, ResidentCollection, SearchResult
 from .shards import Shard
 from .store import SMALL_WRITE_ROWS, Collection, CollectionStore, Commit
 from .tasks import stop_tasks
@@ -171,7 +171,8 @@ class CollectionManager:
 
     @property
     def ready(self) -> bool:
-        return self.loading is not None and self.loading.done() and all(r.loaded or r.error for r in self.resident.values())
+        return (self.loading is not None and self.loading.done()
+                and all(r.loaded or r.error for r in self.resident.values()))
 
     async def start(self) -> None:
         await self.follower.start()  # listening before loading: nothing committed meanwhile is missed
@@ -372,7 +373,8 @@ class CollectionManager:
             return await self._upsert_now(name, points)
         group = self.write_groups.get(name)
         if group is None:
-            group = self.write_groups[name] = GroupCommit(lambda merged: self._upsert_now(name, merged), SMALL_WRITE_ROWS)
+            group = self.write_groups[name] = GroupCommit(lambda merged: self._upsert_now(name, merged),
+                                                          SMALL_WRITE_ROWS)
         return await group.upsert(points)
 
     async def _upsert_now(self, name: str, points: Points) -> int:
@@ -385,7 +387,8 @@ class CollectionManager:
         """Returns how many points existed, and the change seq after which they are gone."""
         def deleted(c: Collection, result: tuple[np.ndarray, Commit]) -> tuple[Commit, Changes]:
             gone, commit = result
-            return commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64), np.empty((0, c.dim), np.float32))
+            return commit, Changes(commit.prev, commit.seq, gone, np.empty(0, np.int64),
+                                   np.empty((0, c.dim), np.float32))
 
         gone, commit = await self._write(name, lambda c: self.store.delete(c, ids), deleted)
         return len(gone), commit.seq
@@ -495,8 +498,7 @@ class CollectionManager:
         while True:
             task = r.rebuild_task
             if task is None or task.done():
-                self._start_rebuild(r, say)
-                await asyncio.shield(r.rebuild_task)
+                await asyncio.shield(self._start_rebuild(r, say))
                 return
             if r.rebuild_started >= asked:
                 await asyncio.shield(task)
@@ -505,7 +507,7 @@ class CollectionManager:
             if r.index.compact:  # the rebuild that was running already covers every row (a bulk load's)
                 return
 
-    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
+    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> asyncio.Task:
         async def rebuild() -> None:
             index, kind = r.index, self._kind_of(r)
             loop = asyncio.get_running_loop()
@@ -519,14 +521,14 @@ class CollectionManager:
             self._snapshot_soon(r)
 
         r.rebuild_started = time.monotonic()
-        r.rebuild_task = asyncio.ensure_future(rebuild())
+        r.rebuild_task = task = asyncio.ensure_future(rebuild())
+        return task
 
     def _maybe_rebuild(self, r: Replica) -> None:
         if r.bulk_loading or not r.loaded:
             return
         if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
-            self._start_rebuild(r, None)
-            self._spawn(asyncio.shield(r.rebuild_task), f"background rebuild of {r.collection.name}")
+            self._spawn(asyncio.shield(self._start_rebuild(r, None)), f"background rebuild of {r.collection.name}")
 
     # -- reads -----------------------------------------------------------------------------------------
     def engine_order(self, r: Replica | None, engine: str) -> list[str]:
@@ -560,9 +562,9 @@ class CollectionManager:
         c, level, where = await self.check_search(name, queries, k, consistency, seq, params, payload_filter,
                                                   recall_target)
         r = self.resident.get(name)
-        order = self.engine_order(r, engine)
+        order = self.engine_order(r, engine)  # a resident engine in it only where there is a replica
         fallback = None
-        if order[0] != "pgvector" and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
+        if order[0] != "pgvector" and r is not None and not r.satisfies(level, seq, arrived, self.consistency.bound_s):
             try:
                 async with asyncio.timeout(self.consistency.timeout_s):  # not wait_for: see indexes/follower.py
                     await r.reach(level, seq, arrived, self.consistency.bound_s)
@@ -665,6 +667,7 @@ class CollectionManager:
                         pg_params = pgvector_search.check_search_params(params if engine == "pgvector" else None)
                         result = await pgvector_search.search(self.pool, c, queries, k, pg_params, where)
                     else:
+                        assert r is not None  # engine_order named a resident engine
                         result = await self._search_resident(r, queries, k, params, where, single, recall_target)
                 except (InvalidInput, EngineUnavailable):
                     raise
@@ -749,7 +752,8 @@ class CollectionManager:
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
         if queries.shape[1] != c.dim:
-            raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}", field="queries")
+            raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}",
+                               field="queries")
         # Exact search over every row: seconds of CPU for large collections, so off the event loop.
         truth_scores, truth_rows = await asyncio.to_thread(exact_search, np, data, prepare(np, queries, c.metric), k,
                                                            c.metric)

@@ -173,7 +173,7 @@ class PayloadIndex:
 
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(JSON-able meta, arrays) for a snapshot."""
-        meta = {"rows": self.rows, "columns": []}
+        meta: dict[str, Any] = {"rows": self.rows, "columns": []}
         arrays: dict[str, np.ndarray] = {}
         for i, (key, column) in enumerate(self.columns.items()):
             vocab = sorted(column.vocab, key=column.vocab.__getitem__)
@@ -204,7 +204,7 @@ class PayloadIndex:
         return out
 
 
-def parsed(payloads: list[Any] | None, n: int) -> list[Any] | None:
+def parsed(payloads: list[Any] | str | bytes | None, n: int) -> list[Any] | None:
     """Change-log payloads as dicts (JSON text parsed once, outside any lock): a JSON array of them, or a list
     with JSON text or a dict per row."""
     if isinstance(payloads, (bytes, str)):  # a change-log read: one JSON array

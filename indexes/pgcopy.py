@@ -19,7 +19,7 @@ JSONB_VERSION = b"\x01"
 
 
 def _row_dtype(dim: int, with_seq: bool) -> np.dtype:
-    fields = [("nfields", ">i2"), ("id_len", ">i4"), ("id", ">i8")]
+    fields: list[tuple[str, str] | tuple[str, str, tuple[int]]] = [("nfields", ">i2"), ("id_len", ">i4"), ("id", ">i8")]
     if with_seq:
         fields += [("seq_len", ">i4"), ("seq", ">i8")]
     fields += [("vec_len", ">i4"), ("vec_dim", ">u2"), ("vec_unused", ">u2"), ("vec", ">f4", (dim,))]

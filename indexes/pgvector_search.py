@@ -16,7 +16,8 @@ from .errors import InvalidInput
 from .resident import SearchResult
 from .store import OPCLASSES, Collection
 
-INDEX_DEFAULTS = {"hnsw": {"m": 16, "ef_construction": 64}, "ivfflat": {"lists": None}, "none": {}}
+INDEX_DEFAULTS: dict[str, dict[str, int | None]] = {"hnsw": {"m": 16, "ef_construction": 64},
+                                                    "ivfflat": {"lists": None}, "none": {}}
 SEARCH_KNOBS = {"ef_search": ("hnsw.ef_search", 1, 1000), "probes": ("ivfflat.probes", 1, 32768)}
 
 

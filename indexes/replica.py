@@ -54,7 +54,7 @@ class Replica:
     rebuild_task: asyncio.Task | None = None  # the one rebuild of this collection, background or asked for
     rebuild_started: float = 0.0
     snapshot_after: float = 0.0  # monotonic time before which the pending snapshot waits for more rebuilds
-    snapshot_task: asyncio.Task | None = None  # the pending or running snapshot after rebuilds
+    snapshot_task: asyncio.Future | None = None  # the pending or running snapshot after rebuilds
     fresh_as_of: float = -math.inf  # monotonic time as of which every commit is applied
     own_writes: int = 0  # this process's writes between their COMMIT and their apply
     deferred_seq: int = 0  # the newest commit notified while own writes were in flight

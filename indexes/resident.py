@@ -20,6 +20,7 @@ from .distance import exact_search, from_engine, merge_topk, prepare
 from .filters import Node
 from .payloads import PayloadIndex, parsed
 from .rwlock import ReadWriteLock
+
 # A write of up to this many rows goes straight into an index that can add (HNSW): cheap, and under the write
 # lock. Larger ones wait in the delta (searched exactly) for a background rebuild: HNSW adds of 5,000 768-d rows
 # took a second each, in the acknowledgement path and blocking searches (a 100k x 768 load of 5,000-row upserts
@@ -157,8 +158,9 @@ class ResidentCollection:
                 self.n_dead += 1
                 self.digest = digest.sub(self.digest, int(self._hashes[row]))
                 killed.append(row)
-        if killed and self._own_deletes():
-            self.index.mark_dead(np.asarray(killed, dtype=np.int64))
+        index = self.index
+        if killed and index is not None and hasattr(index, "mark_dead"):  # _own_deletes(), spelt out for mypy
+            index.mark_dead(np.asarray(killed, dtype=np.int64))
 
     def _own_deletes(self) -> bool:
         """The index keeps its own record of dead rows (a resident device bitset): searches need not pass one."""
@@ -168,7 +170,7 @@ class ResidentCollection:
         """Install a built or restored index over the current rows, telling it which of its rows are dead."""
         self.index = index
         self.plan_epoch += 1
-        if self._own_deletes():
+        if index is not None and hasattr(index, "mark_dead"):  # _own_deletes()
             dead = np.flatnonzero(~self._alive[: index.size])
             if len(dead):
                 index.mark_dead(dead)
@@ -517,6 +519,7 @@ class ResidentCollection:
     def _search_index(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
                       filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The ANN index's top-k of its own rows, none outside `keep`."""
+        assert self.index is not None  # there are indexed rows
         size = self.indexed_rows
         index_keep = keep[:size] if keep is not None else None
         if not filtered and self._own_deletes():

@@ -10,6 +10,7 @@ process that listens; catalog changes notify "c:<collection id>".
 
 from __future__ import annotations
 
+import builtins
 import io
 import re
 from dataclasses import dataclass, field
@@ -19,8 +20,7 @@ import asyncpg
 import numpy as np
 import orjson
 
-from . import pgcopy
-from . import digest
+from . import digest, pgcopy
 from .distance import prepare
 from .errors import CollectionExists, CollectionNotFound, InvalidInput
 from .resident import Changes
@@ -167,8 +167,10 @@ class CollectionStore:
     @staticmethod
     async def _stage_rows(conn: Any, c: Collection, points: Points) -> str:
         columns = ["id", "embedding"] + (["payload"] if points.payloads is not None else [])
-        await conn.execute(f"CREATE TEMP TABLE stage (id bigint, embedding vector({c.dim}), payload jsonb) ON COMMIT DROP")
-        await conn.copy_to_table("stage", source=io.BytesIO(pgcopy.encode_rows(points.ids, points.vectors, points.payloads)),
+        await conn.execute(f"CREATE TEMP TABLE stage (id bigint, embedding vector({c.dim}), payload jsonb) "
+                           "ON COMMIT DROP")
+        await conn.copy_to_table("stage",
+                                 source=io.BytesIO(pgcopy.encode_rows(points.ids, points.vectors, points.payloads)),
                                  columns=columns, format="binary")
         return "stage"
 
@@ -218,7 +220,8 @@ class CollectionStore:
             if changes is not None:
                 return changes
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
-            head = await conn.fetchval(f"SELECT {HEAD.format(id='vc.id')} FROM vector_collections vc WHERE vc.id = $1", c.id)
+            head = await conn.fetchval(f"SELECT {HEAD.format(id='vc.id')} FROM vector_collections vc WHERE vc.id = $1",
+                                       c.id)
             if head is None:
                 raise CollectionNotFound(f"no collection named {c.name!r}", field="collection")
             if head <= since:
@@ -260,7 +263,8 @@ class CollectionStore:
                        row["payloads"])
 
     @staticmethod
-    async def _copy_rows(conn: asyncpg.Connection, c: Collection, since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    async def _copy_rows(conn: asyncpg.Connection, c: Collection,
+                         since: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, seqs, vectors) of every row written after `since`, in seq order, read with binary COPY."""
         buffer = io.BytesIO()
         await conn.copy_from_query(f"SELECT id, seq, embedding FROM {c.table} WHERE seq > {int(since)} ORDER BY seq",
@@ -306,9 +310,9 @@ class CollectionStore:
             "ON CONFLICT (process, collection_id) DO UPDATE SET request = EXCLUDED.request, report = EXCLUDED.report, "
             "reported_at = clock_timestamp()", process, collection_id, request, orjson.dumps(report).decode())
 
-    async def reports(self, c: Collection, request: str) -> list[dict[str, Any]]:
-        rows = await self.pool.fetch("SELECT report FROM vector_replica_reports WHERE collection_id = $1 AND request = $2",
-                                     c.id, request)
+    async def reports(self, c: Collection, request: str) -> builtins.list[dict[str, Any]]:  # list: the method above
+        rows = await self.pool.fetch("SELECT report FROM vector_replica_reports "
+                                     "WHERE collection_id = $1 AND request = $2", c.id, request)
         return [orjson.loads(r["report"]) for r in rows]
 
     async def live_followers(self, prefix: str) -> int:

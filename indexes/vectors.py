@@ -55,8 +55,10 @@ def check_finite(matrix: np.ndarray, field: str) -> None:
     finite = np.isfinite(matrix)
     if not finite.all():
         row, col = map(int, np.argwhere(~finite)[0])
-        raise InvalidInput(f"vector {row} has a non-finite value (NaN or Inf) at position {col}", field=f"{field}[{row}]")
-    # float32 overflow: a finite float64 beyond 3.4e38 became inf above; values near it would overflow squared distances.
+        raise InvalidInput(f"vector {row} has a non-finite value (NaN or Inf) at position {col}",
+                           field=f"{field}[{row}]")
+    # float32 overflow: a finite float64 beyond 3.4e38 became inf above; values near it would overflow squared
+    # distances.
     raise InvalidInput("vector values must be within +-1e15", field=field)
 
 
@@ -94,7 +96,8 @@ def decode_base64(text: str, field: str) -> bytes:
 def from_raw(raw: bytes, dim: int, field: str, allow_empty: bool = False) -> np.ndarray:
     """Little-endian float32 values, row after row, as sent (application/octet-stream): no parsing at all."""
     if (not raw and not allow_empty) or len(raw) % (4 * dim):
-        raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors", field=field)
+        raise InvalidInput(f"holds {len(raw)} bytes, not a whole number of {dim}-dimensional float32 vectors",
+                           field=field)
     return as_matrix(np.frombuffer(raw, dtype="<f4").reshape(-1, dim), dim, field)
 
 
@@ -183,7 +186,8 @@ def _arrow_points(table: Any, vector_column: str, dim: int) -> Points:
         raise InvalidInput("ids and vectors must not be null", field="body")
     ids = table.column("id").to_numpy()
     vec = table.column(vector_column).combine_chunks()
-    if not pa.types.is_list(vec.type) and not pa.types.is_fixed_size_list(vec.type) and not pa.types.is_large_list(vec.type):
+    if (not pa.types.is_list(vec.type) and not pa.types.is_fixed_size_list(vec.type)
+            and not pa.types.is_large_list(vec.type)):
         raise InvalidInput(f"column {vector_column!r} must be a list of floats, not {vec.type}", field=vector_column)
     flat = vec.flatten().to_numpy(zero_copy_only=False)
     if len(flat) != len(vec) * dim:

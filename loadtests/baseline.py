@@ -54,7 +54,9 @@ def load(dsn: str, table: str, base: np.ndarray, metric: str, m: int, ef_constru
         conn.execute(f"ANALYZE {table}")
         built = time.perf_counter() - started
         print(file=sys.stderr)
-        version = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()[0]
-        server_version = conn.execute("SHOW server_version").fetchone()[0]
+        extension = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        server = conn.execute("SHOW server_version").fetchone()
+        assert extension is not None and server is not None  # the extension is in use above
+        version, server_version = extension[0], server[0]
     return {"copy_s": round(copied, 2), "index_s": round(built, 2), "pgvector": version, "postgres": server_version,
             "m": m, "ef_construction": ef_construction}

@@ -23,8 +23,8 @@ from urllib.parse import urlencode
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
+from benchkit import JsonClient, MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from datasets import mixture
 from vectordbbench.rest import Rest
 
@@ -176,7 +176,8 @@ def plot(path: Path, report: dict[str, Any]) -> None:
     for ax, mode in zip(axes, ("clients_1", "clients_32")):
         x = np.arange(len(labels))
         for offset, system in ((-0.2, "switchyard"), (0.2, "pgvector")):
-            qps = [(row[system]["best"][mode] or {}).get("qps", 0) if row[system]["best"] else 0 for row in report["filtered"]]
+            qps = [(row[system]["best"][mode] or {}).get("qps", 0) if row[system]["best"] else 0
+                   for row in report["filtered"]]
             rec = [row[system]["best"]["recall"] if row[system]["best"] else 0 for row in report["filtered"]]
             bars = ax.bar(x + offset, qps, width=0.4, label=system)
             for bar, r in zip(bars, rec):
@@ -210,8 +211,9 @@ def main() -> None:
     report: dict[str, Any] = {"data": {"n": args.n, "dim": args.dim, "queries": args.queries, "source": "mixture"},
                               "k": args.k, "versions": versions("faiss-cpu", "psycopg", "asyncpg", "pgvector", "numpy"),
                               "filtered": [], "recall_targets": [],
-                              "clients": "Switchyard: pycurl, raw float32, over its unix socket; pgvector: psycopg binary prepared "
-                                         "statements over PostgreSQL's unix socket; 32 clients are threads of one process"}
+                              "clients": "Switchyard: pycurl, raw float32, over its unix socket; pgvector: psycopg "
+                                         "binary prepared statements over PostgreSQL's unix socket; 32 clients are "
+                                         "threads of one process"}
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-filters-") as tmp:
@@ -241,7 +243,8 @@ def main() -> None:
                           f"QPS {point['clients_1']['qps']:.0f} / {point['clients_32']['qps']:.0f}, "
                           f"plan {(point['plan'] or {}).get('plan')}", flush=True)
                 for ef in map(int, args.pg_ef.split(",")):
-                    point = measure(lambda: PgClient(service.pg_dsn, args.k, ef, p), queries, truth, args.duration, load)
+                    point = measure(lambda: PgClient(service.pg_dsn, args.k, ef, p), queries, truth, args.duration,
+                                    load)
                     row["pgvector"]["sweep"].append({"ef_search": ef, **point})
                     print(f"  {label:>6} pgvector ef_search={ef}: recall {point['recall']:.3f}, "
                           f"QPS {point['clients_1']['qps']:.0f} / {point['clients_32']['qps']:.0f}", flush=True)

@@ -86,7 +86,8 @@ async def closed_loop(call: Any, clients: int, duration_s: float) -> dict[str, A
     await asyncio.gather(*(client(c) for c in range(clients)))
     elapsed = time.perf_counter() - started
     latencies.sort()
-    return {"round_trips_per_s": round(len(latencies) / elapsed), "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
+    return {"round_trips_per_s": round(len(latencies) / elapsed),
+            "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
             "p99_us": round(latencies[int(len(latencies) * 0.99)] * 1e6, 1), "round_trips": len(latencies)}
 
 

@@ -126,7 +126,8 @@ def main() -> None:
             report["timings"][system], answers[system] = {}, {}
             with load.measure(report["machine"].setdefault(system, {})):
                 for q in QUERIES:
-                    t, result = timed(lambda: client.call("POST", f"/v1/olap/ssb/queries/{q}", {"engine": engine}), args.runs)
+                    t, result = timed(lambda: client.call("POST", f"/v1/olap/ssb/queries/{q}", {"engine": engine}),
+                                      args.runs)
                     assert result["engine"] == engine, result
                     report["timings"][system][q], answers[system][q] = t, normalise(result["rows"])
             print(f"  {system}: {sum(v['median_ms'] for v in report['timings'][system].values()):.0f} ms")
@@ -167,7 +168,8 @@ def main() -> None:
     report["all_agree"] = all(all(v.values()) for v in report["answers_agree"].values())
     report["answer_rows"] = {q: len(reference[q]) for q in QUERIES}
     report["systems"] = [s for s in report["timings"] if s != "gpu plans on pandas"]
-    report["sums_ms"] = {s: round(sum(v["median_ms"] for v in report["timings"][s].values()), 1) for s in report["timings"]}
+    report["sums_ms"] = {s: round(sum(v["median_ms"] for v in report["timings"][s].values()), 1)
+                         for s in report["timings"]}
     sums = report["sums_ms"]
     cpu = sums.get("switchyard duckdb (HTTP)")
     report["ratios"] = {

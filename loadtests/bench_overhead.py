@@ -24,8 +24,8 @@ import numpy as np
 import orjson
 import psutil
 
-from benchkit import MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from bench_vectors import bulk_load
+from benchkit import MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from datasets import mixture
 
 RESULTS = results_dir("overhead")
@@ -198,7 +198,8 @@ def run_set(n: int, dim: int, args: argparse.Namespace) -> dict[str, Any]:
             name = f"overhead{dim}"
             conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=600)
             conn.request("POST", "/v1/collections", orjson.dumps({
-                "name": name, "dim": dim, "index": {"type": "hnsw", "params": {"m": M, "ef_construction": EF_CONSTRUCTION}},
+                "name": name, "dim": dim,
+                "index": {"type": "hnsw", "params": {"m": M, "ef_construction": EF_CONSTRUCTION}},
                 "pgvector_index": {"type": "hnsw", "m": M, "ef_construction": EF_CONSTRUCTION}}),
                 {"Content-Type": "application/json"})
             conn.getresponse().read()

@@ -237,7 +237,8 @@ def main() -> None:
     service.start()
     load = MachineLoad(service.pids)
     report: dict[str, Any] = {"workers": args.workers, "n": args.n, "dim": args.dim, "write_rate": args.write_rate,
-                              "clients": args.clients, "versions": versions("faiss-cpu", "fastapi", "uvicorn", "asyncpg")}
+                              "clients": args.clients,
+                              "versions": versions("faiss-cpu", "fastapi", "uvicorn", "asyncpg")}
     try:
         conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=600)
         conn.request("POST", "/v1/collections", orjson.dumps({"name": COLLECTION, "dim": args.dim, "index": {

@@ -4,9 +4,9 @@ on real polygons shipped inside PyPI packages (no run-time download), in one run
     python loadtests/bench_spatial.py [--points 1000000] [--postgis-url postgresql://...]
 
 Polygon sets: 177 Natural Earth countries (pyogrio's bundled naturalearth_lowres) and 3,233 US counties
-(bokeh-sampledata). For each, --points seeded uniform points over the world, or over the contiguous US box. Timed (median of --runs
-after a warm-up): Switchyard's point-in-polygon counts through HTTP (layers uploaded as GeoParquet) and the same
-engine in-process, GeoPandas sjoin(points, polygons, predicate="intersects") on prebuilt GeoDataFrames (its
+(bokeh-sampledata). For each, --points seeded uniform points over the world, or over the contiguous US box. Timed
+(median of --runs after a warm-up): Switchyard's point-in-polygon counts through HTTP (layers uploaded as GeoParquet)
+and the same engine in-process, GeoPandas sjoin(points, polygons, predicate="intersects") on prebuilt GeoDataFrames (its
 index build included, as a user would pay it), and PostGIS (points with a GiST index, ST_Intersects) when
 --postgis-url is given. Every system's per-polygon counts are compared. Then the distance join: --distance-points
 clustered points at 1 km, checked against a brute-force haversine on a seeded sample of points.
@@ -112,10 +112,12 @@ def main() -> None:
             lon, lat = rng.uniform(minx, maxx, args.points), rng.uniform(miny, maxy, args.points)
             point_geoms = shapely.points(lon, lat)
             pts_gdf = gpd.GeoDataFrame(geometry=point_geoms, crs="EPSG:4326")
-            out: dict[str, Any] = {"polygons": len(polys), "vertices": int(shapely.get_num_coordinates(polys.geometry.values).sum())}
+            out: dict[str, Any] = {"polygons": len(polys),
+                                   "vertices": int(shapely.get_num_coordinates(polys.geometry.values).sum())}
             print(f"{name}: {len(polys)} polygons, {args.points} points")
 
-            client.call("PUT", f"/v1/spatial/layers/pts-{name}?kind=points", geoparquet(point_geoms), "application/vnd.apache.parquet")
+            client.call("PUT", f"/v1/spatial/layers/pts-{name}?kind=points", geoparquet(point_geoms),
+                        "application/vnd.apache.parquet")
             client.call("PUT", f"/v1/spatial/layers/poly-{name}?kind=polygons", geoparquet(polys.geometry.values),
                         "application/vnd.apache.parquet")
             wait_for_quiet()
@@ -153,7 +155,8 @@ def main() -> None:
             if "postgis" in out:
                 out["ratios"]["postgis_over_switchyard_http"] = round(out["postgis"]["median_s"] / ours, 2)
             report["sets"][name] = out
-            print(f"  {orjson.dumps({k: v for k, v in out.items() if isinstance(v, dict) and 'median_s' in v}).decode()}")
+            timings = {k: v for k, v in out.items() if isinstance(v, dict) and "median_s" in v}
+            print(f"  {orjson.dumps(timings).decode()}")
             print(f"  ratios {out['ratios']}, counts agree {out['counts_agree']}")
 
         report["distance"] = _distance(client, engine, args, load, report)
@@ -166,7 +169,8 @@ def main() -> None:
     print(f"wrote {args.out / f'bench_spatial-{stamp}.json'} and .png")
 
 
-def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: MachineLoad, report: dict) -> dict[str, Any]:
+def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: MachineLoad,
+              report: dict) -> dict[str, Any]:
     """Clustered points (cities-like, some across the antimeridian), R metres, checked on a sample."""
     rng = np.random.default_rng(args.seed + 1)
     centers = np.column_stack([rng.uniform(-180, 180, 400), rng.uniform(-70, 70, 400)])
@@ -174,7 +178,8 @@ def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: M
     pick = rng.integers(0, len(centers), args.distance_points)
     lon = (centers[pick, 0] + rng.normal(0, 0.05, args.distance_points) + 180) % 360 - 180
     lat = np.clip(centers[pick, 1] + rng.normal(0, 0.05, args.distance_points), -90, 90)
-    client.call("POST", "/v1/spatial/layers", {"name": "dist", "kind": "points", "lon": lon.tolist(), "lat": lat.tolist()})
+    client.call("POST", "/v1/spatial/layers",
+                {"name": "dist", "kind": "points", "lon": lon.tolist(), "lat": lat.tolist()})
     pairs: list[tuple[int, int]] = []
     started = time.perf_counter()
     with load.measure(report["machine"].setdefault("distance join http", {})):
@@ -201,11 +206,13 @@ def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: M
         exact &= want == by_point[int(i)]
     print(f"distance join: {args.distance_points} points, R={args.radius_m:g} m: {len(pairs)} pairs in {took:.2f} s; "
           f"sample of 500 equals brute force: {exact}")
-    return {"points": args.distance_points, "radius_m": args.radius_m, "pairs": len(pairs), "seconds_http": round(took, 3),
+    return {"points": args.distance_points, "radius_m": args.radius_m, "pairs": len(pairs),
+            "seconds_http": round(took, 3),
             "sample_checked": 500, "sample_equals_brute_force": bool(exact)}
 
 
-async def _postgis(url: str, lon: np.ndarray, lat: np.ndarray, polys: Any, runs: int) -> tuple[dict[str, float], list[int]]:
+async def _postgis(url: str, lon: np.ndarray, lat: np.ndarray, polys: Any,
+                   runs: int) -> tuple[dict[str, float], list[int]]:
     import asyncpg
     import shapely
 
@@ -215,8 +222,8 @@ async def _postgis(url: str, lon: np.ndarray, lat: np.ndarray, polys: Any, runs:
         await conn.execute("DROP TABLE IF EXISTS bench_lonlat, bench_pts, bench_polys")
         await conn.execute("CREATE TABLE bench_lonlat (id bigint, lon float8, lat float8)")
         await conn.copy_records_to_table("bench_lonlat", records=list(zip(range(len(lon)), lon.tolist(), lat.tolist())))
-        await conn.execute("CREATE TABLE bench_pts AS SELECT id, ST_SetSRID(ST_MakePoint(lon, lat), 4326)::geometry(Point, 4326) "
-                           "AS geom FROM bench_lonlat")
+        await conn.execute("CREATE TABLE bench_pts AS SELECT id, "
+                           "ST_SetSRID(ST_MakePoint(lon, lat), 4326)::geometry(Point, 4326) AS geom FROM bench_lonlat")
         await conn.execute("CREATE TABLE bench_polys (id bigint, geom geometry(MultiPolygon, 4326))")
         multi = [shapely.MultiPolygon([g]) if g.geom_type == "Polygon" else g for g in polys.geometry.values]
         await conn.executemany("INSERT INTO bench_polys VALUES ($1, ST_GeomFromText($2, 4326))",

@@ -324,7 +324,8 @@ def main() -> None:
         for value in [int(v) if "." not in v else float(v) for v in args.cpu_sweep.split(",")]:
             params = {args.cpu_param: value}
             found = http_search_all(service.port, "bench", queries, args.k, "cpu", params)
-            row = {"param": f"{args.cpu_param}={value}", "params": params, "recall": round(recall_at(found, truth, args.k), 4)}
+            row = {"param": f"{args.cpu_param}={value}", "params": params,
+                   "recall": round(recall_at(found, truth, args.k), 4)}
             row["modes"] = http_modes(service.port, "bench", queries, args.k, "cpu", params, args.clients, args.batch,
                                       args.duration, args.runs, load)
             cpu_rows.append(row)
@@ -339,7 +340,8 @@ def main() -> None:
             client = PgClient(service.pg_dsn, table, args.k, ef)
             found = [client.search(q) for q in queries]
             client.close()
-            row = {"param": f"ef_search={ef}", "params": {"ef_search": ef}, "recall": round(recall_at(found, truth, args.k), 4)}
+            row = {"param": f"ef_search={ef}", "params": {"ef_search": ef},
+                   "recall": round(recall_at(found, truth, args.k), 4)}
             row["modes"] = pg_modes(service.pg_dsn, table, queries, args.k, ef, args.clients, args.batch,
                                     args.duration, args.runs, load)
             pg_rows.append(row)

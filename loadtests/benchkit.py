@@ -65,7 +65,8 @@ class Service:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited with {self.proc.returncode}; see {self.data_dir.parent / 'service.log'}")
+                raise RuntimeError(f"service exited with {self.proc.returncode}; "
+                                   f"see {self.data_dir.parent / 'service.log'}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return
@@ -138,7 +139,8 @@ class JsonClient:
     def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         import orjson
 
-        data = body if isinstance(body, bytes) or body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        data = (body if isinstance(body, bytes) or body is None
+                else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY))
         try:
             self.conn.request(method, path, data, {"Content-Type": content_type})
             response = self.conn.getresponse()
@@ -206,7 +208,8 @@ def wait_for_quiet(max_wait_s: float = 30, threshold_cores: float = 0.2) -> floa
             return load
 
 
-def run_clients(n_clients: int, duration_s: float, make_client: Callable[[int], Callable[[int], int]]) -> dict[str, Any]:
+def run_clients(n_clients: int, duration_s: float,
+                make_client: Callable[[int], Callable[[int], int]]) -> dict[str, Any]:
     """Closed-loop load: n threads, each calling its client(i) back to back for duration_s.
     client(i) returns how many queries that call answered; a client with a close() is closed afterwards.
     Returns QPS and latency percentiles."""

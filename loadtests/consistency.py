@@ -347,7 +347,8 @@ class Workload:
         with self._client() as http:
             http.delete(f"/v1/collections/{self.c.collection}")
             r = http.post("/v1/collections", json={"name": self.c.collection, "dim": self.c.dim, "metric": "l2",
-                                                   "index": {"type": "brute_force"}, "pgvector_index": {"type": "none"}})
+                                                   "index": {"type": "brute_force"},
+                                                   "pgvector_index": {"type": "none"}})
             r.raise_for_status()
         threads = [threading.Thread(target=self.client_loop, args=(i,), daemon=True) for i in range(self.c.clients)]
         if self.c.build_every_s > 0:
@@ -483,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         service.start()
         url = service.url
     config = Config(url=url, clients=args.clients, duration_s=args.duration, max_ops=args.ops, n_ids=args.ids,
-                    levels=levels, build_every_s=args.build_every, seed=args.seed, settle_s=max(3.0, 3 * args.bound_ms / 1000))
+                    levels=levels, build_every_s=args.build_every, seed=args.seed,
+                    settle_s=max(3.0, 3 * args.bound_ms / 1000))
     try:
         report = run_check(config, workers, args.bound_ms / 1000)
     finally:

@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                 problems = pg["problems"] + svc["problems"] + job_problems
                 failures += bool(problems)
                 rounds.append({"kill": n + 1, "in_flight_at_kill": at_kill, "restart_s": round(back_s, 2),
-                               "acked_writes": sum(w.acked for w in writers), "writes_in_doubt": sum(w.doubt for w in writers),
+                               "acked_writes": sum(w.acked for w in writers),
+                               "writes_in_doubt": sum(w.doubt for w in writers),
                                "rows": pg["rows"], **{k: v for k, v in svc.items() if k != "problems"},
                                "problems": problems[:20]})
                 print(f"kill {n + 1}: in flight {at_kill}, back in {back_s:.1f} s, {pg['rows']} rows, "

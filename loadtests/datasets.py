@@ -62,6 +62,7 @@ def exact_neighbors(base: np.ndarray, queries: np.ndarray, metric: str, depth: i
     import faiss
 
     depth = min(depth, len(base))
+    index: faiss.IndexFlat
     if metric == "l2":
         index = faiss.IndexFlatL2(base.shape[1])
     else:

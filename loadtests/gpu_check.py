@@ -84,8 +84,9 @@ def run_tests(name: str, args: list[str], env: dict[str, str], timeout_s: float)
         junit = Path(tmp) / "junit.xml"
         started = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                                   *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   f"--junitxml={junit}", *args],
+                                  cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                                   timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             return {"set": name, "status": "failed", "reason": f"timed out after {timeout_s:.0f} s"}
@@ -287,7 +288,8 @@ def bench_olap(size: dict[str, float], runs: int) -> dict[str, Any]:
             before = gpu.resident_sql
             sql_s, from_sql = timed(lambda: gpu.run_sql(sql, max_rows=None, timeout_s=None), runs)
             out["queries"][query_id] = {"cudf_s": round(gpu_s, 5), "duckdb_s": round(cpu_s, 5),
-                                        "speedup": round(cpu_s / gpu_s, 2), "equal": got.as_tuples() == want.as_tuples(),
+                                        "speedup": round(cpu_s / gpu_s, 2),
+                                        "equal": got.as_tuples() == want.as_tuples(),
                                         "cudf_sql_s": round(sql_s, 5), "sql_resident": gpu.resident_sql > before,
                                         "sql_equal": from_sql.as_tuples() == want.as_tuples()}
     return out
@@ -328,7 +330,8 @@ def markdown(report: dict[str, Any]) -> str:
     else:
         lines.append(f"Device: none ({here['device_reason']})")
     lines += ["", "| library | installed | version |", "|---|---|---|"]
-    lines += [f"| {m} | {'yes' if v['installed'] else 'no'} | {v['version'] or ''} |" for m, v in here["libraries"].items()]
+    lines += [f"| {m} | {'yes' if v['installed'] else 'no'} | {v['version'] or ''} |"
+              for m, v in here["libraries"].items()]
     lines += ["", "## Tests", "", "| set | status | passed | failed | skipped | why skipped or failed |",
               "|---|---|---|---|---|---|"]
     for t in report["tests"]:

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 # Benchmarks drive the service with closed-loop clients at a fixed concurrency, which is no overload: they run it
 # with a fixed in-flight limit, as peers (pgvector, PostGIS, DuckDB) run with none. loadtests/soak.py measures the
 # adaptive limit, the default (docs/operations.md: Overload).

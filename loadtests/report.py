@@ -49,8 +49,8 @@ def vectors_table(summary: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["points"]:
         mark = " (chosen)" if r.get("chosen") else ""
-        lines.append(f"| {r['target']} | {r['setting']}{mark} | {r['users']} | {r['qps']:,.0f} | {_ms(r.get('p50_ms'))} "
-                     f"| {_ms(r.get('p99_ms'))} | {_f3(r['recall'])} | {r['failures']} |")
+        lines.append(f"| {r['target']} | {r['setting']}{mark} | {r['users']} | {r['qps']:,.0f} "
+                     f"| {_ms(r.get('p50_ms'))} | {_ms(r.get('p99_ms'))} | {_f3(r['recall'])} | {r['failures']} |")
     target_recall = summary.get("recall_target", 0.0)
     best = _best_by_target([r for r in summary["points"] if (r["recall"] or 0) >= target_recall])
     if best:
@@ -59,7 +59,8 @@ def vectors_table(summary: dict[str, Any]) -> str:
         base = best.get("pgvector-direct")
         for target, r in best.items():
             ratio = f"{r['qps'] / base['qps']:.2f}x" if base and base["qps"] else ""
-            lines.append(f"| {target} | {r['qps']:,.0f} | {r['setting']}, {r['users']} users | {_f3(r['recall'])} | {ratio} |")
+            lines.append(f"| {target} | {r['qps']:,.0f} | {r['setting']}, {r['users']} users | {_f3(r['recall'])} "
+                         f"| {ratio} |")
     return "\n".join(lines)
 
 
@@ -173,10 +174,12 @@ def _users_plots(out: Path, series: dict[str, list[dict]]) -> None:
     fig, ax = plt.subplots(figsize=size)
     for i, (name, rows) in enumerate(sorted(series.items())):
         color = colors[i % len(colors)]
-        ax.plot([r["users"] for r in rows], [r.get("p50_ms") for r in rows], marker="o", color=color, label=f"{name} p50")
+        ax.plot([r["users"] for r in rows], [r.get("p50_ms") for r in rows], marker="o", color=color,
+                label=f"{name} p50")
         ax.plot([r["users"] for r in rows], [r.get("p99_ms") for r in rows], marker="s", ls="--", color=color,
                 label=f"{name} p99")
-    ax.set(xlabel="users (closed loop)", ylabel="latency, ms", yscale="log", title="Latency vs users (p50 solid, p99 dashed)")
+    ax.set(xlabel="users (closed loop)", ylabel="latency, ms", yscale="log",
+           title="Latency vs users (p50 solid, p99 dashed)")
     _users_axis(ax, series)
     ax.grid(True, which="both", alpha=0.3)
     legend(ax)

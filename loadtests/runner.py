@@ -21,11 +21,12 @@ from loadtests.processes import ServiceError, local_service, results_dir
 from loadtests.sweep import Point, Sweep
 
 # Each engine's search parameter and the values swept by default, by the collection's index type.
-SEARCH_PARAMS = {"hnsw": ("ef", [16, 32, 64, 128]), "ivf_flat": ("n_probes", [1, 4, 16, 64]),
-                 "ivf_pq": ("n_probes", [4, 16, 64]), "cagra": ("itopk_size", [32, 64, 128]),
-                 "brute_force": (None, [None])}
-PGVECTOR_PARAMS = {"hnsw": ("ef_search", [20, 40, 80, 160]), "ivfflat": ("probes", [1, 4, 16, 64]),
-                   "none": (None, [None])}
+ParamSweep = tuple[str | None, list[int | None]]
+SEARCH_PARAMS: dict[str, ParamSweep] = {"hnsw": ("ef", [16, 32, 64, 128]), "ivf_flat": ("n_probes", [1, 4, 16, 64]),
+                                        "ivf_pq": ("n_probes", [4, 16, 64]), "cagra": ("itopk_size", [32, 64, 128]),
+                                        "brute_force": (None, [None])}
+PGVECTOR_PARAMS: dict[str, ParamSweep] = {"hnsw": ("ef_search", [20, 40, 80, 160]),
+                                          "ivfflat": ("probes", [1, 4, 16, 64]), "none": (None, [None])}
 
 
 def _ints(text: str) -> list[int]:
@@ -58,7 +59,8 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
-    return {"command": "switchyard loadtest " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]),
+    arguments = sys.argv[2:] if sys.argv[1:2] == ["loadtest"] else sys.argv[1:]
+    return {"command": "switchyard loadtest " + " ".join(arguments),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "versions": versions,
             "note": "Locust runs on the same machine as the service: client and server share its cores."}
@@ -76,7 +78,8 @@ def vectors(args: argparse.Namespace) -> int:
     from loadtests import baseline, datasets
 
     out = _out_dir(args, "vectors")
-    data = datasets.load_vectors(args.vectors, args.queries, args.rows, args.dim, args.query_count, args.metric, args.seed)
+    data = datasets.load_vectors(args.vectors, args.queries, args.rows, args.dim, args.query_count, args.metric,
+                                 args.seed)
     print(f"data: {data.source}; exact neighbours of {len(data.queries)} queries ...", file=sys.stderr)
     folder = datasets.save(out / "dataset", data, datasets.exact_neighbors(data.base, data.queries, data.metric),
                            args.collection)
@@ -90,6 +93,7 @@ def vectors(args: argparse.Namespace) -> int:
         api = Api(url, args.api_key)
         summary["load"] = _prepare_collection(api, args, data)
         info = api.collection(args.collection)
+        assert info is not None  # _prepare_collection made it
         summary["collection"] = {"index": info["index"], "pgvector_index": info["pgvector_index"],
                                  "count": info["count"]}
         targets = []
@@ -173,7 +177,8 @@ def _resident_type(info: dict[str, Any]) -> str:
 
 def _prepare_collection(api: Api, args: argparse.Namespace, data: Any) -> dict[str, Any]:
     existing = api.collection(args.collection)
-    if existing is not None and args.reuse and existing["count"] == len(data.base) and existing["dim"] == data.base.shape[1]:
+    if (existing is not None and args.reuse and existing["count"] == len(data.base)
+            and existing["dim"] == data.base.shape[1]):
         print(f"reusing collection {args.collection} ({existing['count']:,} points)", file=sys.stderr)
         return {"reused": True}
     if existing is not None:
@@ -202,7 +207,8 @@ def _common(p: argparse.ArgumentParser, users: str) -> None:
     p.add_argument("--processes", type=int, default=0, help="Locust --processes (load generator processes; 0: one)")
     p.add_argument("--locust-arg", action="append", default=[], help="passed to every Locust run (repeatable)")
     p.add_argument("--out", help="report folder (default: $SWITCHYARD_RESULTS_DIR/loadtest/<workload>-<time>; "
-                                 "without it loadtests/results/loadtest/ in a source checkout, else ./results/loadtest/)")
+                                 "without it loadtests/results/loadtest/ in a source checkout, else "
+                                 "./results/loadtest/)")
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

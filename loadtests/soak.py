@@ -307,7 +307,7 @@ def main() -> None:
         finally:
             service.stop()
     unloaded_p99 = phases["unloaded"]["p99_ms"]
-    for name, phase in phases.items():
+    for _name, phase in phases.items():
         if phase.get("p99_ms") and unloaded_p99:
             phase["p99_vs_unloaded"] = round(phase["p99_ms"] / unloaded_p99, 2)
     by_phase: dict[str, list[int]] = {}

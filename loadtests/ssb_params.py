@@ -93,8 +93,9 @@ GENERATORS: dict[str, Callable[[random.Random], dict[str, Any]]] = {
 
 # Ad-hoc SQL a user might send beside the templates: (name, SQL with {year} / {region} holes).
 AD_HOC = (
-    ("revenue by year", "SELECT d_year, SUM(lo_revenue) AS revenue FROM lineorder JOIN ddate ON lo_orderdate = d_datekey "
-                        "GROUP BY d_year ORDER BY d_year"),
+    ("revenue by year",
+     "SELECT d_year, SUM(lo_revenue) AS revenue FROM lineorder JOIN ddate ON lo_orderdate = d_datekey "
+     "GROUP BY d_year ORDER BY d_year"),
     ("top suppliers of a region", "SELECT s_name, SUM(lo_revenue) AS revenue FROM lineorder JOIN supplier ON "
                                   "lo_suppkey = s_suppkey WHERE s_region = '{region}' GROUP BY s_name "
                                   "ORDER BY revenue DESC LIMIT 10"),

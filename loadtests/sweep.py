@@ -66,7 +66,8 @@ class Sweep:
         final = folder / "final_stats.json"  # written by common.py at exit: Locust's figures after the last request
         requests = {k: v for k, v in json.loads(final.read_text()).items() if k != "None Aggregated"} \
             if final.exists() else read_stats(stats)
-        row = {**point.meta, "label": point.label, "users": point.users, "wall_s": round(time.perf_counter() - started, 1),
+        row = {**point.meta, "label": point.label, "users": point.users,
+               "wall_s": round(time.perf_counter() - started, 1),
                "requests": requests, "tally": json.loads((folder / "tally.json").read_text())
                if (folder / "tally.json").exists() else {}, "folder": str(folder.relative_to(self.out))}
         return row

@@ -73,7 +73,8 @@ def vectors_mixed(args: argparse.Namespace) -> int:
         summary["load"] = _prepare_collection(Api(url, args.api_key), args, data)
         point_args = ["--collection", args.collection, "--dataset", str(folder), "--engine", args.engine,
                       "--write-rate", str(args.write_rate), "--write-batch", str(args.write_batch),
-                      "--bound-ms", str(args.bound_ms)] + (["--consistency", args.consistency] if args.consistency else [])
+                      "--bound-ms", str(args.bound_ms)] + (["--consistency", args.consistency]
+                                                           if args.consistency else [])
         summary["points"] = _run_users(args, out, url, "mixed_vectors.py", point_args,
                                        lambda row: {"read_your_writes": read_your_writes(row["tally"]),
                                                     "background_searches": row["tally"].get("background_searches", 0)})
@@ -202,7 +203,8 @@ def add_parsers(sub: Any, common: Callable[[argparse.ArgumentParser, str], None]
     m.add_argument("--dim", type=int, default=128)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--index", default="hnsw")
-    m.add_argument("--index-params", help="resident index build parameters as JSON (default for hnsw: m, ef_construction)")
+    m.add_argument("--index-params",
+                   help="resident index build parameters as JSON (default for hnsw: m, ef_construction)")
     m.add_argument("--m", type=int, default=16)
     m.add_argument("--ef-construction", type=int, default=64)
     m.add_argument("--reuse", action="store_true")

@@ -21,7 +21,6 @@ from .plans import run_plan
 from .results import Result, from_arrow
 from .schema import TABLES
 
-
 log = logging.getLogger("switchyard.olap")
 
 
@@ -71,6 +70,7 @@ class CudfEngine:
             return from_arrow(to_arrow(frame), max_rows)
         import polars as pl
 
+        assert self.dataset is not None  # run_sql checked
         frames = {table: pl.scan_parquet(self.dataset / f"{table}.parquet") for table in TABLES}
         lazy = pl.SQLContext(frames=frames).execute(sql)  # eager=False: a LazyFrame
         if max_rows is not None:

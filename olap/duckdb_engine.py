@@ -49,7 +49,9 @@ class DuckDBEngine:
         for table in TABLES:
             path = dataset_dir / f"{table}.parquet"
             con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [str(path)])
-            rows[table] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            count = con.execute(f"SELECT count(*) FROM {table}").fetchone()
+            assert count is not None  # count(*): one row
+            rows[table] = count[0]
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
         old, self._con = self._con, con

@@ -230,7 +230,7 @@ class Query:
             sides = (p.get("left"), p.get("right"))
             if (p.get("type") == "COMPARE_EQUAL" and all(s and s.get("class") == "COLUMN_REF" and self._is_column(s)
                                                          for s in sides)):
-                a, b = self.column_of(sides[0]), self.column_of(sides[1])
+                a, b = self.column_of(p["left"]), self.column_of(p["right"])
                 if self.owner[a] != self.owner[b]:
                     edges.append((a, b))
                     continue
@@ -320,6 +320,7 @@ class Query:
     def _sorted(self, result: Frame, frame: Frame, context: dict[str, str], select: list[dict[str, Any]]) -> Frame:
         by_alias = {str(s["alias"]).lower(): str(s["alias"]) for s in select if s.get("alias")}
         names = list(result.columns)
+        extra: dict[str, Any]
         columns, ascending, extra = [], [], {}
         for expression, descending in self.order:
             if expression.get("class") == "CONSTANT":  # ORDER BY 2

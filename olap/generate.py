@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -178,7 +179,7 @@ def _cities(rng: np.random.Generator, nation: np.ndarray) -> pa.Array:
     return _ascii(np.hstack([_CITY_PREFIX[nation], _digits(rng.integers(0, 10, len(nation)), 1)]))
 
 
-def _table(name: str, columns: dict[str, object]) -> pa.Table:
+def _table(name: str, columns: dict[str, Any]) -> pa.Table:
     """Arrange columns in the schema's order and types (a missing or extra column is a bug here)."""
     schema = TABLES[name]
     assert set(columns) == set(schema.names), set(columns) ^ set(schema.names)

@@ -52,7 +52,7 @@ def import_tbl(src_dir: Path, out_dir: Path, expected_rows: dict[str, int] | Non
     is called per written batch; total is the sum of expected_rows when it covers all tables, else None.
     """
     src_dir = Path(src_dir)
-    for table, file in TBL_FILES.items():        # fail before any work if a file is missing
+    for _table, file in TBL_FILES.items():       # fail before any work if a file is missing
         if not (src_dir / file).is_file():
             raise SsbImportError(file, f"file not found in {src_dir}")
     expected = dict(expected_rows or {})
@@ -83,6 +83,7 @@ def _check_count(file: str, table: str, rows: int, expected: int | None) -> None
 def _write_parquet(batches: Iterator[pa.RecordBatch], path: Path, table: str,
                    report: Callable[[int, str], None]) -> int:
     """Write batches in row groups of ~ROWS_PER_GROUP (CSV batches are far smaller); return the row count."""
+    pending: list[pa.RecordBatch]
     written, pending, pending_rows = 0, [], 0
     with pq.ParquetWriter(path, TABLES[table]) as writer:
         def flush() -> None:

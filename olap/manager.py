@@ -49,7 +49,8 @@ class DatasetInUse(Exception):
 
 
 class OlapManager:
-    def __init__(self, data_dir: Path, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, data_dir: Path, guard: Any,
+                 observe: Callable[[str, str, float, bool], None] | None = None) -> None:
         self.root = data_dir / "ssb"
         self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.engines: dict[str, Any] = {}  # kind -> engine
@@ -65,7 +66,8 @@ class OlapManager:
         self.engines[engine.kind] = engine
         if engine.kind != "postgres":  # PostgreSQL is reached asynchronously; the others block a thread
             workers = 1 if engine.kind == "gpu" else 4
-            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"olap-{engine.kind}")
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers,
+                                                             thread_name_prefix=f"olap-{engine.kind}")
 
     @property
     def ready(self) -> bool:
@@ -194,6 +196,7 @@ class OlapManager:
                      user_errors: tuple[type[Exception], ...] = ()) -> Answer:
         order = self._order(engine)
         fallback = None
+        expected: tuple[type[Exception], ...] = (TimeoutError, *user_errors)
         for position, kind in enumerate(order):
             name = ENGINE_NAMES[kind]
             last = position + 1 == len(order)
@@ -209,7 +212,7 @@ class OlapManager:
                             result = await self._run(kind, method, *args)
                     else:
                         result = await self._run(kind, method, *args)
-                except (TimeoutError, *user_errors):
+                except expected:
                     self.observe(name, operation, time.perf_counter() - started, False)
                     raise
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto

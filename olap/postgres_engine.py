@@ -63,7 +63,8 @@ class PostgresEngine:
                                          format="csv")
                 rows[table] = await conn.fetchval(f"SELECT count(*) FROM ssb.{table}")
             await self._grant(conn)
-            await conn.execute("INSERT INTO ssb_datasets (dataset, rows) VALUES ($1, $2)", key, orjson.dumps(rows).decode())
+            await conn.execute("INSERT INTO ssb_datasets (dataset, rows) VALUES ($1, $2)", key,
+                               orjson.dumps(rows).decode())
         async with self.pool.acquire() as conn:
             for table in TABLES:
                 await conn.execute(f"ANALYZE ssb.{table}")
@@ -96,7 +97,8 @@ class PostgresEngine:
             await conn.execute("SET LOCAL search_path = ssb")
             if timeout_s:
                 await conn.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
-            if as_reader and await conn.fetchval("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)", READER_ROLE):
+            if as_reader and await conn.fetchval("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)",
+                                                 READER_ROLE):
                 await conn.execute(f"SET LOCAL ROLE {READER_ROLE}")
             try:
                 stmt = await conn.prepare(sql)

@@ -46,7 +46,8 @@ FIRST_YEAR, LAST_YEAR = 1992, 1998
 
 
 def city_prefix(nation: str) -> str:
-    """gen_city: a city is the nation's first 9 characters, space-padded to 9, plus one digit ('UNITED KI1', 'PERU     3')."""
+    """gen_city: a city is the nation's first 9 characters, space-padded to 9, plus one digit ('UNITED KI1',
+    'PERU     3')."""
     return nation[:9].ljust(9)
 
 
@@ -102,7 +103,7 @@ class _Text:
         return value
 
     def schema(self) -> dict:
-        out = {"type": "string", "pattern": self.pattern}
+        out: dict[str, Any] = {"type": "string", "pattern": self.pattern}
         if self.choices is not None:
             out["enum"] = list(self.choices)
         return out

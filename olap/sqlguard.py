@@ -85,7 +85,9 @@ def parse_tree(sql: str) -> dict[str, Any]:
     if con is None:
         con = _parser.con = duckdb.connect(":memory:", config={"enable_external_access": False})
     try:
-        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+        assert row is not None  # a SELECT of one value: one row
+        tree = json.loads(row[0])
     except duckdb.Error as exc:
         raise SqlRejected(f"not valid SQL: {_first_line(exc)}") from None
     if tree.get("error"):
@@ -129,8 +131,9 @@ def _walk(node: Any, ctes: set[str]) -> None:
 def _check_table(node: dict[str, Any], ctes: set[str]) -> None:
     name = str(node.get("table_name", "")).lower()
     if node.get("schema_name") or node.get("catalog_name"):
-        raise SqlRejected(f"qualified table names are not allowed ({node.get('schema_name') or node.get('catalog_name')}."
-                          f"{name}); the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
+        raise SqlRejected("qualified table names are not allowed "
+                          f"({node.get('schema_name') or node.get('catalog_name')}.{name}); "
+                          f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
     if name not in TABLE_NAMES and name not in ctes:
         raise SqlRejected(f"unknown table {name!r}; the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import queue
+
 from starlette.types import Scope
 
 log = logging.getLogger("switchyard.access")

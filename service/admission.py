@@ -96,7 +96,7 @@ class Gate:
                        "the request was not run", self.retry_after_s(), engine=self.name, reason="queue_full")
         wait = self.max_wait_s
         by_deadline = deadline is not None and deadline - time.monotonic() < wait
-        if by_deadline:
+        if by_deadline and deadline is not None:  # (by_deadline implies the latter)
             wait = deadline - time.monotonic()
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
@@ -196,8 +196,9 @@ class Admission:
         self.enabled = settings.admission.enabled
         self.max_wait_s = settings.admission.queue_wait_ms / 1000
         self.limits = engine_limits(settings)
-        self.pressure = (InflightLimit(settings.admission.max_inflight, settings.admission.min_inflight, settings.admission.inflight_latency_tolerance,
-                                       self.max_wait_s) if settings.admission.enabled and settings.admission.max_inflight else None)
+        a = settings.admission
+        self.pressure = (InflightLimit(a.max_inflight, a.min_inflight, a.inflight_latency_tolerance, self.max_wait_s)
+                         if a.enabled and a.max_inflight else None)
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         self.requests: dict[str, TokenBucket] = {}
@@ -208,7 +209,8 @@ class Admission:
         gate = self.gates.get(engine)
         if gate is None:
             limit = self.limits.get(engine, 4)
-            depth = self.settings.admission.queue_depth if self.settings.admission.queue_depth is not None else 2 * limit
+            depth = self.settings.admission.queue_depth
+            depth = 2 * limit if depth is None else depth
             gate = self.gates[engine] = Gate(engine, limit, depth, self.max_wait_s)
         return gate
 

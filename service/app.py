@@ -8,14 +8,13 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import __version__
+from . import __version__, access_log, openapi
 from .errors import install_error_handlers
-from . import access_log, openapi
 from .fastlane import HotLane, local_answer, local_answer_now
 from .limits import BodySizeLimitMiddleware
 from .metrics import HTTPMetricsMiddleware
-from .routes import engines, jobs, olap, ops, spatial, vectors
 from .process_links import ProcessLinks
+from .routes import engines, jobs, olap, ops, spatial, vectors
 from .runtime import Runtime
 from .settings import Settings
 
@@ -76,4 +75,5 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.server.max_body_bytes,
                        max_bulk_bytes=settings.server.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
-    return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value] - an ASGI app that behaves as the FastAPI app
+    # an ASGI app that behaves as the FastAPI app
+    return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value]

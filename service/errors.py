@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -89,7 +90,7 @@ def problem_response(
     *,
     instance: str | None = None,
     field: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> Response:
     body: dict[str, Any] = {"type": TYPE_PREFIX + slug, "title": title, "status": status, "detail": detail}
@@ -103,7 +104,8 @@ def problem_response(
 
 def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
     # ("body", "vectors", 3) -> "vectors[3]"; the leading "body"/"query"/"path" is said in "in".
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else [str(p) for p in loc]
+    parts = ([str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header")
+             else [str(p) for p in loc])
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -114,7 +116,8 @@ def _validation_problem(request: Request, exc: RequestValidationError) -> Respon
     errors = []
     for err in exc.errors():
         loc = err.get("loc", ())
-        errors.append({"field": _field_name(loc), "in": str(loc[0]) if loc else "body", "reason": err.get("msg", "invalid")})
+        errors.append({"field": _field_name(loc), "in": str(loc[0]) if loc else "body",
+                       "reason": err.get("msg", "invalid")})
     first = errors[0] if errors else {"field": "body", "reason": "invalid"}
     detail = f"{first['field']}: {first['reason']}"
     if len(errors) > 1:
@@ -247,7 +250,8 @@ def _allowed_methods(request: Request) -> list[str]:
     """Each method some route of this path takes (FastAPI nests included routers: ask them by matching)."""
     methods = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
     return [m for m in methods
-            if any(route.matches({**request.scope, "method": m})[0] == Match.FULL for route in request.app.router.routes)]
+            if any(route.matches({**request.scope, "method": m})[0] == Match.FULL
+                   for route in request.app.router.routes)]
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -281,8 +285,9 @@ def install_error_handlers(app: FastAPI) -> None:
     from spatial.manager import SpatialEngineNotReady
     from spatial.store import LayerExists, LayerNotFound
 
-    for domain_error in (VectorError, EngineNotReady, DatasetInUse, SqlRejected, QueryFailed, QueryParamError, SsbImportError,
-                         TimeoutError, GeometryError, SpatialEngineNotReady, LayerExists, LayerNotFound):
+    for domain_error in (VectorError, EngineNotReady, DatasetInUse, SqlRejected, QueryFailed, QueryParamError,
+                         SsbImportError, TimeoutError, GeometryError, SpatialEngineNotReady, LayerExists,
+                         LayerNotFound):
         app.add_exception_handler(domain_error, _domain)
 
     @app.exception_handler(ProblemError)

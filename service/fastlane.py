@@ -18,7 +18,7 @@ import random
 import re
 import time
 from types import SimpleNamespace
-from typing import Awaitable, Callable, NamedTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,9 +27,12 @@ from .access_log import log_request
 from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
 from .deadlines import set_deadline
 from .errors import ProblemError
-from .metrics import StatusSend
-from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
+from .metrics import Metrics, StatusSend
 from .settings import Settings
+from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
+
+if TYPE_CHECKING:
+    from .runtime import Runtime  # not at run time: front processes import this module, not the engines
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes
@@ -69,7 +72,8 @@ class HotLane:
         self.answer = answer
         self.now = answer_now  # None: no synchronous lane (a front process, or the lane turned off)
         self.admission = admission  # None in a front process: the engine process admits
-        self.quota = bool(settings.admission.quota_requests_per_s)  # a front process names the principal; the engine counts
+        # a front process names the principal; the engine counts
+        self.quota = bool(settings.admission.quota_requests_per_s)
         self.default_timeout = settings.admission.request_timeout_s
         self.pressure = admission.pressure if admission is not None else None  # the in-flight limit, if any
         self.max_body = settings.server.max_body_bytes
@@ -106,6 +110,7 @@ class HotLane:
         if pressure is not None and not pressure.admit(True):
             return False
         start, answered = time.perf_counter(), False
+        assert self.now is not None  # take_now accepted the request
         try:
             answered = self.now(request.collection, raw, request.media, request.query, respond)
         finally:
@@ -152,6 +157,7 @@ class HotLane:
             return
         light = not scope["path"].startswith(HEAVY_PREFIXES)
         if not await pressure.enter(light):
+            assert self.admission is not None  # the pressure is the admission's
             self.admission.shed("requests", "inflight")
             await self._answer_failure(scope, receive, send, Shed(
                 f"the service is serving {pressure.inflight} requests, its limit under the present load "
@@ -218,7 +224,8 @@ class HotLane:
         await response(scope, receive, send)
 
 
-def read_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes, bytes | None, bytes | None, bytes | None, bool]:
+def read_headers(headers: list[tuple[bytes, bytes]]
+                 ) -> tuple[int, bytes, bytes | None, bytes | None, bytes | None, bool]:
     """What the lanes read of a request's headers: declared length (-1: none or not a number), media type,
     Authorization, X-Request-Timeout, a front process's forwarded client, whether the body is chunked."""
     length, media, authorization, timeout, forwarded, chunked = -1, JSON, None, None, None, False
@@ -238,7 +245,7 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes, bytes 
     return length, media, authorization, timeout, forwarded, chunked
 
 
-def local_answer(runtime: object) -> Answer:
+def local_answer(runtime: Runtime) -> Answer:
     """Hot requests of a process that holds the engines: parsed and answered here."""
     from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
 
@@ -258,7 +265,7 @@ def local_answer(runtime: object) -> Answer:
     return answer
 
 
-def local_answer_now(runtime: object) -> AnswerNow:
+def local_answer_now(runtime: Runtime) -> AnswerNow:
     """Searches a process that holds the engines answers from its HTTP protocol, at once when it can."""
     from .routes.vectors import search_now
 
@@ -273,7 +280,7 @@ def local_answer_now(runtime: object) -> AnswerNow:
     return answer
 
 
-def observe_hot(metrics: object, search: bool, seconds: float) -> None:
+def observe_hot(metrics: Metrics, search: bool, seconds: float) -> None:
     """Count a hot request under its full route's labels."""
     template = (SEARCH_ROUTE if search else POINTS_ROUTE).path
     metrics.observe_request(template, "POST" if search else "PUT", 200, seconds)

@@ -23,14 +23,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from . import access_log
-from .engine_link import EngineClient, EngineGone
-from .errors import problem_response
 from .admission import PRINCIPAL
 from .deadlines import deadline as current_deadline
+from .engine_link import EngineClient, EngineGone
+from .errors import problem_response
 from .fastlane import CLIENT_HEADER, REQUEST_ERRORS, HotLane
-from .vector_requests import parse_search, parse_upsert
 from .process_links import ProcessLinks
 from .settings import Settings
+from .vector_requests import parse_search, parse_upsert
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer

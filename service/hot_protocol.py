@@ -48,7 +48,8 @@ class SyncSearchProtocol(HttpToolsProtocol):
         # parsed, and only when no request is left in flight (a pipelined one may have started a cycle).
         if (self.answered and self.held is None and (self.cycle is None or self.cycle.response_complete)
                 and self.timeout_keep_alive_task is None and not self.transport.is_closing()):
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def shutdown(self) -> None:
         if self.held is None:
@@ -58,8 +59,9 @@ class SyncSearchProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         # What uvicorn's on_message_begin sets but the ASGI scope, which only a request the lane does not answer
-        # needs (a dict and a copy of the app state per request): made by _app_headers_complete.
-        self.url, self.expect_100_continue, self.headers, self.scope = b"", False, [], None
+        # needs (a dict and a copy of the app state per request): made by _app_headers_complete. (uvicorn's own
+        # __init__ sets it to None the same way.)
+        self.url, self.expect_100_continue, self.headers, self.scope = b"", False, [], None  # type: ignore[assignment]
 
     def on_headers_complete(self) -> None:
         if (self.lane is not None and not self.pipeline and (self.cycle is None or self.cycle.response_complete)
@@ -92,6 +94,7 @@ class SyncSearchProtocol(HttpToolsProtocol):
             return
         raw, self.held = b"".join(self.held), None
         self.responded = False
+        assert self.lane is not None and self.taken is not None  # held: the lane took the request
         try:
             self.lane.answer_now(self.taken, raw, self._respond)
         except Exception:  # noqa: BLE001 - unanswered, the ASGI path runs it again and answers whatever happens there
@@ -99,7 +102,8 @@ class SyncSearchProtocol(HttpToolsProtocol):
                           "; the request goes through the app")
         if not self.responded:
             self._app_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
-            self.cycle.body, self.cycle.more_body = raw, False
+            # uvicorn reads the body as bytes(body) only: bytes, not its bytearray, spare a copy
+            self.cycle.body, self.cycle.more_body = raw, False  # type: ignore[assignment]
             self.cycle.keep_alive = self.cycle.keep_alive and not self.stopping
             self.cycle.message_event.set()
 

@@ -48,7 +48,8 @@ def failure_message(job: "Job", exc: Exception) -> str:
     if disk_full(exc):
         return f"the disk filled up while the job ran; nothing past its last commit was kept (error id {error_id})"
     if database_unavailable(exc):
-        return f"PostgreSQL became unavailable while the job ran; nothing past its last commit was kept (error id {error_id})"
+        return ("PostgreSQL became unavailable while the job ran; nothing past its last commit was kept "
+                f"(error id {error_id})")
     return f"the job failed; quote error id {error_id} when reporting it (the service's log has the cause)"
 
 
@@ -102,7 +103,8 @@ class JobRunner:
                        "started", 10.0, reason="jobs_queued")
         job = Job(str(uuid.uuid4()), kind, subject)
         await self.pool.execute(
-            "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind, subject
+            "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind,
+            subject
         )
         self.running[job.id] = job
         job.task = asyncio.create_task(self._run(job, work, cleanup), name=f"job-{kind}-{job.id}")
@@ -181,7 +183,8 @@ class JobRunner:
         try:
             await self.pool.execute(
                 "UPDATE jobs SET state = $2, done = $3, total = $4, message = $5, result = $6, updated_at = now() "
-                "WHERE id = $1 AND ($7 OR state NOT IN ('succeeded', 'failed', 'cancelled'))", uuid.UUID(job.id), job.state,
+                "WHERE id = $1 AND ($7 OR state NOT IN ('succeeded', 'failed', 'cancelled'))",
+                uuid.UUID(job.id), job.state,
                 job.done, job.total, job.message, orjson.dumps(job.result).decode() if job.result is not None else None,
                 final,
             )

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import re
 
+from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastapi import HTTPException
-
 from .errors import problem_response
-
 
 # The routes that take bulk loads, with the media type that makes a body one: only these get the bulk limit.
 # Going by route, not by the Content-Type alone: an Arrow content type on any other route once lifted its limit.
@@ -33,7 +31,8 @@ class BodySizeLimitMiddleware:
         self.max_bulk_bytes = max_bulk_bytes or max_body_bytes
 
     def _problem(self, scope: Scope, limit: int, declared: int):
-        setting = "SWITCHYARD_MAX_BULK_BYTES" if limit == self.max_bulk_bytes != self.max_body_bytes else "SWITCHYARD_MAX_BODY_BYTES"
+        setting = ("SWITCHYARD_MAX_BULK_BYTES" if limit == self.max_bulk_bytes != self.max_body_bytes
+                   else "SWITCHYARD_MAX_BODY_BYTES")
         return problem_response(
             413, "payload-too-large", "Payload too large",
             f"{declared} bytes exceeds the limit of {limit} bytes ({setting}); "

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

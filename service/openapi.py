@@ -67,7 +67,7 @@ def install(app: FastAPI, settings: Settings) -> None:
             app.openapi_schema = contract(raw, settings)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign] - FastAPI's documented way to customize the document
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customize the document
 
 
 def contract(doc: dict[str, Any], settings: Settings) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import asyncpg
 
-from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
@@ -23,6 +22,7 @@ from spatial.manager import SpatialManager
 
 from . import spool
 from .admission import Admission
+from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from .devices import probe_cuda
 from .engines import EngineRegistry
 from .jobs import JobRunner
@@ -35,6 +35,16 @@ log = logging.getLogger("switchyard")
 POOL_CLOSE_S = 10.0  # the most stop() waits for the pools to close gracefully
 
 Phase = Literal["created", "starting", "running", "stopping", "stopped", "failed"]
+
+
+def vector_options(settings: Settings) -> dict[str, Any]:
+    """The CollectionManager options every process holding vector replicas takes from the settings."""
+    v, r = settings.vectors, settings.replication
+    return dict(max_batch=v.batch_max, batch_window_s=v.batch_window_ms / 1000,
+                inline_search_s=v.inline_search_us / 1e6, inline_turn_s=v.inline_turn_us / 1e6,
+                consistency=Consistency(r.consistency, r.bounded_staleness_ms / 1000, r.consistency_timeout_ms / 1000,
+                                        r.poll_ms / 1000),
+                policy=RebuildPolicy(dead_fraction=r.rebuild_dead_fraction, delta_rows=r.rebuild_delta_rows))
 
 
 class Runtime:
@@ -77,16 +87,18 @@ class Runtime:
             finally:
                 await conn.close()
             if applied:
-                log.info("applied %d migration(s): %s", len(applied), ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
-            self.pool = await open_pool(
-                self.dsn, min_size=s.database.pool_min, max_size=s.database.pool_max, command_timeout=s.database.command_timeout_s,
-                acquire_timeout_s=s.database.acquire_timeout_s)
-            self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=s.database.sql_pool_max, init=None,
-                                            command_timeout=s.database.command_timeout_s, acquire_timeout_s=s.database.acquire_timeout_s)
+                log.info("applied %d migration(s): %s", len(applied),
+                         ", ".join(f"{m.version:04d}_{m.name}" for m in applied))
+            db = s.database
+            self.pool = await open_pool(self.dsn, min_size=db.pool_min, max_size=db.pool_max,
+                                        command_timeout=db.command_timeout_s, acquire_timeout_s=db.acquire_timeout_s)
+            self.sql_pool = await open_pool(self.dsn, min_size=0, max_size=db.sql_pool_max, init=None,
+                                            command_timeout=db.command_timeout_s,
+                                            acquire_timeout_s=db.acquire_timeout_s)
             self.database = DatabaseSupervisor(
-                self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(s.database.command_timeout_s),
-                metrics=self.metrics, interval_s=s.database.check_interval_s, probe_timeout_s=s.database.readiness_timeout_s,
-                max_restarts=s.database.max_restarts, other_pools=(self.sql_pool,))
+                self.pool, self.embedded, dsn=self.dsn, pool_connect_kwargs=connect_kwargs(db.command_timeout_s),
+                metrics=self.metrics, interval_s=db.check_interval_s, probe_timeout_s=db.readiness_timeout_s,
+                max_restarts=db.max_restarts, other_pools=(self.sql_pool,))
             self.database.start()
             self.registry.probe(self.postgres_version, extensions)
             self.jobs = JobRunner(self.pool, s.jobs.max_jobs, s.jobs.max_queued_jobs)
@@ -95,13 +107,8 @@ class Runtime:
             if s.replication.trace_dir is not None:
                 self.trace = ReplicationTrace(s.replication.trace_dir)
             vector_kwargs: dict[str, Any] = dict(
-                dsn=self.dsn, max_batch=s.vectors.batch_max, batch_window_s=s.vectors.batch_window_ms / 1000,
-                inline_search_s=s.vectors.inline_search_us / 1e6, inline_turn_s=s.vectors.inline_turn_us / 1e6,
+                vector_options(s), dsn=self.dsn, on_applied=self._applied, guard=self.admission,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
-                consistency=Consistency(s.replication.consistency, s.replication.bounded_staleness_ms / 1000, s.replication.consistency_timeout_ms / 1000,
-                                        s.replication.poll_ms / 1000),
-                policy=RebuildPolicy(dead_fraction=s.replication.rebuild_dead_fraction, delta_rows=s.replication.rebuild_delta_rows),
-                on_applied=self._applied, guard=self.admission,
             )
             if s.cluster.ray_address:
                 from .cluster.ray_layer import vector_shards
@@ -144,7 +151,8 @@ class Runtime:
             self.trace.applied(collection_id, seq, now)
 
     async def _start_engines(self) -> None:
-        await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir, metrics=self.metrics,
+        await self.registry.start(pool=self.pool, sql_pool=self.sql_pool, data_dir=self.settings.data_dir,
+                                  metrics=self.metrics,
                                   cpu_threads=self.settings.engine_threads, huge_pages=self.settings.cpu.huge_pages,
                                   gpu_build_process=self.settings.gpu.build_process,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
@@ -213,7 +221,8 @@ class Runtime:
             async with asyncio.timeout(self.settings.database.readiness_timeout_s):
                 applied = await self.pool.fetchval("SELECT coalesce(max(version), 0) FROM schema_migrations")
             checks["database"] = "ok"
-            checks["migrations"] = "ok" if applied >= self.latest_migration else f"at {applied}, need {self.latest_migration}"
+            checks["migrations"] = ("ok" if applied >= self.latest_migration
+                                    else f"at {applied}, need {self.latest_migration}")
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             checks["database"] = f"unreachable: {type(exc).__name__}"
             checks["migrations"] = "unknown"

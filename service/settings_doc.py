@@ -29,7 +29,8 @@ FOOTER = """
 | variable | used by | meaning |
 |---|---|---|
 | `SWITCHYARD_URL` | `switchyard load-vectors` | The service to load into (default `http://127.0.0.1:8000`). |
-| `SWITCHYARD_RESULTS_DIR` | benchmark scripts under `loadtests/` | Where results are written (default: `loadtests/results/` in a checkout, else `./results/`). |
+| `SWITCHYARD_RESULTS_DIR` | benchmark scripts under `loadtests/` | Where results are written (default: \
+`loadtests/results/` in a checkout, else `./results/`). |
 """
 
 

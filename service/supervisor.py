@@ -26,7 +26,8 @@ log = logging.getLogger("switchyard.database")
 class DatabaseSupervisor:
     def __init__(self, pool: asyncpg.Pool, embedded: EmbeddedPostgres | None, *, dsn: str,
                  pool_connect_kwargs: dict[str, Any], metrics: Metrics, interval_s: float = 1.0,
-                 probe_timeout_s: float = 2.0, max_restarts: int = 10, other_pools: tuple[asyncpg.Pool, ...] = ()) -> None:
+                 probe_timeout_s: float = 2.0, max_restarts: int = 10,
+                 other_pools: tuple[asyncpg.Pool, ...] = ()) -> None:
         self.pool, self.embedded, self.metrics = pool, embedded, metrics
         self.pools = (pool, *other_pools)  # all follow the server when it moves; `pool` is the one probed
         self.dsn, self.pool_connect_kwargs = dsn, pool_connect_kwargs
@@ -125,6 +126,7 @@ class DatabaseSupervisor:
             await self.pool.release(holder)
 
     async def _restart_embedded(self) -> None:
+        assert self.embedded is not None  # called only with an embedded server
         if self.restart_attempts >= self.max_restarts:
             if self.state != "gave-up":
                 self.state = "gave-up"

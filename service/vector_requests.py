@@ -53,7 +53,8 @@ class SearchOptions(BaseModel):
 
 
 class SearchRequest(SearchOptions):
-    model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vector",), ("vectors",), ("vectors_b64",)))
+    model_config = ConfigDict(extra="forbid",
+                              json_schema_extra=exactly_one_of(("vector",), ("vectors",), ("vectors_b64",)))
     vector: list[Float] | None = Field(default=None, description="One query vector.")
     vectors: list[list[Float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
     vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
@@ -73,8 +74,9 @@ RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
     """Options of a raw float32 search from its query string: k, engine, consistency, seq, recall_target, filter
     (JSON text), `batch=true` (answer lists even for one vector); any other name is a search parameter (`ef=64`).
-    Returns (options, batch). Remembered per query string (a client sends the same one with every vector); callers must not change the
-    options they get. Errors are not remembered: a bad query string is parsed, and refused, every time."""
+    Returns (options, batch). Remembered per query string (a client sends the same one with every vector); callers must
+    not change the options they get. Errors are not remembered: a bad query string is parsed, and refused, every
+    time."""
     fields: dict[str, Any] = {}
     params: dict[str, float] = {}
     batch = False
@@ -108,7 +110,8 @@ class UpsertPoints(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vectors",), ("vectors_b64",)))
     ids: IntList = Field(min_length=1, max_length=100_000)
     vectors: list[list[Float]] | None = Field(default=None, description="One float list per id.")
-    vectors_b64: str | None = Field(default=None, description="All vectors as base64 of little-endian float32, row after row.")
+    vectors_b64: str | None = Field(default=None,
+                                    description="All vectors as base64 of little-endian float32, row after row.")
     payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
 
     @model_validator(mode="after")

@@ -14,12 +14,12 @@ import math
 import types
 from collections import Counter, OrderedDict
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from . import kernels
-from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
+from .geoarrow import Points, Polygons, check_distance_join, point_range
 
 OUTSIDE = kernels.OUTSIDE
 MAX_CELLS_PER_AXIS = 1 << 20
@@ -143,7 +143,7 @@ _KERNELS = ("part_bbox_kernel", "morton_kernel", "refine_kernel", "scatter_kerne
 def simulator_enabled() -> bool:
     from numba import config
 
-    return bool(config.ENABLE_CUDASIM)
+    return bool(config.ENABLE_CUDASIM)  # type: ignore[attr-defined]  # numba sets it from the environment at run time
 
 
 @functools.lru_cache(maxsize=1)
@@ -254,13 +254,13 @@ class CudaSpatialEngine:
         """cache[key], built once; with `limit`, the cache is an OrderedDict kept to that many entries."""
         if key in cache:
             if limit is not None:
-                cache.move_to_end(key)
+                cast(OrderedDict, cache).move_to_end(key)
             return cache[key]
         value = build()
         self.counters["builds"] += 1
         cache[key] = value
         while limit is not None and len(cache) > limit:
-            cache.popitem(last=False)
+            cast(OrderedDict, cache).popitem(last=False)
         return value
 
     def _drop(self, key: int) -> None:
@@ -294,6 +294,7 @@ class CudaSpatialEngine:
     def _part_boxes(self, layer: _Resident) -> SimpleNamespace:
         def build() -> SimpleNamespace:
             k, xp, a = _build(), _xp(), layer.arrays
+            assert isinstance(layer.geometry, Polygons)  # part boxes: of a polygon layer
             n_parts = layer.geometry.n_parts
             boxes = SimpleNamespace(minx=xp.empty(n_parts, np.float64), miny=xp.empty(n_parts, np.float64),
                                     maxx=xp.empty(n_parts, np.float64), maxy=xp.empty(n_parts, np.float64))

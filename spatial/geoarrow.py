@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 EDGE_TOLERANCE = 1e-9  # degrees
 
 

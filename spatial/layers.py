@@ -43,7 +43,8 @@ def _ids(ids: Any, n: int) -> np.ndarray:
 def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | None]]:
     import shapely
 
-    if not isinstance(data, dict) or data.get("type") != "FeatureCollection" or not isinstance(data.get("features"), list):
+    if (not isinstance(data, dict) or data.get("type") != "FeatureCollection"
+            or not isinstance(data.get("features"), list)):
         raise GeometryError("must be a GeoJSON FeatureCollection", field="geojson")
     geoms, ids, props = [], [], []
     for i, feature in enumerate(data["features"]):
@@ -128,7 +129,7 @@ def parse_layer(name: str, kind: str, body: dict[str, Any]) -> Layer:
         raise GeometryError("give exactly one of lon/lat, geojson, wkt and wkb_b64", field="body")
     source = given[0]
     if kind == "points" and source == "lon":
-        geometry = points_from_lonlat(body["lon"], body.get("lat", []))
+        geometry: Points | Polygons = points_from_lonlat(body["lon"], body.get("lat", []))
         return Layer(name, kind, _ids(body.get("ids"), len(geometry)), geometry)
     if source == "lon":
         raise GeometryError("polygon layers come as geojson, wkt or wkb_b64", field="lon")

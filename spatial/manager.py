@@ -142,7 +142,8 @@ class SpatialManager:
             raise SpatialEngineNotReady(f"engine {engine!r} is not available here")
         return [kind]
 
-    async def _run(self, engine: str, operation: str, method: str, args: tuple, by_name: tuple) -> tuple[Any, str, float, str | None]:
+    async def _run(self, engine: str, operation: str, method: str, args: tuple,
+                   by_name: tuple) -> tuple[Any, str, float, str | None]:
         """Run `method` on the engines in routing order: resident engines get the buffers (`args`), PostGIS the
         layer names (`by_name`), since its copies of the layers live in the database."""
         order = self._order(engine)
@@ -193,10 +194,12 @@ class SpatialManager:
         start = decode_cursor(cursor)
         stop = min(len(pts), start + page_size)
         (first, second), name, took, fallback = await self._run(
-            engine, "pip_pairs", "pip_pairs", (pts.geometry, polys.geometry, start, stop), (points, polygons, start, stop))
+            engine, "pip_pairs", "pip_pairs", (pts.geometry, polys.geometry, start, stop),
+            (points, polygons, start, stop))
         keep, next_start = cut_at_point_boundary(np.asarray(first), page_size, stop)
         pairs = np.column_stack([pts.ids[np.asarray(first)[:keep]], polys.ids[np.asarray(second)[:keep]]])
-        return JoinAnswer({"pairs": pairs.tolist(), "next_cursor": encode_cursor(next_start) if next_start < len(pts) else None},
+        return JoinAnswer({"pairs": pairs.tolist(),
+                           "next_cursor": encode_cursor(next_start) if next_start < len(pts) else None},
                           name, took, fallback)
 
     async def within_distance(self, left: str, right: str, radius_m: float, engine: str, cursor: str | None,

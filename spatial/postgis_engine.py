@@ -46,7 +46,8 @@ class PostgisEngine:
             else:
                 await conn.execute(
                     f"CREATE TABLE IF NOT EXISTS {table} AS SELECT position, "
-                    f"ST_Multi(ST_GeomFromWKB(wkb, 4326)) AS geom FROM spatial_polygons WHERE layer_id = {int(layer_id)}")
+                    "ST_Multi(ST_GeomFromWKB(wkb, 4326)) AS geom FROM spatial_polygons "
+                    f"WHERE layer_id = {int(layer_id)}")
             await conn.execute(f"CREATE INDEX IF NOT EXISTS {table}_geom ON {table} USING gist (geom)")
             await conn.execute(f"ANALYZE {table}")
             self._ready_layers.add(layer_id)
@@ -68,7 +69,8 @@ class PostgisEngine:
             rows = await conn.fetch(
                 f"SELECT p.position AS i, g.position AS j FROM {pts} p JOIN {polys} g ON ST_Intersects(g.geom, p.geom) "
                 f"WHERE p.position >= $1 AND p.position < $2 ORDER BY 1, 2", start, stop)
-        return _columns(rows, "i", "j")
+        i, j = _columns(rows, "i", "j")
+        return i, j
 
     async def within_distance(self, left: str, right: str, radius_m: float, start: int, stop: int,
                               self_join: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from .geoarrow import Points, polygons_from_shapely, polygons_to_shapely
+from .geoarrow import Points, Polygons, polygons_from_shapely, polygons_to_shapely
 from .layers import Layer
 
 
@@ -44,8 +44,10 @@ class SpatialStore:
             else:
                 import shapely
 
+                assert isinstance(layer.geometry, Polygons)  # kind "polygons"
                 wkb = shapely.to_wkb(polygons_to_shapely(layer.geometry))
-                props = [orjson.dumps(p).decode() if p is not None else None for p in (layer.properties or [None] * len(layer))]
+                props = [orjson.dumps(p).decode() if p is not None else None
+                         for p in (layer.properties or [None] * len(layer))]
                 await conn.copy_records_to_table(
                     "spatial_polygons", columns=["layer_id", "position", "id", "wkb", "properties"],
                     records=[(layer_id, int(i), int(fid), bytes(b), p)

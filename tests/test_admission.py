@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from service.admission import (Admission, CoolingDown, DeadlineExceeded, Gate, OverQuota, QueueDeadline, Shed,
-                               parse_timeout)
+from service.admission import (
+    Admission,
+    CoolingDown,
+    DeadlineExceeded,
+    Gate,
+    OverQuota,
+    QueueDeadline,
+    Shed,
+    parse_timeout,
+)
 from service.deadlines import remaining, set_deadline
 from service.errors import BadRequest
 from tests.conftest import run

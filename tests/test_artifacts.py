@@ -73,8 +73,8 @@ def test_the_wheel_holds_every_package_and_its_data(artifacts):
     files = _wheel_files(artifacts["wheel"])
     on_disk = {str(p.relative_to(ROOT)) for top in ("service", "indexes", "spatial", "olap", "migrations", "loadtests")
                for p in (ROOT / top).rglob("*.py") if "results" not in p.parts}
-    tracked = set(_run(["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT).stdout.split("\0")) if (ROOT / ".git").exists() \
-        else on_disk
+    in_git = (ROOT / ".git").exists()
+    tracked = set(_run(["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT).stdout.split("\0")) if in_git else on_disk
     assert sorted(on_disk & tracked - files) == []
     assert {p.name for p in (ROOT / "migrations").glob("*.sql")} <= {Path(f).name for f in files if f.endswith(".sql")}
     assert "loadtests/schemathesis.toml" in files

@@ -53,7 +53,7 @@ def test_slow_searches_and_vetoed_ones_stay_on_threads():
     for engine, veto in ((Engine(seconds=0.02), None), (Engine(), lambda key: False)):
         batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.005, can_inline=veto)
 
-        async def go():
+        async def go(batcher=batcher):
             loop_thread = threading.get_ident()
             return loop_thread, [await batcher.submit("c", np.ones(2)) for _ in range(4)]
 

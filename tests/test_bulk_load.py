@@ -31,7 +31,8 @@ def batches(vectors: np.ndarray, first_id: int = 0, sizes=(5, 1, 12, 3, 9), payl
         if end <= start:
             break
         columns = {"id": pa.array(range(first_id + start, first_id + end), pa.int64()),
-                   "vector": (pa.FixedSizeListArray.from_arrays(pa.array(vectors[start:end].reshape(-1)), vectors.shape[1])
+                   "vector": (pa.FixedSizeListArray.from_arrays(pa.array(vectors[start:end].reshape(-1)),
+                                                                vectors.shape[1])
                               if fixed else pa.array(vectors[start:end].tolist(), pa.list_(pa.float32())))}
         if payload:
             columns["payload"] = pa.array([f'{{"n": {i}}}' for i in range(first_id + start, first_id + end)])
@@ -62,7 +63,8 @@ def test_arrow_chunks_read_a_stream_a_few_rows_at_a_time(tmp_path):
 
 @pytest.mark.parametrize("make, field", [
     (lambda v: stream(batches(v) + batches(v[:2], first_id=3)), "ids"),  # id 3 again, in a later batch
-    (lambda v: stream(batches(v, sizes=(10,), fixed=False) + batches(np.ones((2, DIM + 1), np.float32), 50, fixed=False)),
+    (lambda v: stream(batches(v, sizes=(10,), fixed=False)
+                      + batches(np.ones((2, DIM + 1), np.float32), 50, fixed=False)),
      "vector"),
     (lambda v: stream([pa.record_batch({"key": pa.array([1])})]), "body"),
     (lambda v: b"\0" * 100, "body"),
@@ -141,7 +143,8 @@ def test_a_bulk_load_cancelled_while_queued_removes_its_file(make_client, tmp_pa
     wait_ready(client)
     client.post("/v1/collections", json={"name": "queued", "dim": DIM})
     vectors = clustered(200, DIM, seed=8)
-    first = client.put("/v1/collections/queued/points", content=stream(batches(vectors, sizes=(50,) * 4)), headers=ARROW)
+    first = client.put("/v1/collections/queued/points", content=stream(batches(vectors, sizes=(50,) * 4)),
+                       headers=ARROW)
     second = client.put("/v1/collections/queued/points", content=stream(batches(vectors, 1000, sizes=(50,) * 4)),
                         headers=ARROW)
     assert first.status_code == second.status_code == 202

@@ -110,7 +110,8 @@ def test_several_workers_start_together_on_a_fresh_data_dir(tmp_path):
         url = f"http://127.0.0.1:{port}"
         assert httpx.post(url + "/v1/collections", json={"name": "w", "dim": 2}).status_code == 201
         deadline = time.monotonic() + 30  # workers answer /readyz one by one
-        while len(pids := {r["pid"] for r in httpx.get(url + "/v1/collections/w").json()["replication"]["replicas"]}) < 4:
+        while len(pids := {r["pid"] for r in
+                           httpx.get(url + "/v1/collections/w").json()["replication"]["replicas"]}) < 4:
             assert time.monotonic() < deadline, pids
             time.sleep(0.2)
         interrupt(proc)

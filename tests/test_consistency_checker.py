@@ -66,7 +66,8 @@ def test_concurrency_leaves_outcomes_open():
     # Overlapping upserts that one group commit carried share a seq: the server's order of arrival decided.
     grouped = [upsert(1, 0, 3, 9, token=11), upsert(1, 1, 2, 9, token=10)]
     assert kinds(grouped + [search(1, 4, 5, query=10, found=1)]) == []
-    assert kinds(grouped + [search(1, 4, 5, query=11, found=1, distance=2.0)]) == []  # holding token 10: no stale vector
+    # holding token 10: no stale vector
+    assert kinds(grouped + [search(1, 4, 5, query=11, found=1, distance=2.0)]) == []
 
 
 def test_a_request_shed_before_it_ran_is_a_definite_failure_not_an_anomaly():
@@ -75,7 +76,8 @@ def test_a_request_shed_before_it_ran_is_a_definite_failure_not_an_anomaly():
     refused_write = Op(0, "upsert", [1], 4, 5, ok=False, status=503, seq=None, tokens=[11], error=shed)
     assert refused_write.failed and refused_search.refused
     # The refused upsert of token 11 did not happen: the search must still find token 10.
-    assert kinds([upsert(1, 0, 1, 5, token=10), refused_search, refused_write, search(1, 6, 7, query=10, found=1)]) == []
+    assert kinds([upsert(1, 0, 1, 5, token=10), refused_search, refused_write,
+                  search(1, 6, 7, query=10, found=1)]) == []
     broken = Op(0, "upsert", [1], 4, 5, ok=False, status=503, tokens=[11], error='{"type":"urn:switchyard:problem:x"}')
     assert not broken.refused and kinds([broken]) == ["error"]  # any other 5xx is still an error
 

@@ -132,7 +132,8 @@ def test_deleted_rows_live_in_a_resident_bitset_updated_per_write(monkeypatch, k
         np.testing.assert_array_equal(index._alive_words, cuvs_index.keep_bitset(alive, len(data)))
         np.testing.assert_array_equal(index._alive_bits, index._alive_words)  # the "device" copy
         packed = []
-        monkeypatch.setattr(cuvs_index, "keep_bitset", lambda *a: packed.append(a) or cuvs_index.keep_bitset(*a))
+        monkeypatch.setattr(cuvs_index, "keep_bitset",
+                            lambda *a, packed=packed: packed.append(a) or cuvs_index.keep_bitset(*a))
         scores, rows = index.search(queries, 10, {"refine_ratio": 2.0}, None)
         assert packed == []  # nothing packed or uploaded for the search
         monkeypatch.setattr(cuvs_index, "keep_bitset", _KEEP_BITSET)

@@ -76,7 +76,8 @@ def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
     assert "--address=ray-head:6379" in worker["command"][-1] and "--block" in worker["command"][-1]
     assert head["build"]["args"]["EXTRAS"] == "gpu,ray" and worker["image"] == head["image"]
     for node in (head, worker):
-        assert re.match(r"postgresql://switchyard:.*@db:5432/switchyard$", node["environment"]["SWITCHYARD_DATABASE_URL"])
+        assert re.match(r"postgresql://switchyard:.*@db:5432/switchyard$",
+                        node["environment"]["SWITCHYARD_DATABASE_URL"])
         assert "switchyard-data:/var/lib/switchyard" in node["volumes"]
     assert head["ports"] == ["127.0.0.1:8000:8000"] and "ports" not in worker
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+
 import httpx
 import psutil
 import pytest

@@ -87,7 +87,8 @@ def test_registry_starts_available_engines_and_survives_a_broken_one():
         _spec("broken", kind="gpu", implementation="test_engines:BrokenEngine"),
         _spec("unbuilt", planned_in="issue #99"),
         _spec("needs-module", implementation="test_engines:GoodEngine", modules=("no_such_module_xyz",)),
-        _spec("needs-extension", kind="postgres", implementation="test_engines:GoodEngine", postgres_extension="postgis"),
+        _spec("needs-extension", kind="postgres", implementation="test_engines:GoodEngine",
+              postgres_extension="postgis"),
     ))
     registry.probe("18.6", {"vector": "0.8.6"})
     asyncio.run(_start(registry))

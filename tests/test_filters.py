@@ -11,8 +11,8 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pytest
 
-from indexes import filters
 from helpers import service_client, wait_job
+from indexes import filters
 from indexes.errors import InvalidInput
 from test_vectors_conformance import engine_param
 from vector_data import b64, clustered, oracle, recall

@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from helpers import cudf_missing
 from olap.frame_sql import Unsupported, run
 from olap.queries import QUERIES, render_sql
-from helpers import cudf_missing
 from test_ssb_queries import duckdb_over, make_tables
 
 

@@ -97,7 +97,8 @@ def test_errors_are_the_engines_own(fronted):
 def test_concurrent_clients_share_one_engine(fronted):
     data = clustered(400, DIM, seed=21)
     assert fronted.post("/v1/collections", json={"name": "f3", "dim": DIM}).status_code == 201
-    seq = fronted.put("/v1/collections/f3/points", json={"ids": list(range(400)), "vectors": data.tolist()}).json()["seq"]
+    seq = fronted.put("/v1/collections/f3/points",
+                      json={"ids": list(range(400)), "vectors": data.tolist()}).json()["seq"]
     queries = clustered(64, DIM, seed=22)
     truth, _ = oracle(data, queries, 5, "l2")
 
@@ -105,8 +106,8 @@ def test_concurrent_clients_share_one_engine(fronted):
     replicas = fronted.get("/v1/collections/f3").json()["replication"]["replicas"]
     assert len(replicas) == 1, replicas  # one resident copy, whatever the number of fronts
     metrics = fronted.get("/metrics").text
-    line = next(l for l in metrics.splitlines() if l.startswith("switchyard_http_requests_total")
-                and 'route="/v1/collections/{name}/search"' in l and 'status="200"' in l)
+    line = next(m for m in metrics.splitlines() if m.startswith("switchyard_http_requests_total")
+                and 'route="/v1/collections/{name}/search"' in m and 'status="200"' in m)
     assert float(line.rsplit(" ", 1)[1]) >= len(queries)
 
 

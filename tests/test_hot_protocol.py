@@ -36,7 +36,8 @@ def served(tmp_path_factory):
         with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
             assert client.post("/v1/collections", json={"name": "s1", "dim": DIM}).status_code == 201
             r = client.put("/v1/collections/s1/points", json={
-                "ids": list(range(600)), "vectors": data.tolist(), "payloads": [{"even": i % 2 == 0} for i in range(600)]})
+                "ids": list(range(600)), "vectors": data.tolist(),
+                "payloads": [{"even": i % 2 == 0} for i in range(600)]})
             assert r.status_code == 200, r.text
             for q in clustered(5, DIM, seed=32):  # the engine's cost of a lone search is learnt on a thread first
                 client.post("/v1/collections/s1/search?k=5", content=q.tobytes(), headers=RAW)
@@ -69,7 +70,8 @@ def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(serve
             assert body["ids"] == truth[i].tolist() and np.allclose(body["distances"], distances[i], atol=1e-4)
             assert body["engine"] == "faiss" and body["consistency"] == "bounded" and body["fallback"] is None
         # a batch of one, in each encoding, is answered as a batch
-        for r in (client.post("/v1/collections/s1/search?k=7&batch=true", content=q.astype("<f4").tobytes(), headers=RAW),
+        for r in (client.post("/v1/collections/s1/search?k=7&batch=true", content=q.astype("<f4").tobytes(),
+                              headers=RAW),
                   client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()], "k": 7}),
                   client.post("/v1/collections/s1/search", json={"vectors_b64": b64(q[None]), "k": 7})):
             assert r.json()["ids"] == [truth[i].tolist()], r.text
@@ -120,7 +122,8 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
                    "engine-unavailable", "engine")
     strong = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "consistency": "strong"})
     batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})  # two: the app
-    deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(), headers={**RAW, "X-Request-Timeout": "5"})
+    deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(),
+                           headers={**RAW, "X-Request-Timeout": "5"})
     assert strong.json()["ids"][0] == 3 and strong.json()["consistency"] == "strong"
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
     assert synced(client) == before  # none of these was the protocol's to answer
@@ -129,7 +132,8 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
 def test_the_unix_socket_serves_the_same_api(served):
     client, data, path = served
     before = synced(client)
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://switchyard", headers=AUTH) as local:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://switchyard",
+                      headers=AUTH) as local:
         answers = [local.post("/v1/collections/s1/search?k=3", content=data[i].tobytes(), headers=RAW).json()["ids"][0]
                    for i in range(5)]
         assert answers == list(range(5))

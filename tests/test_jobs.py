@@ -46,5 +46,6 @@ def test_a_failed_job_says_why_without_a_librarys_text(client):
     ours = client.portal.call(failed, InvalidInput("vectors have dimension 3, the collection has 4", field="vector"))
     assert ours["state"] == "failed" and ours["message"] == "vectors have dimension 3, the collection has 4"
     library = client.portal.call(failed, IndexError("index 7 is out of bounds for axis 0 with size 3 (secret)"))
-    assert library["state"] == "failed" and "secret" not in library["message"] and "IndexError" not in library["message"]
+    assert (library["state"] == "failed" and "secret" not in library["message"]
+            and "IndexError" not in library["message"])
     assert "error id" in library["message"]

@@ -32,7 +32,8 @@ def test_the_partitions_split_lineorder_and_carry_every_dimension(dataset):
     assert sum(p.num_rows for p in parts) == whole.num_rows and min(p.num_rows for p in parts) > 0
     for p, table in enumerate(parts):
         assert all(k % PARTS == p for k in table.column("lo_orderkey").to_pylist())
-        assert pq.read_table(dirs[p] / "customer.parquet").num_rows == pq.read_table(dataset / "customer.parquet").num_rows
+        assert (pq.read_table(dirs[p] / "customer.parquet").num_rows
+                == pq.read_table(dataset / "customer.parquet").num_rows)
     with pytest.raises(ValueError):
         write_partition(dataset, PARTS, PARTS)
 

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
 
-from conftest import fresh_database, run, _execute
+from conftest import _execute, fresh_database, run
 from helpers import wait_ready
 from service.app import create_app
 
@@ -64,7 +64,8 @@ def test_metrics_count_requests_per_route_template_and_status(client):
     text = client.get("/metrics").text
     assert 'switchyard_http_requests_total{method="GET",route="/v1/engines",status="200"} 2.0' in text
     assert 'switchyard_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
-    assert 'switchyard_http_request_duration_seconds_bucket{le="0.0005",method="GET",route="/v1/engines",status="200"}' in text
+    assert ('switchyard_http_request_duration_seconds_bucket{le="0.0005",method="GET",route="/v1/engines",'
+            'status="200"}') in text
     # Engine gauges exist for every engine, whatever it can do here.
     assert 'switchyard_engine_available{domain="vectors",engine="cuvs",kind="gpu"} 0.0' in text
 
@@ -88,7 +89,8 @@ def test_tallied_metrics_render_exactly_what_direct_updates_would():
             latency.labels("/v1/x", "POST", str(status)).observe(seconds)
 
         def lines(text: bytes, prefix: str) -> list[str]:
-            return sorted(l for l in text.decode().splitlines() if l.startswith(prefix) and "_created" not in l)
+            return sorted(line for line in text.decode().splitlines()
+                          if line.startswith(prefix) and "_created" not in line)
 
         for prefix in ("switchyard_http_requests_total", "switchyard_http_request_duration_seconds"):
             assert lines(metrics.render(), prefix) == lines(generate_latest(direct), prefix), (round_, prefix)
@@ -104,9 +106,12 @@ def test_engine_call_metrics_record_outcome_and_latency(client):
     except RuntimeError:
         pass
     text = client.get("/metrics").text
-    assert 'switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="ok"} 1.0' in text
-    assert 'switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="error"} 1.0' in text
-    assert 'switchyard_engine_query_duration_seconds_count{domain="vectors",engine="faiss",operation="search"} 2.0' in text
+    assert ('switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="ok"} 1.0'
+            in text)
+    assert ('switchyard_engine_queries_total{domain="vectors",engine="faiss",operation="search",outcome="error"} 1.0'
+            in text)
+    assert ('switchyard_engine_query_duration_seconds_count{domain="vectors",engine="faiss",operation="search"} 2.0'
+            in text)
 
 
 def test_openapi_documents_routes_and_bearer_auth_only_when_a_key_is_set(client, make_settings):

@@ -307,8 +307,15 @@ def test_ssb_queries_over_partitions_equal_the_one_process_answers(service):
 
 
 def test_point_in_polygon_over_point_partitions_equals_shapely(service):
-    from test_spatial_service import (ACROSS_ANTIMERIDIAN, NEIGHBOUR, SQUARE_WITH_HOLE, TWO_ISLANDS,
-                                      feature_collection, oracle_pairs, sample_points)
+    from test_spatial_service import (
+        ACROSS_ANTIMERIDIAN,
+        NEIGHBOUR,
+        SQUARE_WITH_HOLE,
+        TWO_ISLANDS,
+        feature_collection,
+        oracle_pairs,
+        sample_points,
+    )
 
     lon, lat = sample_points()
     polys = feature_collection(SQUARE_WITH_HOLE, TWO_ISLANDS, ACROSS_ANTIMERIDIAN, NEIGHBOUR)

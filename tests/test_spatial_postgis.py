@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not POSTGIS_URL, reason="postgis engine: set SWI
 def test_postgis_answers_equal_the_cpu_engine():
     lon, lat = sample_points(seed=3, n=2000)
     points = parse_layer("pts", "points", {"lon": lon.tolist(), "lat": lat.tolist()})
-    polygons = parse_layer("polys", "polygons", {"geojson": feature_collection(SQUARE_WITH_HOLE, TWO_ISLANDS, NEIGHBOUR)})
+    polygons = parse_layer("polys", "polygons",
+                           {"geojson": feature_collection(SQUARE_WITH_HOLE, TWO_ISLANDS, NEIGHBOUR)})
     rng = np.random.default_rng(9)
     near = parse_layer("near", "points", {"lon": rng.normal(2.35, 0.01, 400).tolist(),
                                           "lat": rng.normal(48.85, 0.01, 400).tolist()})

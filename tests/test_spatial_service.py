@@ -23,7 +23,8 @@ SQUARE_WITH_HOLE = {"type": "Polygon", "coordinates": [
 TWO_ISLANDS = {"type": "MultiPolygon", "coordinates": [
     [[[20, 0], [25, 0], [25, 5], [20, 5], [20, 0]]], [[[30, 0], [35, 0], [32, 5], [30, 0]]]]}
 ACROSS_ANTIMERIDIAN = {"type": "MultiPolygon", "coordinates": [  # split at +-180, as RFC 7946 asks
-    [[[170, -10], [180, -10], [180, 10], [170, 10], [170, -10]]], [[[-180, -10], [-170, -10], [-170, 10], [-180, 10], [-180, -10]]]]}
+    [[[170, -10], [180, -10], [180, 10], [170, 10], [170, -10]]],
+    [[[-180, -10], [-170, -10], [-170, 10], [-180, 10], [-180, -10]]]]}
 NEIGHBOUR = {"type": "Polygon", "coordinates": [[[10, 0], [15, 0], [15, 10], [10, 10], [10, 0]]]}  # shares x = 10
 
 
@@ -145,7 +146,8 @@ def test_geoparquet_upload(app):
     assert r.status_code == 201 and r.json()["count"] == 50
     polys = feature_collection(SQUARE_WITH_HOLE)
     app.post("/v1/spatial/layers", json={"name": "sq", "kind": "polygons", "geojson": polys})
-    body = app.post("/v1/spatial/joins/point-in-polygon", json={"points": "gp", "polygons": "sq", "mode": "pairs"}).json()
+    body = app.post("/v1/spatial/joins/point-in-polygon",
+                    json={"points": "gp", "polygons": "sq", "mode": "pairs"}).json()
     assert {p[0] for p in body["pairs"]} == {1000 + i for i, _ in oracle_pairs(lon, lat, polys)}
 
 
@@ -171,7 +173,8 @@ def test_layers_survive_a_restart(make_settings, tmp_path):
     settings = make_settings()
     with TestClient(create_app(settings)) as client:
         wait_ready(client)
-        client.post("/v1/spatial/layers", json={"name": "kept", "kind": "polygons", "wkt": [shapely.to_wkt(shapely.geometry.shape(TWO_ISLANDS))]})
+        client.post("/v1/spatial/layers", json={"name": "kept", "kind": "polygons",
+                                                "wkt": [shapely.to_wkt(shapely.geometry.shape(TWO_ISLANDS))]})
     with TestClient(create_app(settings)) as client:
         wait_ready(client)
         assert {"name": "kept", "kind": "polygons", "count": 1} in client.get("/v1/spatial/layers").json()
@@ -186,13 +189,14 @@ def test_layers_survive_a_restart(make_settings, tmp_path):
     ({"name": "b", "kind": "polygons", "wkt": ["POINT (1 1)"]}, "wkt[0]"),
     ({"name": "b", "kind": "polygons", "wkb_b64": ["@@@"]}, "wkb_b64[0]"),
     ({"name": "b", "kind": "polygons", "geojson": {"type": "FeatureCollection", "features": [
-        {"type": "Feature", "geometry": SQUARE_WITH_HOLE}, {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [200, 0], [0, 1], [0, 0]]]}}]}},
+        {"type": "Feature", "geometry": SQUARE_WITH_HOLE},
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [200, 0], [0, 1], [0, 0]]]}}]}},
      "geojson.features[1]"),
     ({"name": "b", "kind": "polygons", "lon": [1]}, "lon"),
 ])
 def test_bad_layers_are_422_naming_the_feature(app, body, field):
     assert_problem(app.post("/v1/spatial/layers", json=body), 422, "validation-error", field)
-    assert "b" not in [l["name"] for l in app.get("/v1/spatial/layers").json()]
+    assert "b" not in [layer["name"] for layer in app.get("/v1/spatial/layers").json()]
 
 
 def test_unknown_duplicate_and_wrong_kind(app, layers):

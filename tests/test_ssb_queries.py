@@ -1,8 +1,8 @@
 """The 13 SSB queries: dataframe plans (olap/plans.py, run here on pandas) equal DuckDB running olap/queries.py's SQL.
 
 The data is a small SSB-shaped dataset made in the test: real domains (regions, nations, cities, MFGR patterns, the full
-1992-1998 date table), olap/schema.py's columns and arrow types, and a hot spot of orders between a few cities and brands so
-that every query, with its published parameters and with another set, selects rows.
+1992-1998 date table), olap/schema.py's columns and arrow types, and a hot spot of orders between a few cities and
+brands so that every query, with its published parameters and with another set, selects rows.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def _part(rng) -> pa.Table:
 
 
 def _ddate() -> pa.Table:
-    days = [dt.date(1992, 1, 1) + dt.timedelta(i) for i in range((dt.date(1998, 12, 31) - dt.date(1992, 1, 1)).days + 1)]
+    days = [dt.date(1992, 1, 1) + dt.timedelta(i)
+            for i in range((dt.date(1998, 12, 31) - dt.date(1992, 1, 1)).days + 1)]
     season = {12: "Christmas", 1: "Winter", 2: "Winter", 3: "Spring", 4: "Spring", 5: "Summer", 6: "Summer",
               7: "Summer", 8: "Summer", 9: "Fall", 10: "Fall", 11: "Fall"}
     daynum = [d.timetuple().tm_yday for d in days]

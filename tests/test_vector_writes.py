@@ -100,7 +100,8 @@ def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(cli
     dim = 8
     assert client.post("/v1/collections", json={"name": "fb", "dim": dim, "index": {"type": "hnsw"}}).status_code == 201
     data = clustered(3000, dim, seed=4)
-    assert client.put("/v1/collections/fb/points", json={"ids": list(range(3000)), "vectors": data.tolist()}).status_code == 200
+    assert client.put("/v1/collections/fb/points",
+                      json={"ids": list(range(3000)), "vectors": data.tolist()}).status_code == 200
     job = client.post("/v1/collections/fb/build").json()
     deadline = time.monotonic() + 60
     while (state := client.get(job["location"]).json())["state"] not in ("succeeded", "failed"):
@@ -110,7 +111,8 @@ def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(cli
     assert state["result"]["resident_index"] == "hnsw"
     assert state["result"]["pgvector_index"] == "building" and "pgvector_build_s" not in state["result"]
     # the job did not wait for pgvector's index; a write meanwhile is not held up by it
-    assert client.put("/v1/collections/fb/points", json={"ids": [5000], "vectors": [data[0].tolist()]}).status_code == 200
+    assert client.put("/v1/collections/fb/points",
+                      json={"ids": [5000], "vectors": [data[0].tolist()]}).status_code == 200
     while client.get("/v1/collections/fb").json()["index_state"]["pgvector_index"] != True:  # noqa: E712
         assert time.monotonic() < deadline, "the background pgvector index never became valid"
         time.sleep(0.1)

@@ -50,8 +50,8 @@ def run_vdbb(code: str, tmp_path: Path, timeout: float = 120) -> str:
     """Python code in a fresh VectorDBBench interpreter, its log and results kept in tmp_path."""
     env = {**os.environ, "LOG_FILE": str(tmp_path / "logs" / "vdbb.log"), "RESULTS_LOCAL_DIR": str(tmp_path / "res"),
            "PYTHONPATH": str(REPO)}
-    done = subprocess.run([VDBB_PYTHON, "-c", textwrap.dedent(code)], check=False, cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run([VDBB_PYTHON, "-c", textwrap.dedent(code)], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -75,7 +75,8 @@ def test_ground_truth_is_the_exact_neighbours(metric):
         if metric == "l2":
             dist = ((q[:, None, :] - base[None]) ** 2).sum(-1)
         elif metric == "cosine":
-            dist = -(q / np.linalg.norm(q, axis=1, keepdims=True)) @ (base / np.linalg.norm(base, axis=1, keepdims=True)).T
+            dist = (-(q / np.linalg.norm(q, axis=1, keepdims=True))
+                    @ (base / np.linalg.norm(base, axis=1, keepdims=True)).T)
         else:
             dist = -q @ base.T
         assert (got == ids[np.argsort(dist, axis=1, kind="stable")[:, :7]]).all()
@@ -224,7 +225,8 @@ def test_offline_guard_refuses_other_hosts():
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO), "VDBB_ALLOWED_HOSTS": ""}
-    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True,
+                          timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
 
 

@@ -94,7 +94,8 @@ def test_pgvector_index_defaults_follow_the_dimension_and_m(client):
 
 def test_vectors_as_json_base64_and_arrow_agree(client, col):
     extra = clustered(30, DIM, seed=9)
-    r = client.put(f"/v1/collections/{col}/points", json={"ids": list(range(1000, 1010)), "vectors_b64": b64(extra[:10])})
+    r = client.put(f"/v1/collections/{col}/points",
+                   json={"ids": list(range(1000, 1010)), "vectors_b64": b64(extra[:10])})
     assert r.status_code == 200 and r.json()["upserted"] == 10
     table = pa.table({"id": pa.array(range(2000, 2020), pa.int64()),
                       "vector": pa.FixedSizeListArray.from_arrays(pa.array(extra[10:].reshape(-1)), DIM),
@@ -180,7 +181,8 @@ def test_unknown_collection_is_404_everywhere(client):
 
 
 def test_explicit_gpu_engine_without_a_gpu_is_409_never_substituted(client, col):
-    body = assert_problem(client.post(f"/v1/collections/{col}/search", json={"vector": DATA[0].tolist(), "engine": "gpu"}),
+    body = assert_problem(client.post(f"/v1/collections/{col}/search",
+                                      json={"vector": DATA[0].tolist(), "engine": "gpu"}),
                           409, "engine-unavailable", "engine")
     assert "cpu" in body["detail"]
 
@@ -302,7 +304,8 @@ def test_hot_routes_keep_auth_limits_and_metrics(make_client):
                         headers={**auth, "content-type": "application/octet-stream"})
         assert r.json()["ids"] == [2]
     text = client.get("/metrics", headers=auth).text
-    assert 'switchyard_http_requests_total{method="POST",route="/v1/collections/{name}/search",status="200"} 3.0' in text
+    assert ('switchyard_http_requests_total{method="POST",route="/v1/collections/{name}/search",status="200"} 3.0'
+            in text)
     assert 'switchyard_http_requests_total{method="PUT",route="/v1/collections/{name}/points",status="200"} 1.0' in text
     assert 'route="/v1/collections/{name}/search",status="401"' in text and 'status="413"' in text
 

@@ -7,7 +7,6 @@ this machine has no CUDA device or no cuVS).
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -30,7 +29,8 @@ ENGINES = [
     ("cpu-hnsw", "cpu", "hnsw", {"m": 16, "ef_construction": 64}, {"ef": 128}, False),
     ("cpu-cagra", "cpu", "cagra", {"graph_degree": 32, "intermediate_graph_degree": 64}, {"itopk_size": 128}, False),
     ("cpu-ivf_flat", "cpu", "ivf_flat", {"n_lists": 16}, {"n_probes": 8}, False),
-    ("cpu-ivf_pq", "cpu", "ivf_pq", {"n_lists": 8, "pq_dim": 12, "pq_bits": 4}, {"n_probes": 8, "refine_ratio": 8}, False),
+    ("cpu-ivf_pq", "cpu", "ivf_pq", {"n_lists": 8, "pq_dim": 12, "pq_bits": 4}, {"n_probes": 8, "refine_ratio": 8},
+     False),
     ("pgvector-exact", "pgvector", "brute_force", {}, {}, True),
     ("pgvector-hnsw", "pgvector", "brute_force", {}, {"ef_search": 200}, False),
     ("gpu-brute_force", "gpu", "brute_force", {}, {}, True),
@@ -56,7 +56,8 @@ def collection_for(client, engine_id: str, metric: str) -> str:
     name = f"{engine_id}-{metric}".replace("_", "-")
     pg_index = {"type": "none"} if engine_id == "pgvector-exact" else {"type": "hnsw", "m": 16, "ef_construction": 64}
     r = client.post("/v1/collections", json={"name": name, "dim": DIM, "metric": metric,
-                                             "index": {"type": index_type, "params": build}, "pgvector_index": pg_index})
+                                             "index": {"type": index_type, "params": build},
+                                             "pgvector_index": pg_index})
     assert r.status_code == 201, r.text
     r = client.put(f"/v1/collections/{name}/points", json={"ids": list(range(N)), "vectors_b64": b64(DATA),
                                                            "payloads": [{"group": i % 4} for i in range(N)]})
@@ -152,11 +153,13 @@ def test_writes_are_visible_to_every_engine(app, engine_id):
     assert app.post("/v1/collections", json={"name": name, "dim": DIM, "index": {"type": index_type, "params": build},
                                              "pgvector_index": pg_index}).status_code == 201
     base = DATA[:1000]
-    assert app.put(f"/v1/collections/{name}/points", json={"ids": list(range(1000)), "vectors_b64": b64(base)}).status_code == 200
+    assert app.put(f"/v1/collections/{name}/points",
+                   json={"ids": list(range(1000)), "vectors_b64": b64(base)}).status_code == 200
     assert app.post(f"/v1/collections/{name}/build").status_code == 202
     far = np.full((1, DIM), 50.0, dtype=np.float32)
     # A new point, a replaced point (id 7 moves far away), and deleted points.
-    assert app.put(f"/v1/collections/{name}/points", json={"ids": [5000, 7], "vectors_b64": b64(np.vstack([base[3] + 0.001, far]))}).status_code == 200
+    assert app.put(f"/v1/collections/{name}/points",
+                   json={"ids": [5000, 7], "vectors_b64": b64(np.vstack([base[3] + 0.001, far]))}).status_code == 200
     assert app.post(f"/v1/collections/{name}/points/delete", json={"ids": [3, 11]}).json()["deleted"] == 2
     near3 = search(app, name, engine, base[[3]], params)["ids"][0]
     assert near3[0] == 5000 and 3 not in near3

@@ -40,8 +40,10 @@ def top1(client, name: str, vectors: np.ndarray, engine: str = "cpu") -> list[in
 def test_restart_loads_the_snapshot_and_replays_later_changes(make_settings, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     client = running(make_settings, a)
-    assert client.post("/v1/collections", json={"name": "snap", "dim": DIM, "index": {"type": "hnsw"}}).status_code == 201
-    assert client.put("/v1/collections/snap/points", json={"ids": list(range(1000)), "vectors_b64": b64(DATA[:1000])}).status_code == 200
+    assert client.post("/v1/collections",
+                       json={"name": "snap", "dim": DIM, "index": {"type": "hnsw"}}).status_code == 201
+    assert client.put("/v1/collections/snap/points",
+                      json={"ids": list(range(1000)), "vectors_b64": b64(DATA[:1000])}).status_code == 200
     assert wait_job(client, client.post("/v1/collections/snap/build").json()["location"])["state"] == "succeeded"
     client.__exit__(None, None, None)
     assert list(a.glob("vectors/*.snapshot"))
@@ -49,8 +51,10 @@ def test_restart_loads_the_snapshot_and_replays_later_changes(make_settings, tmp
     # Another instance (its own data directory) writes to the same database meanwhile.
     other = running(make_settings, b)
     moved = DATA[1500:1510]
-    assert other.put("/v1/collections/snap/points", json={"ids": list(range(1000, 1050)), "vectors_b64": b64(DATA[1000:1050])}).status_code == 200
-    assert other.put("/v1/collections/snap/points", json={"ids": list(range(10)), "vectors_b64": b64(moved)}).status_code == 200
+    assert other.put("/v1/collections/snap/points",
+                     json={"ids": list(range(1000, 1050)), "vectors_b64": b64(DATA[1000:1050])}).status_code == 200
+    assert other.put("/v1/collections/snap/points",
+                     json={"ids": list(range(10)), "vectors_b64": b64(moved)}).status_code == 200
     assert other.post("/v1/collections/snap/points/delete", json={"ids": list(range(100, 120))}).json()["deleted"] == 20
     other.__exit__(None, None, None)
 
@@ -58,7 +62,8 @@ def test_restart_loads_the_snapshot_and_replays_later_changes(make_settings, tmp
     try:
         info = client.get("/v1/collections/snap").json()
         assert info["index_state"]["loaded_from"] == "snapshot"
-        assert info["count"] == 1000 + 50 - 20 == info["index_state"]["indexed_rows"] + info["index_state"]["delta_rows"] - info["index_state"]["dead_rows"]
+        state = info["index_state"]
+        assert info["count"] == 1000 + 50 - 20 == state["indexed_rows"] + state["delta_rows"] - state["dead_rows"]
         assert top1(client, "snap", DATA[1000:1050]) == list(range(1000, 1050))  # added after the snapshot
         assert top1(client, "snap", moved) == list(range(10))  # replaced after the snapshot
         assert not set(top1(client, "snap", DATA[100:120])) & set(range(100, 120))  # deleted after it
@@ -121,7 +126,8 @@ def test_killing_the_service_during_bulk_upserts_loses_no_acknowledged_point(tmp
                         return
                     ids = list(range(start, start + 500))
                     try:
-                        r = w.put("/v1/collections/k/points", json={"ids": ids, "vectors_b64": b64(small[start:start + 500])})
+                        r = w.put("/v1/collections/k/points",
+                                  json={"ids": ids, "vectors_b64": b64(small[start:start + 500])})
                     except httpx.TransportError:
                         return  # killed mid-request: this batch was never acknowledged
                     if r.status_code == 200:

@@ -217,7 +217,8 @@ def test_an_engine_failure_after_commit_is_repaired_by_the_next_catch_up(make_cl
         return grow(self, extra)
 
     monkeypatch.setattr(ResidentCollection, "_grow", fail_once)
-    r = client.put("/v1/collections/faulty/points", json={"ids": list(range(100, 200)), "vectors_b64": b64(DATA[100:200])})
+    r = client.put("/v1/collections/faulty/points",
+                   json={"ids": list(range(100, 200)), "vectors_b64": b64(DATA[100:200])})
     assert failures and r.status_code == 200  # committed, so acknowledged
     # The next catch-up (the follower's, at once) brings it in; a strong search never misses it.
     assert top1(client, "faulty", DATA[100:200], consistency="strong")[0] == list(range(100, 200))
@@ -371,7 +372,8 @@ def test_a_level_not_reached_in_time_falls_back_or_answers_503(make_client, tmp_
     monkeypatch.setattr(CollectionStore, "read_changes", stuck)
     body = {"vector": DATA[3].tolist(), "k": 1, "consistency": "strong"}
     auto = client.post("/v1/collections/slow/search", json=body).json()
-    assert auto["engine"] == "pgvector" and auto["ids"] == [3] and "could not reach consistency 'strong'" in auto["fallback"]
+    assert (auto["engine"] == "pgvector" and auto["ids"] == [3]
+            and "could not reach consistency 'strong'" in auto["fallback"])
     r = client.post("/v1/collections/slow/search", json={**body, "engine": "cpu"})
     assert_problem(r, 503, "unavailable", "consistency")
     assert r.headers["retry-after"] == "1"

@@ -78,8 +78,10 @@ TALLY = Tally()
 def _common_options(parser: Any) -> None:
     group = parser.add_argument_group("switchyard")
     group.add_argument("--tally-out", default="", help="write the exact counters behind the custom figures here (JSON)")
-    group.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY", ""), help="bearer token, if the service wants one")
-    group.add_argument("--responses-out", default="", help="append every answer's ids here (JSON lines), for offline checks")
+    group.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY", ""),
+                       help="bearer token, if the service wants one")
+    group.add_argument("--responses-out", default="",
+                       help="append every answer's ids here (JSON lines), for offline checks")
 
 
 @events.report_to_master.add_listener

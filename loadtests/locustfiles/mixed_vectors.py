@@ -22,8 +22,8 @@ import numpy as np
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.workloads import LEVELS
 from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fire_figure, problem_text, worker_index
+from loadtests.workloads import LEVELS
 
 STATE: dict[str, Any] = {}
 ID_SPACE = 1_000_000_000  # each load-generator process writes ids above rows + ID_SPACE * (worker index + 1)
@@ -49,7 +49,8 @@ def _load(environment: Any, **_: Any) -> None:
     if data is None:
         return
     rng = np.random.default_rng(1_000_003 + worker_index(environment))
-    STATE.update(data=data, rng=rng, next_id=itertools.count(data.meta["rows"] + ID_SPACE * (worker_index(environment) + 1)),
+    STATE.update(data=data, rng=rng,
+                 next_id=itertools.count(data.meta["rows"] + ID_SPACE * (worker_index(environment) + 1)),
                  live={}, deleted={}, recent_deleted=[], last_seq=0, levels=itertools.cycle(LEVELS))
 
 

@@ -34,7 +34,8 @@ def _options(parser: Any) -> None:
     group.add_argument("--batch", type=int, default=1, help="queries per request (1: single-vector searches)")
     group.add_argument("--encoding", choices=["json", "b64"], default="json",
                        help="single searches as {\"vector\": [...]} (json, the micro-batched path) or vectors_b64")
-    group.add_argument("--consistency", default="", help="strong | session | bounded | eventually (default: the service's)")
+    group.add_argument("--consistency", default="",
+                       help="strong | session | bounded | eventually (default: the service's)")
 
 
 @events.test_start.add_listener

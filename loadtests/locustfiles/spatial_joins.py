@@ -43,7 +43,7 @@ class SpatialUser(FastHttpUser):
 
     def _join(self, path: str, body: dict[str, Any], name: str, pages: int) -> None:
         headers = {"Content-Type": "application/json", **auth_headers(self.environment)}
-        for page in range(pages):
+        for _page in range(pages):
             with self.client.post(path, data=orjson.dumps(body), name=name, headers=headers,
                                   catch_response=True) as r:
                 if r.status_code != 200:

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 env = dict(item.split("=", 1) for item in args.switchyard_env)
                 if args.switchyard_transport == "unix":
                     env["SWITCHYARD_UDS"] = str(scratch / "switchyard.sock")
-                url = stack.enter_context(local_service(1, scratch / "switchyard", out / "logs" / "switchyard-serve.log",
+                url = stack.enter_context(local_service(1, scratch / "switchyard",
+                                                        out / "logs" / "switchyard-serve.log",
                                                         env=env, command=switchyard_command()))
                 if args.switchyard_transport == "unix":
                     url = "unix:" + env["SWITCHYARD_UDS"]

@@ -47,7 +47,8 @@ class CustomDataset:
 
 
 # -- making vectors ------------------------------------------------------------------------------------------
-def synthetic(n: int, dim: int, queries: int, seed: int = 0, clusters: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def synthetic(n: int, dim: int, queries: int, seed: int = 0,
+              clusters: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A Gaussian mixture (one cluster per 1,000 points by default): train rows and fresh queries from the same
     mixture. Clusters overlap enough that HNSW at a modest ef misses some true neighbours."""
     rng = np.random.default_rng(seed)
@@ -71,7 +72,8 @@ def load_npy(paths: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray | No
     if train.ndim != 2 or test.ndim != 2 or train.shape[1] != test.shape[1]:
         raise ValueError(f"train {train.shape} and test {test.shape} must be 2-D with the same dimension")
     neighbors = np.load(paths[2]).astype(np.int64, copy=False) if len(paths) == 3 else None
-    if neighbors is not None and (neighbors.shape[0] != len(test) or neighbors.min() < 0 or neighbors.max() >= len(train)):
+    if neighbors is not None and (neighbors.shape[0] != len(test) or neighbors.min() < 0
+                                  or neighbors.max() >= len(train)):
         raise ValueError(f"neighbors {neighbors.shape} must have a row per query of train row numbers")
     return train, test, neighbors
 

@@ -49,7 +49,8 @@ def install() -> None:
                 refuse(f"a look-up of {host}")
         elif event == "socket.connect":
             sock, address = args
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in allowed and not _loopback(address[0]):
+            if (sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in allowed
+                    and not _loopback(address[0])):
                 refuse(f"a connection to {address[0]}:{address[1]}")
 
     sys.addaudithook(hook)

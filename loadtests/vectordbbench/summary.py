@@ -17,7 +17,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # VectorDBBench's log lines ("<time> | ERROR | ...", its console adds colour), a traceback and its last line.
 ERROR = re.compile(r"\|\s*(ERROR|CRITICAL)\b|^Traceback \(most recent call last\)|^\w+(\.\w+)*(Error|Exception): ")
 WARNING = re.compile(r"\|\s*WARNING\b")
-LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \| (?P<level>[A-Z]+)(?:: | \|)(?P<message>.*?)(?: \(\d+\))?$")
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \| (?P<level>[A-Z]+)(?:: | \|)"
+                      r"(?P<message>.*?)(?: \(\d+\))?$")
 
 
 def read_results(results_dir: Path, task_label: str) -> list[dict]:

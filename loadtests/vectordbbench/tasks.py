@@ -48,7 +48,8 @@ def pgvector_config(dsn: str) -> PgVectorConfig:
         db_label="hnsw", user_name=info.get("user") or "postgres",
         # VectorDBBench refuses an empty password; a server with trust authentication never asks for it.
         password=info.get("password") or "unused",
-        host=info.get("host") or "localhost", port=int(info.get("port") or 5432), db_name=info.get("dbname") or "postgres",
+        host=info.get("host") or "localhost", port=int(info.get("port") or 5432),
+        db_name=info.get("dbname") or "postgres",
     )
 
 
@@ -60,7 +61,8 @@ def build_tasks(plan: dict) -> list[TaskConfig]:
                              collection_name=plan["switchyard"]["collection_name"],
                              api_key=plan["switchyard"].get("api_key")),
             lambda: SwitchyardHNSWConfig(m=hnsw["m"], ef_construction=hnsw["ef_construction"],
-                                         ef_search=plan["switchyard"].get("ef_search", hnsw["ef_search"]), engine=plan["switchyard"]["engine"],
+                                         ef_search=plan["switchyard"].get("ef_search", hnsw["ef_search"]),
+                                         engine=plan["switchyard"]["engine"],
                                          pgvector_index=plan["switchyard"]["pgvector_index"]),
         ),
         DB.PgVector: (

@@ -12,8 +12,9 @@ from typing import Any, Awaitable, Callable, Hashable
 
 import numpy as np
 
-# (options key, queries, the highest session seq asked by the batch) -> one answer per query, in order
-Run = Callable[[Hashable, np.ndarray, int | None], Awaitable[list[Any]]]
+# (options key, queries, the highest session seq asked by the batch) -> one answer per query, in order; the key is
+# whatever the caller submits
+Run = Callable[[Any, np.ndarray, int | None], Awaitable[list[Any]]]
 
 
 class Coalescer:

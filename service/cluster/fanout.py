@@ -126,8 +126,8 @@ class ShardSet:
                     if task.exception() is None:
                         self._answered(method, time.perf_counter() - started)
                         return task.result()
-                    if isinstance(task.exception(), self.request_errors):
-                        raise task.exception()
+                    if isinstance(error := task.exception(), self.request_errors):
+                        raise error
                     self._down.add((shard, replica))  # until the watch finds it ready again
                     trouble = task.exception()
                 if not pending and asked < len(order):

@@ -17,8 +17,8 @@ class WatchesParts:
     def watch_args(self) -> tuple:
         return ()
 
-    async def start(self) -> None:
-        await super().start()  # type: ignore[misc]
+    async def start(self, *args: Any, **kwargs: Any) -> None:  # whatever the manager's own start() takes
+        await super().start(*args, **kwargs)  # type: ignore[misc]
         self.parts.start_watching(self.watch_args)
 
     async def stop(self) -> None:

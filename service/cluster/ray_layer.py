@@ -44,8 +44,8 @@ def connect(settings: Settings) -> Any:
     """Join the cluster at SWITCHYARD_RAY_ADDRESS ("auto": the one this machine is part of), once per process."""
     ray = ray_module()
     if not ray.is_initialized():
-        ray.init(address=settings.cluster.ray_address or "auto", namespace=settings.cluster.ray_namespace, ignore_reinit_error=True,
-                 log_to_driver=False)
+        ray.init(address=settings.cluster.ray_address or "auto", namespace=settings.cluster.ray_namespace,
+                 ignore_reinit_error=True, log_to_driver=False)
     return ray
 
 
@@ -100,9 +100,10 @@ async def spatial_partitions(settings: Settings, dsn: str) -> ShardSet:
 
     from .spatial_host import SpatialHost
 
-    actors = _actors(settings, "spatial", SpatialHost, settings.cluster.spatial_partitions, settings.cluster.spatial_replicas, dsn,
+    c = settings.cluster
+    actors = _actors(settings, "spatial", SpatialHost, c.spatial_partitions, c.spatial_replicas, dsn,
                      str(settings.data_dir))
-    log.info("spatial partitions: %d x %d replicas", settings.cluster.spatial_partitions, settings.cluster.spatial_replicas)
+    log.info("spatial partitions: %d x %d replicas", c.spatial_partitions, c.spatial_replicas)
     return _shard_set(settings, actors, GeometryError)
 
 
@@ -110,9 +111,10 @@ def remove_shard_actors(settings: Settings) -> int:
     """Kill the hosts (`switchyard serve --ray` at exit): detached actors outlive their creator otherwise."""
     ray = connect(settings)
     killed = 0
-    for domain, parts, replicas in (("vectors", settings.cluster.shards, settings.cluster.shard_replicas),
-                                    ("olap", settings.cluster.olap_partitions, settings.cluster.olap_replicas),
-                                    ("spatial", settings.cluster.spatial_partitions, settings.cluster.spatial_replicas)):
+    c = settings.cluster
+    for domain, parts, replicas in (("vectors", c.shards, c.shard_replicas),
+                                    ("olap", c.olap_partitions, c.olap_replicas),
+                                    ("spatial", c.spatial_partitions, c.spatial_replicas)):
         for p in range(parts):
             for r in range(replicas):
                 try:
@@ -138,7 +140,7 @@ def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> An
 
             return create_app()
 
-    return SwitchyardIngress.bind()
+    return SwitchyardIngress.bind()  # type: ignore[attr-defined]  # a Deployment: mypy keeps a decorated class's type
 
 
 def _switchyard_env() -> dict[str, str]:
@@ -170,7 +172,8 @@ def serve_on_ray(settings: Settings, address: str | None) -> None:
     if not ray.is_initialized():
         # No address: a Ray instance of this machine, with logical CPUs enough for every actor asked for even
         # on a small machine (they are scheduling units here; the cores are shared as in one process).
-        wanted = settings.cluster.shards * settings.cluster.shard_replicas * settings.cluster.shard_cpus + settings.cluster.ray_ingress_replicas
+        c = settings.cluster
+        wanted = c.shards * c.shard_replicas * c.shard_cpus + c.ray_ingress_replicas
         local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(wanted))} if address is None else {}
         ray.init(address=address, namespace=settings.cluster.ray_namespace, ignore_reinit_error=True, **local)
     env["SWITCHYARD_RAY_ADDRESS"] = "auto"  # the replicas run inside the cluster
@@ -182,10 +185,11 @@ def serve_on_ray(settings: Settings, address: str | None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.server.host, "port": settings.server.port})
-        serve.run(ingress_app(settings.cluster.ray_ingress_replicas, env), name=settings.cluster.ray_namespace, route_prefix="/")
+        serve.run(ingress_app(settings.cluster.ray_ingress_replicas, env), name=settings.cluster.ray_namespace,
+                  route_prefix="/")
         log.info("Switchyard on Ray Serve at http://%s:%d (%d ingress replica(s), %d shard(s) x %d replica(s))",
-                 settings.server.host, settings.server.port, settings.cluster.ray_ingress_replicas, settings.cluster.shards,
-                 settings.cluster.shard_replicas)
+                 settings.server.host, settings.server.port, settings.cluster.ray_ingress_replicas,
+                 settings.cluster.shards, settings.cluster.shard_replicas)
         stop.wait()
     finally:
         try:

@@ -21,14 +21,15 @@ import numpy as np
 
 from indexes.engines import CuvsEngine, FaissEngine
 from indexes.errors import CollectionNotFound, EngineFailed, EngineUnavailable, VectorError
-from indexes.manager import CollectionManager, Consistency
-from indexes.resident import RebuildPolicy, SearchResult
+from indexes.manager import CollectionManager
+from indexes.resident import SearchResult
 from indexes.shards import Shard
 
 from ..admission import Admission
 from ..database import open_pool
-from ..engine_link import EngineServer
 from ..devices import probe_cuda
+from ..engine_link import EngineServer
+from ..runtime import vector_options
 from ..settings import Settings
 
 log = logging.getLogger("switchyard.cluster")
@@ -67,13 +68,8 @@ class ShardHost:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         pool = await open_pool(self.dsn, min_size=1, max_size=4, command_timeout=s.database.command_timeout_s,
                                acquire_timeout_s=s.database.acquire_timeout_s)
-        vectors = CollectionManager(
-            pool, self.data_dir, dsn=self.dsn, max_batch=s.vectors.batch_max, batch_window_s=s.vectors.batch_window_ms / 1000,
-            inline_search_s=s.vectors.inline_search_us / 1e6, inline_turn_s=s.vectors.inline_turn_us / 1e6,
-            consistency=Consistency(s.replication.consistency, s.replication.bounded_staleness_ms / 1000, s.replication.consistency_timeout_ms / 1000,
-                                    s.replication.poll_ms / 1000),
-            policy=RebuildPolicy(dead_fraction=s.replication.rebuild_dead_fraction, delta_rows=s.replication.rebuild_delta_rows),
-            guard=Admission(s), shard=self.shard)
+        vectors = CollectionManager(pool, self.data_dir, dsn=self.dsn, guard=Admission(s), shard=self.shard,
+                                    **vector_options(s))
         gpu = s.gpu.mode != "off" and probe_cuda(enabled=True).present
         engine = (CuvsEngine if gpu else FaissEngine)(vectors, cpu_threads=s.cpu.threads, huge_pages=s.cpu.huge_pages,
                                                        gpu_build_process=s.gpu.build_process)

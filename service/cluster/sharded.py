@@ -39,7 +39,7 @@ class ShardedCollections(WatchesParts, CollectionManager):
     def __init__(self, pool: asyncpg.Pool, data_dir: Path, shards: ShardSet, **kwargs: Any) -> None:
         super().__init__(pool, data_dir, **kwargs)
         self.parts = shards
-        self.batches = Coalescer(self._run_batch, self.max_batch)
+        self.batches = Coalescer(self._run_coalesced, self.max_batch)
 
     def attach(self, kind: str, backend: Any) -> None:
         """No resident index lives in this process: the shard hosts hold them."""
@@ -104,7 +104,7 @@ class ShardedCollections(WatchesParts, CollectionManager):
         return [SearchResult([ids], [distances], merged.watermark, merged.plan)
                 for ids, distances in zip(merged.ids, merged.distances)], parts[0][1]
 
-    async def _run_batch(self, key: tuple, queries: np.ndarray, seq: int | None) -> list[tuple[SearchResult, str]]:
+    async def _run_coalesced(self, key: tuple, queries: np.ndarray, seq: int | None) -> list[tuple[SearchResult, str]]:
         name, k, params, payload_filter, level, recall_target = key
         c = await self.collection(name)
         results, served = await self._fan_out(c, queries, k, orjson.loads(params), orjson.loads(payload_filter), level,

@@ -81,5 +81,6 @@ class SpatialHost:
             await self.start()
         if any(self.versions.get(n) != v for n, v in versions.items()):
             raise SpatialEngineNotReady(f"spatial partition {self.part} does not hold the layers' current versions")
+        assert self.spatial is not None  # start() made it
         answer = await self.spatial.point_in_polygon(points, polygons, mode, engine, cursor, page_size)
         return answer.body, answer.engine

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from olap.queries import QUERIES, params_schema
 
 from ..deadlines import remaining
-from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..deps import RuntimeDep, domain, v1_router
+from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 from ..errors import Forbidden, NotFound, Unprocessable
 from ..jsonnum import Float, Int
 from ..vector_requests import parse_json
@@ -43,7 +43,8 @@ class ImportRequest(BaseModel):
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: Engine = "auto"
-    params: dict[str, Any] | None = Field(default=None, description="Template parameters; the published values by default.")
+    params: dict[str, Any] | None = Field(default=None,
+                                          description="Template parameters; the published values by default.")
 
 
 class SqlRequest(BaseModel):
@@ -94,7 +95,8 @@ async def datasets(runtime: RuntimeDep) -> list[dict[str, Any]]:
                responses={404: {"description": "No such dataset."},
                           409: {"description": "The dataset is the one the engines hold."}})
 async def delete_dataset(runtime: RuntimeDep, name: str = PathParam(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="The dataset's directory name (see GET datasets).")) -> Response:
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="The dataset's directory name (see GET datasets).")) -> Response:
     try:
         await domain(runtime, "olap").delete_dataset(name)
     except KeyError:
@@ -107,8 +109,8 @@ async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Respons
     manager = domain(runtime, "olap")
     await _ensure_disk(runtime, manager, SSB_BYTES_PER_SF * body.scale_factor, PARQUET_BYTES_PER_SF * body.scale_factor,
                        f"an SSB dataset of scale factor {body.scale_factor:g}", "scale_factor")
-    job = await runtime.jobs.start("ssb_generate", f"sf{body.scale_factor:g}",
-                                   lambda progress: manager.generate(body.scale_factor, body.seed, progress))
+    job = await domain(runtime, "jobs").start("ssb_generate", f"sf{body.scale_factor:g}",
+                                              lambda progress: manager.generate(body.scale_factor, body.seed, progress))
     return _job(job, response)
 
 
@@ -126,7 +128,7 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
         raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
     tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
     await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
-    job = await runtime.jobs.start("ssb_import", body.name, lambda progress: manager.import_tbl(
+    job = await domain(runtime, "jobs").start("ssb_import", body.name, lambda progress: manager.import_tbl(
         source, body.name, body.expected_rows, progress))
     return _job(job, response)
 
@@ -149,9 +151,11 @@ def _query_route(query_id: str, title: str) -> None:
         body = parse_json(QueryRequest, await request.body())
         return _result(await domain(runtime, "olap").run_query(query_id, body.params, body.engine))
 
-    router.add_api_route(f"/olap/ssb/queries/{query_id}", run_query, methods=["POST"], summary=f"SSB Q{query_id}: {title}",
+    router.add_api_route(f"/olap/ssb/queries/{query_id}", run_query, methods=["POST"],
+                         summary=f"SSB Q{query_id}: {title}",
                          operation_id=f"ssb_query_{query_id.replace('.', '_')}", response_model=ResultOut,
-                         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}})
+                         openapi_extra={"requestBody": {"required": True,
+                                                        "content": {"application/json": {"schema": schema}}}})
 
 
 for _query in QUERIES.values():

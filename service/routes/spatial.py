@@ -75,7 +75,8 @@ async def create_layer(body: LayerIn, runtime: RuntimeDep) -> LayerOut:
 
 
 @router.put("/spatial/layers/{name}", status_code=201, summary="Create a layer from a GeoParquet file",
-            openapi_extra={"requestBody": {"required": True, "content": {PARQUET: {"schema": {"type": "string", "format": "binary"}}}}})
+            openapi_extra={"requestBody": {"required": True,
+                                           "content": {PARQUET: {"schema": {"type": "string", "format": "binary"}}}}})
 async def upload_layer(request: Request, runtime: RuntimeDep, name: str = LayerName,
                        kind: Literal["points", "polygons"] = Query()) -> LayerOut:
     from spatial.geoarrow import polygons_from_shapely
@@ -83,7 +84,8 @@ async def upload_layer(request: Request, runtime: RuntimeDep, name: str = LayerN
 
     def decode(data: bytes) -> Layer:  # CPU work of up to seconds: off the event loop
         geoms, ids = shapes_from_geoparquet(data)
-        geometry = points_from_shapes(geoms, "geometry") if kind == "points" else polygons_from_shapely(geoms, "geometry")
+        geometry = (points_from_shapes(geoms, "geometry") if kind == "points"
+                    else polygons_from_shapely(geoms, "geometry"))
         return Layer(name, kind, _ids(ids, len(geoms)), geometry)
 
     layer = await asyncio.to_thread(decode, await request.body())
@@ -93,7 +95,8 @@ async def upload_layer(request: Request, runtime: RuntimeDep, name: str = LayerN
 
 @router.get("/spatial/layers", summary="List layers")
 async def list_layers(runtime: RuntimeDep) -> list[LayerOut]:
-    return [LayerOut(name=l.name, kind=l.kind, count=len(l)) for l in domain(runtime, "spatial").layers.values()]
+    return [LayerOut(name=layer.name, kind=layer.kind, count=len(layer))
+            for layer in domain(runtime, "spatial").layers.values()]
 
 
 @router.delete("/spatial/layers/{name}", status_code=204, summary="Delete a layer")

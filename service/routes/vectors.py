@@ -7,19 +7,36 @@ from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 import orjson
-
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from indexes.vectors import (MAX_K, arrow_chunks, as_matrix, check_arrow, check_batch, check_finite, check_ids,
-                             checked_points, fit_matrix)
+from indexes.vectors import (
+    MAX_K,
+    arrow_chunks,
+    as_matrix,
+    check_arrow,
+    check_batch,
+    check_finite,
+    check_ids,
+    checked_points,
+    fit_matrix,
+)
 
 from ..deps import RuntimeDep, domain, v1_router
-from ..jsonnum import Float, Int, IntList
 from ..disk import BULK_BYTES_PER_BYTE, ensure_room
+from ..jsonnum import Float, Int, IntList
 from ..spool import spool
-from ..vector_requests import (RAW_VECTORS, REQUEST_ERRORS, ParsedSearch, ParsedUpsert, SearchRequest, UpsertPoints,
-                               parse_search, parse_upsert, raw_search_options)
+from ..vector_requests import (
+    RAW_VECTORS,
+    REQUEST_ERRORS,
+    ParsedSearch,
+    ParsedUpsert,
+    SearchRequest,
+    UpsertPoints,
+    parse_search,
+    parse_upsert,
+    raw_search_options,
+)
 
 router = v1_router(tags=["vectors"])
 
@@ -90,7 +107,8 @@ class CollectionOut(BaseModel):
 
 
 def _collection_out(c: Any, **extra: Any) -> CollectionOut:
-    return CollectionOut(name=c.name, dim=c.dim, metric=c.metric, index={"type": c.index_type, "params": c.index_params},
+    return CollectionOut(name=c.name, dim=c.dim, metric=c.metric,
+                         index={"type": c.index_type, "params": c.index_params},
                          pgvector_index=c.pgvector_index, **extra)
 
 
@@ -149,7 +167,8 @@ class JobAccepted(BaseModel):
 @router.post("/collections", status_code=201, summary="Create a collection")
 async def create_collection(body: CreateCollection, runtime: RuntimeDep) -> CollectionOut:
     pg = body.pgvector_index.model_dump(exclude_none=True)
-    c = await domain(runtime, "vectors").create(body.name, body.dim, body.metric, body.index.type, body.index.params, pg)
+    c = await domain(runtime, "vectors").create(body.name, body.dim, body.metric, body.index.type, body.index.params,
+                                                pg)
     return _collection_out(c, count=0)
 
 
@@ -177,7 +196,8 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
     "/collections/{name}/points",
     summary="Upsert points (JSON), or bulk-load an Arrow IPC stream as a job",
     responses={202: {"model": JobAccepted, "description": "Arrow IPC body: loading as a job."}},
-    openapi_extra=json_body(UpsertPoints, {ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
+    openapi_extra=json_body(UpsertPoints,
+                            {ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}, "description": (
         "Columns: id (int64), vector (list or fixed_size_list of float32), optional payload (JSON text).")}}),
 )
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep,
@@ -303,7 +323,8 @@ async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "a
 
 @router.post(
     "/collections/{name}/search", summary="k nearest neighbours of one vector or a batch", response_model=SearchOut,
-    openapi_extra=json_body(SearchRequest, {RAW_VECTORS: {"schema": {"type": "string", "format": "binary"}, "description": (
+    openapi_extra=json_body(SearchRequest,
+                            {RAW_VECTORS: {"schema": {"type": "string", "format": "binary"}, "description": (
         "Raw little-endian float32 vectors, row after row (no parsing at all). Options in the query string: "
         "`k`, `engine`, `consistency`, `seq`, `batch=true` (answer lists for one vector too), and any search "
         "parameter by name, e.g. `?k=10&engine=cpu&ef=64`.")}}),
@@ -332,7 +353,8 @@ async def build(name: CollectionName, runtime: RuntimeDep, response: Response,
                 pgvector: FallbackBuild = "background") -> JobAccepted:
     vectors = domain(runtime, "vectors")
     await vectors.collection(name)  # 404 now rather than in the job
-    job = await runtime.jobs.start("build", name, lambda progress: vectors.build(name, progress, fallback=pgvector))
+    job = await domain(runtime, "jobs").start("build", name,
+                                              lambda progress: vectors.build(name, progress, fallback=pgvector))
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobAccepted(job=job.id, state=job.state, location=f"/v1/jobs/{job.id}")
 
