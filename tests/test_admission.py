@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from service.admission import (
 )
 from service.deadlines import remaining, set_deadline
 from service.errors import BadRequest
+from service.settings import Settings
 from tests.conftest import run
 from tests.helpers import assert_problem, wait_ready
 
@@ -33,7 +33,7 @@ def settings(**overrides):
                   quota_engine_seconds_burst=None, breaker_failures=3, breaker_cooldown_s=0.2, max_inflight=64,
                   min_inflight=2, inflight_latency_tolerance=2.0)
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return Settings(**values)
 
 
 # -- the gate -------------------------------------------------------------------------------------------
