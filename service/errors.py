@@ -21,6 +21,7 @@ from starlette.routing import Match
 from .database import DatabaseBusy, database_unavailable, from_database_client
 from .deadlines import remaining
 from .devices import is_out_of_memory
+from .settings import AdmissionSettings
 
 log = logging.getLogger("switchyard.errors")
 
@@ -181,7 +182,8 @@ def _out_of_memory_problem(request: Request, exc: Exception) -> Response | None:
         return None
     error_id = _log_failure(request, exc, "engine out of memory")
     runtime = getattr(request.app.state, "switchyard", None)
-    cooldown = getattr(getattr(runtime, "settings", None), "breaker_cooldown_s", 30.0)
+    admission = runtime.settings.admission if runtime is not None else AdmissionSettings()
+    cooldown = admission.breaker_cooldown_s
     return problem_response(503, "out-of-memory", "Engine out of memory",
                             f"the engine ran out of memory on this request and cools down for {cooldown:g} s; `auto` "
                             f"routes around it meanwhile (error id {error_id})", instance=request.url.path,

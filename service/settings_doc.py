@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from .settings import ENV_PREFIX, GROUPS
 
@@ -38,7 +37,7 @@ def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
         return "by machine (see meaning)"
     value: Any = info.default
-    if value is PydanticUndefined or value is None:
+    if info.is_required() or value is None:
         return "unset"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

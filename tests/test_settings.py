@@ -41,7 +41,10 @@ def clean_env(monkeypatch):
 
 
 def test_every_flat_name_is_kept_and_no_new_one_is_unnamed():
+    from service.cluster.ray_layer import SHARD_SETTINGS
+
     assert sorted(FLAT) == sorted(FLAT_NAMES_BEFORE)
+    assert set(SHARD_SETTINGS) <= set(FLAT)  # what the ingress hands its shard actors, by flat name
 
 
 def test_the_environment_reaches_each_group(clean_env):
