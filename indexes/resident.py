@@ -158,22 +158,24 @@ class ResidentCollection:
                 self.n_dead += 1
                 self.digest = digest.sub(self.digest, int(self._hashes[row]))
                 killed.append(row)
-        index = self.index
-        if killed and index is not None and hasattr(index, "mark_dead"):  # _own_deletes(), spelt out for mypy
-            index.mark_dead(np.asarray(killed, dtype=np.int64))
+        mark_dead = self._dead_row_marker()
+        if killed and mark_dead is not None:
+            mark_dead(np.asarray(killed, dtype=np.int64))
 
-    def _own_deletes(self) -> bool:
-        """The index keeps its own record of dead rows (a resident device bitset): searches need not pass one."""
-        return self.index is not None and hasattr(self.index, "mark_dead")
+    def _dead_row_marker(self) -> Callable[[np.ndarray], None] | None:
+        """The index's mark_dead when it keeps its own record of dead rows (a resident device bitset), so searches
+        need not pass one; else None."""
+        return getattr(self.index, "mark_dead", None)
 
     def _swap_index(self, index: AnnIndex | None) -> None:
         """Install a built or restored index over the current rows, telling it which of its rows are dead."""
         self.index = index
         self.plan_epoch += 1
-        if index is not None and hasattr(index, "mark_dead"):  # _own_deletes()
+        mark_dead = self._dead_row_marker()
+        if index is not None and mark_dead is not None:
             dead = np.flatnonzero(~self._alive[: index.size])
             if len(dead):
-                index.mark_dead(dead)
+                mark_dead(dead)
 
     def _append(self, ids: np.ndarray, prepared: np.ndarray, hashes: np.ndarray, payloads: list[Any] | None) -> None:
         """New rows for ids (the old row of a replaced id becomes dead). Allocates before it changes anything."""
@@ -522,7 +524,7 @@ class ResidentCollection:
         assert self.index is not None  # there are indexed rows
         size = self.indexed_rows
         index_keep = keep[:size] if keep is not None else None
-        if not filtered and self._own_deletes():
+        if not filtered and self._dead_row_marker() is not None:
             index_keep = None  # the index drops its dead rows itself, from its resident bitset
         if index_keep is None or self.index.supports_filter:
             return self.index.search(q, k, params, index_keep)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -25,8 +25,8 @@ def setting(default: Any = ..., *, env: str | None = None, **kwargs: Any) -> Any
     return Field(default, **kwargs)
 
 
-def _absolute(path: Path | None) -> Path | None:
-    return path.expanduser().resolve() if path is not None else None
+# A path given relative to the working directory (or with ~), stored absolute: child processes may run elsewhere.
+AbsolutePath = Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
 
 
 class Group(BaseModel):
@@ -43,7 +43,8 @@ class Group(BaseModel):
 class ServerSettings(Group):
     """Where and how the service listens, its processes, authentication, logging and request size limits."""
 
-    data_dir: Path = setting(Path("data"), description="Local state: embedded database, index snapshots, SSB data.")
+    data_dir: AbsolutePath = setting(Path("data"), description=(
+        "Local state: embedded database, index snapshots, SSB data."))
     host: str = setting("127.0.0.1", description="Interface to listen on.")
     port: int = setting(8000, ge=1, le=65535, description="TCP port to listen on.")
     workers: int = setting(1, ge=1, description=(
@@ -56,7 +57,7 @@ class ServerSettings(Group):
     engines: int | None = setting(None, ge=1, le=64, description=(
         "Engine processes behind the fronts, each holding every resident index and pinned to one CUDA device "
         "(docs/process-layout.md). Default: one per visible device when a GPU engine is installed, else one."))
-    uds: Path | None = setting(None, description=(
+    uds: AbsolutePath | None = setting(None, description=(
         "Also listen on this unix socket (besides host:port): local clients skip TCP. Not with front processes."))
     api_key: SecretStr | None = setting(None, description=(
         "If set, every /v1 route needs 'Authorization: Bearer <key>' (401 otherwise)."))
@@ -77,11 +78,6 @@ class ServerSettings(Group):
     def _empty_key_is_none(cls, key: object) -> object:
         # compose passes SWITCHYARD_API_KEY="" when the variable is unset: that means "no key", not "the empty key".
         return None if isinstance(key, str) and key.strip() == "" else key
-
-    @field_validator("data_dir", "uds")
-    @classmethod
-    def _absolute(cls, path: Path | None) -> Path | None:
-        return _absolute(path)
 
 
 class DatabaseSettings(Group):
@@ -149,18 +145,13 @@ class ReplicationSettings(Group):
     poll_ms: float = setting(200.0, env="replication_poll_ms", ge=10, le=60_000, description=(
         "How often each process polls every collection's head: the backstop of LISTEN/NOTIFY, and what keeps "
         "'bounded' searches from waiting. Keep it well under bounded_staleness_ms."))
-    trace_dir: Path | None = setting(None, env="replication_trace_dir", description=(
+    trace_dir: AbsolutePath | None = setting(None, env="replication_trace_dir", description=(
         "If set, each process appends '<collection id> <seq> <applied at, epoch s>' for every commit it applies "
         "to a file here (replication-lag measurements: loadtests/bench_replication.py)."))
     rebuild_dead_fraction: float = setting(0.2, gt=0, le=10, description=(
         "A resident index is rebuilt in the background when its dead rows exceed this share of its live rows."))
     rebuild_delta_rows: int = setting(10_000, ge=1, description=(
         "... or when more rows than this (and than 10% of the live rows) wait outside the ANN index."))
-
-    @field_validator("trace_dir")
-    @classmethod
-    def _absolute(cls, path: Path | None) -> Path | None:
-        return _absolute(path)
 
 
 class AdmissionSettings(Group):
@@ -208,13 +199,8 @@ class JobSettings(Group):
         "estimate would eat into it are refused with 507."))
     ssb_quota_gb: float | None = setting(None, gt=0, description=(
         "Most disk the SSB datasets under <data_dir>/ssb may use (default: no quota, only the reserve)."))
-    ssb_import_dir: Path | None = setting(None, description=(
+    ssb_import_dir: AbsolutePath | None = setting(None, description=(
         "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))
-
-    @field_validator("ssb_import_dir")
-    @classmethod
-    def _absolute(cls, path: Path | None) -> Path | None:
-        return _absolute(path)
 
 
 class CpuSettings(Group):
