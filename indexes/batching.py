@@ -4,7 +4,7 @@ While the engine works on one batch, new requests queue and go together as the n
 client waits for nothing; with window_s > 0 an idle key's first request waits that long for company. Every future
 is resolved, with the result or the engine's exception. A lone cheap query (`inline_below_s`) runs on the event
 loop instead of hopping to a worker thread, unless `can_inline(key)` vetoes it; `try_now(key, vector)` is the same
-for a caller that cannot wait (service/hot_protocol.py), within a budget of engine time per turn of the loop
+for a caller that cannot wait (service/http/express_protocol.py), within a budget of engine time per turn of the loop
 (`turn_budget_s`). Why, with measurements: docs/design/vectors.md#micro-batching-and-inline-searches.
 """
 

@@ -131,7 +131,7 @@ class CollectionManager:
         self.inline_turn_s = inline_turn_s
         self.batchers: dict[str, MicroBatcher] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
-        # Admission control (service/admission.py): slot(engine) around each engine call, cooling(engine) to
+        # Admission control (service/admission/control.py): slot(engine) around each engine call, cooling(engine) to
         # route around an engine that keeps failing, failed()/succeeded() to tell it how calls went.
         self.guard = guard
         self.consistency = consistency or Consistency()

@@ -94,7 +94,7 @@ def process_memory(pids: set[int]) -> list[dict[str, Any]]:
         except psutil.Error:
             continue
         role = ("engine" if "service.cli" in command else "front" if "spawn_main" in command
-                else "fronts' supervisor" if "service.front" in command else "resource tracker"
+                else "fronts' supervisor" if "service.process.front" in command else "resource tracker"
                 if "resource_tracker" in command else command[:60])
         out.append({"pid": pid, "role": role, "rss_mb": round(rss / 2**20, 1)})
     return out

@@ -67,7 +67,7 @@ def _installed(module: str) -> dict[str, Any]:
 
 
 def probe() -> dict[str, Any]:
-    from service.devices import probe_cuda
+    from service.process.devices import probe_cuda
 
     cuda = probe_cuda()
     return {"device": [{"index": d.index, "name": d.name, "memory_bytes": d.total_memory_bytes} for d in cuda.devices],
@@ -137,8 +137,8 @@ def check_layout(here: dict[str, Any]) -> dict[str, Any]:
     (service/devices.device_pins) to the device this process calls by its index, and seeing no other."""
     if here["device_reason"]:
         return {"status": "skipped", "reason": here["device_reason"]}
-    from service.devices import device_pins, probe_cuda
     from service.engines import gpu_engine_installed
+    from service.process.devices import device_pins, probe_cuda
 
     pins = device_pins(probe_cuda(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:

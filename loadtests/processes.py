@@ -94,7 +94,7 @@ def _ready(url: str) -> bool:
 @contextmanager
 def embedded_postgres(folder: Path | None = None) -> Iterator[str]:
     """A PostgreSQL + pgvector of its own (the project's EmbeddedPostgres) for the run; yields its libpq URL."""
-    from service.database import EmbeddedPostgres
+    from service.database.postgres import EmbeddedPostgres
 
     folder = folder or Path(tempfile.mkdtemp(prefix="pgvector-direct-"))
     print(f"starting an embedded PostgreSQL in {folder} ...", file=sys.stderr)

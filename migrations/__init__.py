@@ -1,1 +1,1 @@
-"""Ordered SQL migrations (NNNN_name.sql), applied once each at start-up by service.migrate."""
+"""Ordered SQL migrations (NNNN_name.sql), applied once each at start-up by service.database.migrate."""

@@ -20,10 +20,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .process_links import EngineSockets, ProcessLinks
-from .settings import Settings
+from service.process.links import EngineSockets, ProcessLinks
+from service.settings import Settings
 
-SYNC_SEARCH = "service.hot_protocol:SyncSearchProtocol"  # uvicorn's httptools protocol with a synchronous search lane
+# uvicorn's httptools protocol with a synchronous search lane
+SYNC_SEARCH = "service.http.express_protocol:SyncSearchProtocol"
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -48,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if args.ray:
-        from .cluster.ray_layer import ray_module, serve_on_ray
+        from service.cluster.ray_layer import ray_module, serve_on_ray
 
         try:
             ray_module()
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     common: dict[str, Any] = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20,
                                   proxy_headers=False,
-                                  access_log=False)  # service/access_log.py logs requests off the event loop instead
+                                  access_log=False)  # service/http/access_log.py logs off the event loop
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
         _serve_here(settings, common)
@@ -78,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         stopping = threading.Event()
         threading.Thread(target=_stop_when_fronts_exit, args=(front, stopping), daemon=True).start()
         try:
-            from .app import create_app
+            from service.http.app import create_app
 
             uvicorn.run(functools.partial(create_app, settings, links.as_engine(0)), factory=True,
                         uds=str(links.engines[0].http), **common)
@@ -111,7 +112,8 @@ def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *op
 
 
 def _start_fronts(settings: Settings, fronts: int, folder: Path, links: ProcessLinks) -> subprocess.Popen:
-    command = _uvicorn_child("service.front:create_front", "front", settings, folder, "--host", settings.server.host,
+    command = _uvicorn_child("service.process.front:create_front", "front", settings, folder,
+                             "--host", settings.server.host,
                              "--port", str(settings.server.port), "--workers", str(fronts))
     return subprocess.Popen(command, env={**os.environ, **links.environment()}, preexec_fn=_exit_with_parent)
 
@@ -120,7 +122,7 @@ def _serve_engines(settings: Settings, fronts: int, folder: Path, links: Process
     """One engine process per device, as vLLM runs one engine core per device: each a child pinned to its device
     with CUDA_VISIBLE_DEVICES, holding every resident index and following PostgreSQL's change log as any replica
     does; the fronts spread requests among them. This process only watches: when one child exits, all stop."""
-    from .devices import device_pins, probe_cuda
+    from service.process.devices import device_pins, probe_cuda
 
     log = logging.getLogger("switchyard")
     pins = device_pins(probe_cuda(enabled=settings.gpu.mode != "off"), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -130,7 +132,8 @@ def _serve_engines(settings: Settings, fronts: int, folder: Path, links: Process
         if pins:  # more engines than devices (SWITCHYARD_ENGINES) share them in turn
             env["CUDA_VISIBLE_DEVICES"] = pins[i % len(pins)]
         log.info("engine process %d on %s", i, f"CUDA device {env['CUDA_VISIBLE_DEVICES']}" if pins else "the CPU")
-        command = _uvicorn_child("service.app:create_app", f"engine {i}", settings, folder, "--uds", str(engine.http))
+        command = _uvicorn_child("service.http.app:create_app", f"engine {i}", settings, folder,
+                                 "--uds", str(engine.http))
         children.append(subprocess.Popen(command, env=env, preexec_fn=_exit_with_parent))
     children.append(_start_fronts(settings, fronts, folder, links))
     stop = threading.Event()
@@ -170,11 +173,11 @@ def _serve_here(settings: Settings, common: dict) -> None:
     options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=settings.server.workers,
                    http=SYNC_SEARCH if settings.vectors.sync_search else "auto", **common)
     if settings.server.uds is None:
-        uvicorn.run("service.app:create_app", **options)
+        uvicorn.run("service.http.app:create_app", **options)
         return
     from uvicorn.supervisors import Multiprocess
 
-    config = uvicorn.Config("service.app:create_app", **options)
+    config = uvicorn.Config("service.http.app:create_app", **options)
     server = uvicorn.Server(config)
     path = str(settings.server.uds)
     if os.path.exists(path):
@@ -216,8 +219,8 @@ def _stop_when_fronts_exit(front: subprocess.Popen, stopping: threading.Event) -
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from .database import EmbeddedPostgres, connect
-    from .migrate import apply_migrations
+    from service.database.migrate import apply_migrations
+    from service.database.postgres import EmbeddedPostgres, connect
 
     settings = _settings(args)
 

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from .devices import CudaProbe, configure_device_memory
+from service.process.devices import CudaProbe, configure_device_memory
 
 log = logging.getLogger("switchyard.engines")
 

@@ -18,10 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Match
 
-from .database import DatabaseBusy, database_unavailable, from_database_client
-from .deadlines import remaining
-from .devices import is_out_of_memory
-from .settings import AdmissionSettings
+from service.admission.deadlines import remaining
+from service.database.postgres import DatabaseBusy, database_unavailable, from_database_client
+from service.process.devices import is_out_of_memory
+from service.settings import AdmissionSettings
 
 log = logging.getLogger("switchyard.errors")
 
@@ -197,7 +197,7 @@ def _log_failure(request: Request, exc: Exception, what: str = "engine failure")
 
 
 def _supervisor(request: Request) -> Any:
-    """The runtime's database supervisor (service/supervisor.py), or None before it starts."""
+    """The runtime's database supervisor (service/database/supervisor.py), or None before it starts."""
     return getattr(getattr(request.app.state, "switchyard", None), "database", None)
 
 
@@ -238,7 +238,7 @@ def _past_deadline(request: Request) -> Response | None:
 
 
 def _disk_full_problem(request: Request, exc: Exception) -> Response | None:
-    from .disk import disk_full
+    from service.jobs.disk import disk_full
 
     if not disk_full(exc):
         return None

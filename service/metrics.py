@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .access_log import log_request
+from service.http.access_log import log_request
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -46,7 +46,8 @@ class Metrics:
         )
         self._synced = self._tally(Counter(
             "switchyard_sync_searches_total", "Searches answered from the HTTP protocol itself, without an ASGI cycle "
-            "(service/hot_protocol.py); also counted in switchyard_http_requests_total.", registry=self.registry,
+            "(service/http/express_protocol.py); also counted in switchyard_http_requests_total.",
+            registry=self.registry,
         ))
         self.engine_queries = Counter(
             "switchyard_engine_queries_total", "Engine calls by engine, operation and outcome.",
@@ -146,7 +147,7 @@ class Metrics:
 
     def watch_gates(self, gates: Callable[[], dict[str, Any]], pressure: Any = None) -> None:
         """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
-        (service/pressure.py), at every scrape."""
+        (service/admission/pressure.py), at every scrape."""
         self.registry.register(_GateCollector(gates, pressure))
 
     def render(self) -> bytes:
@@ -253,7 +254,7 @@ class StatusSend:
 
 class HTTPMetricsMiddleware:
     """Pure ASGI, so it costs microseconds per request; labels by route template, never by raw path. Also writes
-    the access log line (service/access_log.py) when asked: one wrapper for both."""
+    the access log line (service/http/access_log.py) when asked: one wrapper for both."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, log_requests: bool = False) -> None:
         self.app = app

@@ -18,18 +18,17 @@ from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
 from olap.manager import OlapManager
+from service.admission.control import Admission
+from service.database.migrate import apply_migrations, load_migrations
+from service.database.postgres import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
+from service.database.supervisor import DatabaseSupervisor
+from service.engines import EngineRegistry
+from service.jobs import spool
+from service.jobs.manager import JobRunner
+from service.metrics import Metrics, ReplicationTrace
+from service.process.devices import probe_cuda
+from service.settings import Settings
 from spatial.manager import SpatialManager
-
-from . import spool
-from .admission import Admission
-from .database import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
-from .devices import probe_cuda
-from .engines import EngineRegistry
-from .jobs import JobRunner
-from .metrics import Metrics, ReplicationTrace
-from .migrate import apply_migrations, load_migrations
-from .settings import Settings
-from .supervisor import DatabaseSupervisor
 
 log = logging.getLogger("switchyard")
 POOL_CLOSE_S = 10.0  # the most stop() waits for the pools to close gracefully
@@ -111,8 +110,8 @@ class Runtime:
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
             )
             if s.cluster.ray_address:
-                from .cluster.ray_layer import vector_shards
-                from .cluster.sharded import ShardedCollections
+                from service.cluster.ray_layer import vector_shards
+                from service.cluster.sharded import ShardedCollections
 
                 shard_set = await vector_shards(s, self.dsn)
                 self.vectors = ShardedCollections(self.pool, s.data_dir, shard_set, **vector_kwargs)
@@ -120,8 +119,8 @@ class Runtime:
                 self.vectors = CollectionManager(self.pool, s.data_dir, **vector_kwargs)
             observe_spatial = lambda engine, op, seconds, ok: self.metrics.observe("spatial", engine, op, seconds, ok)  # noqa: E731
             if s.cluster.ray_address and s.cluster.spatial_partitions:
-                from .cluster.partitioned_spatial import PartitionedSpatial
-                from .cluster.ray_layer import spatial_partitions
+                from service.cluster.partitioned_spatial import PartitionedSpatial
+                from service.cluster.ray_layer import spatial_partitions
 
                 self.spatial = PartitionedSpatial(self.pool, self.admission, await spatial_partitions(s, self.dsn),
                                                   observe=observe_spatial)
@@ -129,8 +128,8 @@ class Runtime:
                 self.spatial = SpatialManager(self.pool, self.admission, observe=observe_spatial)
             observe_olap = lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok)  # noqa: E731
             if s.cluster.ray_address and s.cluster.olap_partitions:
-                from .cluster.partitioned_olap import PartitionedOlap
-                from .cluster.ray_layer import olap_partitions
+                from service.cluster.partitioned_olap import PartitionedOlap
+                from service.cluster.ray_layer import olap_partitions
 
                 self.olap = PartitionedOlap(s.data_dir, self.admission, await olap_partitions(s), observe=observe_olap)
             else:

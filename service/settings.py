@@ -367,8 +367,8 @@ class Settings(BaseSettings):
             return server.engines
         if server.workers > 1 or server.uds is not None or server.fronts == 0 or self.gpu.mode == "off":
             return 1
-        from .devices import probe_cuda
-        from .engines import gpu_engine_installed
+        from service.engines import gpu_engine_installed
+        from service.process.devices import probe_cuda
 
         devices = len(probe_cuda(enabled=True).devices)
         return devices if devices > 1 and gpu_engine_installed() else 1

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from .settings import ENV_PREFIX, GROUPS
+from service.settings import ENV_PREFIX, GROUPS
 
 HEADER = """# Configuration
 

@@ -19,8 +19,8 @@ import asyncpg
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.database import EmbeddedPostgres
+from service.database.postgres import EmbeddedPostgres
+from service.http.app import create_app
 from service.settings import Settings
 
 

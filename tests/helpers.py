@@ -49,7 +49,7 @@ def wait_job(client: TestClient, location: str) -> dict:
 def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestClient]:
     """A ready service on a fresh database of the test server, with `made`: collections a module made."""
     from conftest import fresh_database
-    from service.app import create_app
+    from service.http.app import create_app
     from service.settings import Settings
 
     with fresh_database(server_dsn, database) as dsn:
@@ -61,7 +61,7 @@ def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestCli
 
 def gpu_library_missing(module: str, label: str) -> str | None:
     """Why a GPU library cannot run here (no device, or `module` not importable), or None."""
-    from service.devices import probe_cuda
+    from service.process.devices import probe_cuda
 
     probe = probe_cuda()
     if not probe.present:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.admission import (
+from service.admission.control import (
     Admission,
     CoolingDown,
     DeadlineExceeded,
@@ -20,7 +20,7 @@ from service.admission import (
     Shed,
     parse_timeout,
 )
-from service.deadlines import remaining, set_deadline
+from service.admission.deadlines import remaining, set_deadline
 from service.errors import BadRequest
 from service.settings import Settings
 from tests.conftest import run
@@ -103,7 +103,7 @@ def answer(limit, kind, seconds, times=1, hot=True):
 
 
 def test_the_inflight_limit_falls_while_requests_queue_and_grows_back_when_they_do_not(monkeypatch):
-    from service import pressure
+    from service.admission import pressure
 
     clock = Clock()
     monkeypatch.setattr(pressure.time, "monotonic", clock)
@@ -146,7 +146,7 @@ def fill_and_empty(limit):
 
 
 def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatch):
-    from service import pressure
+    from service.admission import pressure
 
     clock = Clock()
     monkeypatch.setattr(pressure.time, "monotonic", clock)
@@ -165,7 +165,7 @@ def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatc
 
 
 def test_heavy_work_gets_half_the_inflight_limit():
-    from service.pressure import InflightLimit
+    from service.admission.pressure import InflightLimit
 
     limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0, max_wait_s=0.1)
     assert limit.limit == 8
@@ -178,7 +178,7 @@ def test_heavy_work_gets_half_the_inflight_limit():
 
 
 def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
-    from service.pressure import InflightLimit
+    from service.admission.pressure import InflightLimit
 
     async def go():
         limit = InflightLimit(ceiling=2, floor=2, tolerance=0, max_wait_s=0.05)
@@ -200,7 +200,7 @@ def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_wh
 
 
 def test_a_heavy_waiter_does_not_hold_up_a_search_and_a_gone_waiter_gives_its_slot_back():
-    from service.pressure import InflightLimit
+    from service.admission.pressure import InflightLimit
 
     async def go():
         limit = InflightLimit(ceiling=4, floor=4, tolerance=0, max_wait_s=5.0)

@@ -19,9 +19,9 @@ from indexes.distance import exact_search
 from indexes.faiss_index import FaissBackend
 from indexes.manager import CollectionManager
 from indexes.vectors import Points
-from service.admission import Admission
-from service.database import open_pool
-from service.migrate import apply_migrations
+from service.admission.control import Admission
+from service.database.migrate import apply_migrations
+from service.database.postgres import open_pool
 from service.settings import Settings
 
 TESTS = str(Path(__file__).resolve().parent)

@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_problem, wait_ready
 from indexes.errors import InvalidInput
 from indexes.vectors import arrow_chunks, check_arrow
-from service import spool
+from service.jobs import spool
 from vector_data import clustered
 
 DIM = 8

@@ -160,7 +160,7 @@ def test_rerank_scores_equal_exact_scores_in_small_steps():
 
 # -- GPU -------------------------------------------------------------------------------------------------
 def _gpu_skip_reason() -> str | None:
-    from service.devices import probe_cuda
+    from service.process.devices import probe_cuda
 
     reasons = []
     probe = probe_cuda()

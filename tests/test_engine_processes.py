@@ -18,11 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.processes import local_service
-from service import devices, engines
-from service.database import EmbeddedPostgres
-from service.devices import CudaDevice, CudaProbe, device_pins
-from service.front import LeastBusy, merge_metrics
-from service.process_links import ProcessLinks
+from service import engines
+from service.database.postgres import EmbeddedPostgres
+from service.process import devices
+from service.process.devices import CudaDevice, CudaProbe, device_pins
+from service.process.front import LeastBusy, merge_metrics
+from service.process.links import ProcessLinks
 from service.settings import Settings
 from vector_data import clustered, oracle, search_concurrently
 
@@ -118,8 +119,8 @@ def _tree(url: str) -> tuple[psutil.Process, list[psutil.Process], list[psutil.P
     while "service.cli" not in " ".join(serve.cmdline()):
         serve = serve.parent()
     tree = [(p, " ".join(p.cmdline())) for p in serve.children(recursive=True)]
-    return (serve, [p for p, command in tree if "service.app:create_app" in command],
-            [p for p, command in tree if "service.front" in command or "spawn_main" in command])
+    return (serve, [p for p, command in tree if "service.http.app:create_app" in command],
+            [p for p, command in tree if "service.process.front" in command or "spawn_main" in command])
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from helpers import wait_ready
-from service.devices import CudaDevice, CudaProbe, probe_cuda
 from service.engines import CATALOG, EngineRegistry, EngineSpec
+from service.process.devices import CudaDevice, CudaProbe, probe_cuda
 
 NO_GPU = CudaProbe(reason="no CUDA device: test")
 ONE_GPU = CudaProbe(devices=(CudaDevice(0, "Test GPU", 16 << 30),))
@@ -126,7 +126,7 @@ def test_serving_imports_no_gpu_library(database_url, tmp_path):
     code = f"""
 import json, sys
 from fastapi.testclient import TestClient
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
 app = create_app(Settings(database_url={database_url!r}, data_dir={str(tmp_path)!r}))
 with TestClient(app) as c:
@@ -147,7 +147,7 @@ class LoadingEngine(GoodEngine):
 def test_readyz_is_503_while_an_engine_loads(make_settings):
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
+    from service.http.app import create_app
 
     app = create_app(make_settings())
     runtime = app.state.switchyard

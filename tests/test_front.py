@@ -18,8 +18,8 @@ import pytest
 
 from helpers import assert_problem
 from loadtests.processes import local_service
-from service.database import EmbeddedPostgres
-from service.engine_link import EngineClient, EngineGone, EngineServer
+from service.database.postgres import EmbeddedPostgres
+from service.process.link import EngineClient, EngineGone, EngineServer
 from vector_data import b64, clustered, oracle, search_concurrently
 
 DIM = 16
@@ -45,7 +45,7 @@ def service_processes(client: httpx.Client) -> tuple[psutil.Process, list[psutil
         process = process.parent()
     tree = [(p, " ".join(p.cmdline())) for p in process.children(recursive=True)]
     workers = [p for p, command in tree if "spawn_main" in command]  # uvicorn's workers, when more than one
-    return process, workers or [p for p, command in tree if "service.front" in command]
+    return process, workers or [p for p, command in tree if "service.process.front" in command]
 
 
 def test_answers_match_the_oracle_through_every_encoding(fronted):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_without_a_device_everything_gpu_is_skipped_with_a_reason_and_the_report_is_written(tmp_path):
-    from service.devices import probe_cuda
+    from service.process.devices import probe_cuda
 
     if probe_cuda().present:
         pytest.skip("this machine has a CUDA device: run `make gpu-check` itself")

@@ -1,4 +1,4 @@
-"""The HTTP protocol's synchronous search lane (service/hot_protocol.py), through a real `switchyard serve`.
+"""The HTTP protocol's synchronous search lane (service/http/express_protocol.py), through a real `switchyard serve`.
 
 Plain single-vector searches the resident CPU engine can answer at once are answered from the protocol itself;
 everything else, errors included, must be answered exactly as before by the app. Checked against a numpy oracle,

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from service.admission import Shed
+from service.admission.control import Shed
 from tests.helpers import assert_problem, wait_ready
 
 

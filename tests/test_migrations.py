@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from conftest import fresh_database, run
-from service.migrate import Migration, MigrationError, apply_migrations, load_migrations, pending_migrations
+from service.database.migrate import Migration, MigrationError, apply_migrations, load_migrations, pending_migrations
 
 
 def write(directory: Path, files: dict[str, str]) -> Path:

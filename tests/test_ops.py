@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from conftest import _execute, fresh_database, run
 from helpers import wait_ready
-from service.app import create_app
+from service.http.app import create_app
 
 
 def test_healthz_answers(client):
@@ -178,7 +178,7 @@ def test_booleans_are_not_numbers(client):
 def test_access_log_lines_come_from_a_background_thread_and_skip_hot_routes(make_settings):
     import logging
 
-    from service import access_log
+    from service.http import access_log
 
     class Collect(logging.Handler):
         def __init__(self) -> None:

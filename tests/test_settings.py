@@ -9,13 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from service import settings_doc
-from service.process_links import EngineSockets, ProcessLinks
+from service.process.links import EngineSockets, ProcessLinks
 from service.settings import FLAT, GROUPS, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # The variables of the flat Settings this grouping replaced (engine_socket and engine_links were the parent's
-# wiring of its children, now service/process_links.py): users' environments and compose files name them.
+# wiring of its children, now service/process/links.py): users' environments and compose files name them.
 FLAT_NAMES_BEFORE = """
 database_url data_dir api_key host port workers fronts engines uds log_level access_log access_log_sample
 max_body_bytes max_bulk_bytes cpu_threads huge_pages batch_max inline_search_us inline_turn_us sync_search

@@ -18,12 +18,12 @@ from indexes.manager import CollectionManager
 from indexes.resident import Changes, SearchResult
 from indexes.shards import Shard, merge_results, shard_of
 from indexes.vectors import Points, encode_payloads
-from service.admission import Admission
+from service.admission.control import Admission
 from service.cluster.fanout import ShardSet
 from service.cluster.shard_host import ShardHost
 from service.cluster.sharded import ShardedCollections
-from service.database import open_pool
-from service.migrate import apply_migrations
+from service.database.migrate import apply_migrations
+from service.database.postgres import open_pool
 from service.settings import Settings
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import fresh_database, run
-from service.database import open_pool
-from service.migrate import load_migrations
+from service.database.migrate import load_migrations
+from service.database.postgres import open_pool
 from spatial.cpu_engine import CpuSpatialEngine
 from spatial.layers import parse_layer
 from spatial.postgis_engine import PostgisEngine

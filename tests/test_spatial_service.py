@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from conftest import fresh_database
 from helpers import assert_problem, wait_ready
-from service.app import create_app
+from service.http.app import create_app
 
 SQUARE_WITH_HOLE = {"type": "Polygon", "coordinates": [
     [[0, 0], [10, 0], [10, 10], [0, 10], [0, 0]], [[4, 4], [6, 4], [6, 6], [4, 6], [4, 4]]]}

@@ -18,7 +18,7 @@ from helpers import assert_problem, cudf_missing, wait_ready
 from olap.plans import run_plan
 from olap.queries import QUERIES, render_sql
 from olap.schema import TABLES, TBL_FILES
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import Settings
 
 SF = 0.01
@@ -213,7 +213,7 @@ def test_second_wall_engines_refuse_file_access_even_without_the_guard(app, tmp_
 
     async def pg() -> None:
         from olap.postgres_engine import PostgresEngine
-        from service.database import open_pool
+        from service.database.postgres import open_pool
 
         pool = await open_pool(app.dsn, min_size=1, max_size=2, command_timeout=30)
         try:

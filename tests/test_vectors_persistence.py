@@ -15,7 +15,7 @@ import pyarrow as pa
 from fastapi.testclient import TestClient
 
 from helpers import wait_job, wait_ready
-from service.app import create_app
+from service.http.app import create_app
 from test_cli import free_port, serving
 from test_cli import wait_ready as wait_ready_http
 from vector_data import b64, clustered

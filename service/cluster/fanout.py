@@ -12,8 +12,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from indexes.errors import EngineFailed, InvalidInput, ShardUnavailable
-
-from ..engine_link import EngineClient
+from service.process.link import EngineClient
 
 log = logging.getLogger("switchyard.cluster")
 

@@ -18,11 +18,10 @@ from typing import Any
 from olap.manager import EngineNotReady, OlapManager
 from olap.partitions import write_partition
 from olap.results import Result
-
-from ..admission import Admission
-from ..devices import probe_cuda
-from ..settings import Settings
-from .shard_host import _ray_node
+from service.admission.control import Admission
+from service.cluster.shard_host import _ray_node
+from service.process.devices import probe_cuda
+from service.settings import Settings
 
 log = logging.getLogger("switchyard.cluster")
 

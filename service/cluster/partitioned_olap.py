@@ -17,9 +17,8 @@ from indexes.errors import ShardUnavailable
 from olap.manager import Answer, OlapManager
 from olap.partitions import merge_partials
 from olap.queries import QUERIES, render_sql
-
-from .fanout import ShardSet
-from .parts import WatchesParts
+from service.cluster.fanout import ShardSet
+from service.cluster.parts import WatchesParts
 
 PARTITION_ENGINES = ("auto", "cudf", "duckdb", "gpu", "cpu")  # what partitions serve; postgres stays here
 

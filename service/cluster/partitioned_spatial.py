@@ -12,11 +12,10 @@ import time
 from typing import Any, Callable
 
 from indexes.errors import ShardUnavailable
+from service.cluster.fanout import ShardSet
+from service.cluster.parts import WatchesParts
 from spatial.manager import JoinAnswer, SpatialManager
 from spatial.partitions import decode_cursor, next_cursor, sum_counts
-
-from .fanout import ShardSet
-from .parts import WatchesParts
 
 PARTITION_ENGINES = ("auto", "cpu-spatial", "cuda-spatial", "cpu", "gpu")
 

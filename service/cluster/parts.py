@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fanout import ShardSet
+from service.cluster.fanout import ShardSet
 
 
 class WatchesParts:

@@ -17,11 +17,10 @@ import threading
 from typing import Any
 
 from indexes.errors import InvalidInput
-
-from ..database import EmbeddedPostgres
-from ..settings import Settings
-from .fanout import ShardSet
-from .shard_host import ShardHost
+from service.cluster.fanout import ShardSet
+from service.cluster.shard_host import ShardHost
+from service.database.postgres import EmbeddedPostgres
+from service.settings import Settings
 
 log = logging.getLogger("switchyard.cluster")
 
@@ -86,8 +85,7 @@ async def vector_shards(settings: Settings, dsn: str) -> ShardSet:
 
 async def olap_partitions(settings: Settings) -> ShardSet:
     from olap.queries import QueryParamError
-
-    from .olap_host import OlapHost
+    from service.cluster.olap_host import OlapHost
 
     actors = _actors(settings, "olap", OlapHost, settings.cluster.olap_partitions, settings.cluster.olap_replicas,
                      str(settings.data_dir))
@@ -96,9 +94,8 @@ async def olap_partitions(settings: Settings) -> ShardSet:
 
 
 async def spatial_partitions(settings: Settings, dsn: str) -> ShardSet:
+    from service.cluster.spatial_host import SpatialHost
     from spatial.geoarrow import GeometryError
-
-    from .spatial_host import SpatialHost
 
     c = settings.cluster
     actors = _actors(settings, "spatial", SpatialHost, c.spatial_partitions, c.spatial_replicas, dsn,
@@ -136,7 +133,7 @@ def ingress_app(replicas: int, env: dict[str, str], num_cpus: float = 1.0) -> An
     @serve.ingress()
     class SwitchyardIngress:
         def __serve_build_asgi_app__(self) -> Any:
-            from service.app import create_app
+            from service.http.app import create_app
 
             return create_app()
 

@@ -24,13 +24,12 @@ from indexes.errors import CollectionNotFound, EngineFailed, EngineUnavailable, 
 from indexes.manager import CollectionManager
 from indexes.resident import SearchResult
 from indexes.shards import Shard
-
-from ..admission import Admission
-from ..database import open_pool
-from ..devices import probe_cuda
-from ..engine_link import EngineServer
-from ..runtime import vector_options
-from ..settings import Settings
+from service.admission.control import Admission
+from service.database.postgres import open_pool
+from service.process.devices import probe_cuda
+from service.process.link import EngineServer
+from service.runtime import vector_options
+from service.settings import Settings
 
 log = logging.getLogger("switchyard.cluster")
 
@@ -78,7 +77,7 @@ class ShardHost:
         await vectors.start()
         self.vectors = vectors
         # Searches and write nudges skip the placing layer's call path (a Ray call cost the ingress 1-1.5 ms of CPU,
-        # measured): pickled frames over TCP, as between a front and the engine process (service/engine_link.py).
+        # measured): pickled frames over TCP, as between a front and the engine process (service/process/link.py).
         host = _node_ip()
         self._direct = EngineServer((host, 0), {"search": _answered(self.search), "catch_up": _answered(self.catch_up)},
                                     key=self.channel_key)

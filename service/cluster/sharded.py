@@ -23,10 +23,9 @@ from indexes.manager import ENGINE_KIND, CollectionManager, SearchAnswer
 from indexes.resident import Changes, SearchResult
 from indexes.shards import merge_results, shard_of
 from indexes.store import Collection, Commit
-
-from .coalesce import Coalescer
-from .fanout import ShardSet, described
-from .parts import WatchesParts
+from service.cluster.coalesce import Coalescer
+from service.cluster.fanout import ShardSet, described
+from service.cluster.parts import WatchesParts
 
 log = logging.getLogger("switchyard.cluster")
 

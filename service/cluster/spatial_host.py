@@ -13,14 +13,13 @@ import socket
 import time
 from typing import Any
 
+from service.admission.control import Admission
+from service.cluster.shard_host import _ray_node
+from service.database.postgres import open_pool
+from service.process.devices import probe_cuda
+from service.settings import Settings
 from spatial.manager import SpatialEngineNotReady, SpatialManager
 from spatial.partitions import partition_of
-
-from ..admission import Admission
-from ..database import open_pool
-from ..devices import probe_cuda
-from ..settings import Settings
-from .shard_host import _ray_node
 
 
 class SpatialHost:

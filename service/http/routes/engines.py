@@ -7,7 +7,7 @@ from typing import Any, Literal
 from fastapi import Query
 from pydantic import BaseModel, Field
 
-from ..deps import RuntimeDep, v1_router
+from service.http.deps import RuntimeDep, v1_router
 
 router = v1_router(tags=["engines"])
 

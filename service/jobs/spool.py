@@ -16,8 +16,7 @@ from pathlib import Path
 from starlette.requests import Request
 
 from indexes.build_process import pid_alive
-
-from .disk import ensure_room
+from service.jobs.disk import ensure_room
 
 FLUSH_BYTES = 8 * 2**20
 

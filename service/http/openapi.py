@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .errors import PROBLEM_MEDIA_TYPE
-from .settings import Settings
+from service.errors import PROBLEM_MEDIA_TYPE
+from service.settings import Settings
 
 PROBLEM = {
     "type": "object",

@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from .admission import PRINCIPAL, Shed
-from .deadlines import set_deadline
-from .engine_link import EngineServer, Handler
-from .fastlane import HOT_KINDS, observe_hot
-from .routes.vectors import answer_search, answer_upsert
-from .runtime import Runtime
+from service.admission.control import PRINCIPAL, Shed
+from service.admission.deadlines import set_deadline
+from service.http.express import HOT_KINDS, observe_hot
+from service.http.routes.vectors import answer_search, answer_upsert
+from service.process.link import EngineServer, Handler
+from service.runtime import Runtime
 
 
 def engine_server(runtime: Runtime, path: Path) -> EngineServer:

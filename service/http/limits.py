@@ -7,7 +7,7 @@ import re
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import problem_response
+from service.errors import problem_response
 
 # The routes that take bulk loads, with the media type that makes a body one: only these get the bulk limit.
 # Going by route, not by the Content-Type alone: an Arrow content type on any other route once lifted its limit.

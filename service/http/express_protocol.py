@@ -2,7 +2,7 @@
 
 A single-vector search the resident CPU engine can answer at once (loaded, consistent enough, a free slot, cheap
 enough for the event loop) needs no ASGI cycle: when its body is complete this protocol asks the hot lane
-(service/fastlane.py, HotLane.answer_now) and writes the answer itself. Whatever answer_now declines, and every
+(service/http/express.py, HotLane.answer_now) and writes the answer itself. Whatever answer_now declines, and every
 other request, becomes the ASGI cycle uvicorn would have made, body already read, so errors and metrics are the
 app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline), checked by
 tests/test_hot_protocol.py. SWITCHYARD_SYNC_SEARCH=false leaves uvicorn's protocol. Why: docs/design/serving.md.
@@ -15,7 +15,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from .fastlane import HotLane, NowRequest
+from service.http.express import HotLane, NowRequest
 
 log = logging.getLogger("switchyard")
 

@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import require_api_key
-from .errors import ServiceUnavailable
-from .runtime import Runtime
+from service.errors import ServiceUnavailable
+from service.http.auth import require_api_key
+from service.runtime import Runtime
 
 
 async def get_runtime(request: Request) -> Runtime:

@@ -21,12 +21,9 @@ from indexes.vectors import (
     checked_points,
     fit_matrix,
 )
-
-from ..deps import RuntimeDep, domain, v1_router
-from ..disk import BULK_BYTES_PER_BYTE, ensure_room
-from ..jsonnum import Float, Int, IntList
-from ..spool import spool
-from ..vector_requests import (
+from service.http.deps import RuntimeDep, domain, v1_router
+from service.http.jsonnum import Float, Int, IntList
+from service.http.vector_requests import (
     RAW_VECTORS,
     REQUEST_ERRORS,
     ParsedSearch,
@@ -37,6 +34,8 @@ from ..vector_requests import (
     parse_upsert,
     raw_search_options,
 )
+from service.jobs.disk import BULK_BYTES_PER_BYTE, ensure_room
+from service.jobs.spool import spool
 
 router = v1_router(tags=["vectors"])
 
@@ -286,7 +285,7 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
     """run_search's answer computed at once, without awaiting anything, and given to `respond` as soon as it is
     made; False, with nothing given, for a request that is not one plain query served by the resident CPU engine
     right away, or that fails in any way (run_search then answers it, errors included). Called by the HTTP
-    protocol itself (service/hot_protocol.py)."""
+    protocol itself (service/http/express_protocol.py)."""
     vectors = runtime.vectors
     c = vectors.catalog.get(name) if vectors is not None else None
     if c is None:
@@ -316,8 +315,8 @@ def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_str
 async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
                      query_string: str = "") -> bytes:
     """Parse a search body, search, and return the JSON answer. Shared by the route below and the hot lane
-    (service/fastlane.py), which calls it without FastAPI's per-request machinery; a front process calls the two
-    halves on either side of its hop to the engine process (service/front.py)."""
+    (service/http/express.py), which calls it without FastAPI's per-request machinery; a front process calls the two
+    halves on either side of its hop to the engine process (service/process/front.py)."""
     return await answer_search(runtime, name, parse_search(raw, content_type, query_string))
 
 

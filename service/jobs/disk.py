@@ -7,7 +7,7 @@ import errno
 import shutil
 from pathlib import Path
 
-from .errors import ProblemError
+from service.errors import ProblemError
 
 SSB_BYTES_PER_SF = 1.0e9  # Parquet plus the PostgreSQL heap copy of the tables
 PARQUET_BYTES_PER_SF = 0.2e9  # measured: 7.9 MB at scale factor 0.05

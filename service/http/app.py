@@ -8,15 +8,16 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import __version__, access_log, openapi
-from .errors import install_error_handlers
-from .fastlane import HotLane, local_answer, local_answer_now
-from .limits import BodySizeLimitMiddleware
-from .metrics import HTTPMetricsMiddleware
-from .process_links import ProcessLinks
-from .routes import engines, jobs, olap, ops, spatial, vectors
-from .runtime import Runtime
-from .settings import Settings
+from service import __version__
+from service.errors import install_error_handlers
+from service.http import access_log, openapi
+from service.http.express import HotLane, local_answer, local_answer_now
+from service.http.limits import BodySizeLimitMiddleware
+from service.http.routes import engines, jobs, olap, ops, spatial, vectors
+from service.metrics import HTTPMetricsMiddleware
+from service.process.links import ProcessLinks
+from service.runtime import Runtime
+from service.settings import Settings
 
 DESCRIPTION = """
 Switchyard routes vector search, geometry joins and Star Schema Benchmark aggregates to the fastest engine
@@ -32,7 +33,7 @@ dropped and answered 503 `deadline-exceeded` (not run), one still running is sto
 
 
 def create_app(settings: Settings | None = None, links: ProcessLinks | None = None) -> FastAPI:
-    """The FastAPI app behind the hot lane (service/fastlane.py), which serves searches and JSON upserts before
+    """The FastAPI app behind the hot lane (service/http/express.py), which serves searches and JSON upserts before
     any middleware, FastAPI's own included; the lane passes attribute access through to the app."""
     settings = settings or Settings()
     engine_socket = (links or ProcessLinks.handed_down()).engine_socket
@@ -50,7 +51,7 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
         gc.freeze()
         link = None
         if engine_socket is not None:  # the engine process of `switchyard serve` with front processes
-            from .engine_host import engine_server
+            from service.process.engine_host import engine_server
 
             link = engine_server(runtime, engine_socket)
             await link.start()

@@ -1,6 +1,6 @@
 """What a search or JSON upsert says, parsed and checked as far as it can be without its collection.
 
-A front process (service/front.py) parses here and sends the result to the engine process; a single process
+A front process (service/process/front.py) parses here and sends the result to the engine process; a single process
 parses and answers in one go (routes/vectors.py). Light on purpose: front processes import this and no engine.
 """
 
@@ -18,10 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from indexes.errors import VectorError
 from indexes.vectors import MAX_K, decode_base64, encode_payloads, unshaped_matrix
-
-from .errors import ProblemError
-from .jsonnum import Float, Int, IntList
-from .openapi import exactly_one_of
+from service.errors import ProblemError
+from service.http.jsonnum import Float, Int, IntList
+from service.http.openapi import exactly_one_of
 
 RAW_VECTORS = "application/octet-stream"
 # What parsing or answering a bad request raises: the full app formats each as its problem+json.

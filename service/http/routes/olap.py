@@ -11,14 +11,13 @@ from fastapi import Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from olap.queries import QUERIES, params_schema
-
-from ..deadlines import remaining
-from ..deps import RuntimeDep, domain, v1_router
-from ..disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
-from ..errors import Forbidden, NotFound, Unprocessable
-from ..jsonnum import Float, Int
-from ..vector_requests import parse_json
-from .vectors import JobAccepted
+from service.admission.deadlines import remaining
+from service.errors import Forbidden, NotFound, Unprocessable
+from service.http.deps import RuntimeDep, domain, v1_router
+from service.http.jsonnum import Float, Int
+from service.http.routes.vectors import JobAccepted
+from service.http.vector_requests import parse_json
+from service.jobs.disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
 
 router = v1_router(tags=["olap"])
 

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import Response
 from pydantic import BaseModel, Field
 
-from ..deps import RuntimeDep, domain, v1_router
-from ..errors import NotFound
+from service.errors import NotFound
+from service.http.deps import RuntimeDep, domain, v1_router
 
 router = v1_router(tags=["jobs"])
 

@@ -8,7 +8,7 @@ directly, through the same functions the routes use (routes.vectors.run_search /
 same metrics. Anything else, and any request that fails, goes through the full app, so every error (401, 413,
 422, 404, 503 ...) is produced by one code path, exactly as without the hot lane. Hot requests are access-logged
 only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE). local_answer answers in this process; a front process's lane
-(service/front.py) parses here and lets the engine process answer.
+(service/process/front.py) parses here and lets the engine process answer.
 """
 
 from __future__ import annotations
@@ -23,16 +23,24 @@ from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .access_log import log_request
-from .admission import PRINCIPAL, TIMEOUT_HEADER, Admission, DeadlineExceeded, Shed, parse_timeout, principal_of
-from .deadlines import set_deadline
-from .errors import ProblemError
-from .metrics import Metrics, StatusSend
-from .settings import Settings
-from .vector_requests import RAW_VECTORS, REQUEST_ERRORS
+from service.admission.control import (
+    PRINCIPAL,
+    TIMEOUT_HEADER,
+    Admission,
+    DeadlineExceeded,
+    Shed,
+    parse_timeout,
+    principal_of,
+)
+from service.admission.deadlines import set_deadline
+from service.errors import ProblemError
+from service.http.access_log import log_request
+from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS
+from service.metrics import Metrics, StatusSend
+from service.settings import Settings
 
 if TYPE_CHECKING:
-    from .runtime import Runtime  # not at run time: front processes import this module, not the engines
+    from service.runtime import Runtime  # not at run time: front processes import this module, not the engines
 
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 SEARCH_ROUTE = SimpleNamespace(path="/v1/collections/{name}/search")  # the metrics labels of the full routes
@@ -103,7 +111,7 @@ class HotLane:
         return NowRequest(match.group(1), media.decode(), query.decode("latin-1"))
 
     def answer_now(self, request: NowRequest, raw: bytes, respond: Callable[[bytes], None]) -> bool:
-        """The search take_now accepted, answered at once from the HTTP protocol itself (service/hot_protocol.py),
+        """The search take_now accepted, answered at once from the HTTP protocol itself (http/express_protocol.py),
         before any ASGI machinery, with the same in-flight accounting and metrics as __call__: whether its answer
         went to `respond`."""
         pressure = self.pressure
@@ -247,7 +255,10 @@ def read_headers(headers: list[tuple[bytes, bytes]]
 
 def local_answer(runtime: Runtime) -> Answer:
     """Hot requests of a process that holds the engines: parsed and answered here."""
-    from .routes.vectors import run_search, run_upsert  # here: front processes import this module, not the engines
+    from service.http.routes.vectors import (  # here: front processes import this module, not the engines
+        run_search,
+        run_upsert,
+    )
 
     async def answer(search: bool, name: str, raw: bytes, media: str, query_string: str, start: float) -> bytes | None:
         try:
@@ -267,7 +278,7 @@ def local_answer(runtime: Runtime) -> Answer:
 
 def local_answer_now(runtime: Runtime) -> AnswerNow:
     """Searches a process that holds the engines answers from its HTTP protocol, at once when it can."""
-    from .routes.vectors import search_now
+    from service.http.routes.vectors import search_now
 
     def answer(name: str, raw: bytes, media: str, query_string: str, respond: Callable[[bytes], None]) -> bool:
         start = time.perf_counter()

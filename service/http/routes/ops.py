@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from .. import __version__
-from ..auth import bearer_scheme, require_api_key
-from ..deps import RuntimeDep
+from service import __version__
+from service.http.auth import bearer_scheme, require_api_key
+from service.http.deps import RuntimeDep
 
 
 async def ops_auth(request: Request, credentials=Depends(bearer_scheme)) -> None:  # noqa: B008 - FastAPI's idiom

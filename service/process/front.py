@@ -3,7 +3,7 @@
 `switchyard serve` runs one engine process (the full app: PostgreSQL pool, resident indexes, jobs, SSB and
 spatial data) per device, listening on unix sockets only, and SWITCHYARD_FRONTS of these (default one per core)
 on the port. A front parses and checks searches and JSON upserts itself (the costly part of a small request: JSON
-floats, validation) and sends them to an engine over service/engine_link.py; the engine answers from its one copy
+floats, validation) and sends them to an engine over service/process/link.py; the engine answers from its one copy
 of each index, micro-batching the searches of every front together. Everything else, and any hot request that
 fails, is passed through unchanged to an engine's full app over HTTP on its unix socket, so every route, error,
 header and status is the engine's own. With several engines each request goes to the one with the least in
@@ -22,15 +22,15 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import access_log
-from .admission import PRINCIPAL
-from .deadlines import deadline as current_deadline
-from .engine_link import EngineClient, EngineGone
-from .errors import problem_response
-from .fastlane import CLIENT_HEADER, REQUEST_ERRORS, HotLane
-from .process_links import ProcessLinks
-from .settings import Settings
-from .vector_requests import parse_search, parse_upsert
+from service.admission.control import PRINCIPAL
+from service.admission.deadlines import deadline as current_deadline
+from service.errors import problem_response
+from service.http import access_log
+from service.http.express import CLIENT_HEADER, REQUEST_ERRORS, HotLane
+from service.http.vector_requests import parse_search, parse_upsert
+from service.process.link import EngineClient, EngineGone
+from service.process.links import ProcessLinks
+from service.settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer
@@ -226,5 +226,5 @@ class Front(HotLane):
 
 
 def create_front() -> Front:
-    """Uvicorn's factory for a front process (`uvicorn service.front:create_front --factory`)."""
+    """Uvicorn's factory for a front process (`uvicorn service.process.front:create_front --factory`)."""
     return Front(Settings(), ProcessLinks.handed_down())

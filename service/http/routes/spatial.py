@@ -8,11 +8,10 @@ from typing import Any, Literal
 from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.http.deps import RuntimeDep, domain, v1_router
+from service.http.jsonnum import Float, Int, IntList
+from service.http.openapi import exactly_one_of
 from spatial.manager import MAX_PAGE
-
-from ..deps import RuntimeDep, domain, v1_router
-from ..jsonnum import Float, Int, IntList
-from ..openapi import exactly_one_of
 
 router = v1_router(tags=["spatial"])
 

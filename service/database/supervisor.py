@@ -17,8 +17,8 @@ from typing import Any
 
 import asyncpg
 
-from .database import EmbeddedPostgres
-from .metrics import Metrics
+from service.database.postgres import EmbeddedPostgres
+from service.metrics import Metrics
 
 log = logging.getLogger("switchyard.database")
 

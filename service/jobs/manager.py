@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 import asyncpg
 import orjson
 
-from .admission import Shed
+from service.admission.control import Shed
 
 log = logging.getLogger("switchyard.jobs")
 
@@ -34,10 +34,9 @@ def failure_message(job: "Job", exc: Exception) -> str:
     from indexes.errors import EngineFailed, VectorError
     from olap.importer import SsbImportError
     from olap.queries import QueryParamError
+    from service.database.postgres import database_unavailable
+    from service.jobs.disk import disk_full
     from spatial.geoarrow import GeometryError
-
-    from .database import database_unavailable
-    from .disk import disk_full
 
     if isinstance(exc, (VectorError, SsbImportError, QueryParamError, GeometryError)) \
             and not isinstance(exc, EngineFailed):

@@ -1,5 +1,5 @@
-"""The current request's deadline, set by the outermost layer (service/fastlane.py) and read wherever the request
-waits or works: engine queues (service/admission.py) and PostgreSQL statements (service/database.py).
+"""The current request's deadline, set by the outermost layer (service/http/express.py) and read wherever the request
+waits or works: engine queues (service/admission/control.py) and PostgreSQL statements (service/database/postgres.py).
 
 A deadline belongs to the task that serves the request. Tasks started from it inherit its context variables, but
 many of those outlive the request or serve others too (a group commit's drain, a job, a background rebuild), so
