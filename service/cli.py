@@ -24,7 +24,7 @@ from service.process.links import EngineSockets, ProcessLinks
 from service.settings import Settings
 
 # uvicorn's httptools protocol with a synchronous search lane
-SYNC_SEARCH = "service.http.express_protocol:SyncSearchProtocol"
+SYNC_SEARCH = "service.http.express_protocol:ExpressProtocol"
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -171,7 +171,7 @@ def _serve_here(settings: Settings, common: dict) -> None:
     import uvicorn
 
     options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=settings.server.workers,
-                   http=SYNC_SEARCH if settings.vectors.sync_search else "auto", **common)
+                   http=SYNC_SEARCH if settings.vectors.express_protocol else "auto", **common)
     if settings.server.uds is None:
         uvicorn.run("service.http.app:create_app", **options)
         return

@@ -44,8 +44,9 @@ class Metrics:
             "switchyard_http_request_duration_seconds", "HTTP request latency by route template, method and status.",
             ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
-        self._synced = self._tally(Counter(
-            "switchyard_sync_searches_total", "Searches answered from the HTTP protocol itself, without an ASGI cycle "
+        self._in_protocol = self._tally(Counter(
+            "switchyard_express_protocol_searches_total", "Searches answered from the HTTP protocol itself, without an "
+            "ASGI cycle "
             "(service/http/express_protocol.py); also counted in switchyard_http_requests_total.",
             registry=self.registry,
         ))
@@ -138,9 +139,9 @@ class Metrics:
             tally = self._admitted_children[engine] = self._tally(self.admitted_total.labels(engine))
         tally.add()
 
-    def synced(self) -> None:
+    def answered_in_protocol(self) -> None:
         """One search answered by the HTTP protocol's synchronous lane."""
-        self._synced.add()
+        self._in_protocol.add()
 
     def shed(self, engine: str, reason: str) -> None:
         self.shed_total.labels(engine, reason).inc()

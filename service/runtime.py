@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
@@ -45,11 +45,15 @@ def vector_options(settings: Settings) -> dict[str, Any]:
                                         r.poll_ms / 1000),
                 policy=RebuildPolicy(dead_fraction=r.rebuild_dead_fraction, delta_rows=r.rebuild_delta_rows))
 
+if TYPE_CHECKING:
+    from service.pipeline import Pipeline
+
 
 class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        self.pipeline: Pipeline | None = None  # the request pipeline of hot calls, set by the app (http/app.py)
         self.registry = EngineRegistry(probe_cuda(enabled=settings.gpu.mode != "off"),
                                        gpu_memory_pool_mb=settings.gpu.memory_pool_mb)
         self.phase: Phase = "created"

@@ -128,9 +128,9 @@ class VectorSettings(Group):
         "Engine time the event loop spends answering searches in one of its turns (by each search's learnt cost; "
         "the first always runs); more arriving together go to a worker thread as a batch, so the loop keeps "
         "reading while the engine runs."))
-    sync_search: bool = setting(True, description=(
-        "Answer plain single-vector searches from the HTTP protocol itself when the resident CPU engine can at "
-        "once; false: every request goes through the ASGI app."))
+    express_protocol: bool = setting(True, description=(
+        "Answer plain single-vector searches from the HTTP protocol itself (express's inline answers) when the "
+        "resident CPU engine can at once; false: uvicorn's own protocol, every request through the ASGI app."))
 
 
 class ReplicationSettings(Group):

@@ -539,7 +539,7 @@ def test_an_engine_out_of_memory_answers_503_and_cools_down_at_once(make_client)
 def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client):
     client = make_client(raise_server_exceptions=False, max_inflight=4, inflight_latency_tolerance=0)  # fixed
     wait_ready(client)
-    lane = client.app.pressure  # the hot lane's, outermost
+    lane = client.app.express.admission.pressure  # express admits, outermost
     lane.inflight = 4  # four requests being served
     r = client.post("/v1/collections/none/search", content=b"not even json")
     body = assert_problem(r, 503, "overloaded")

@@ -20,6 +20,7 @@ from helpers import assert_problem
 from loadtests.processes import local_service
 from service.database.postgres import EmbeddedPostgres
 from service.process.link import EngineClient, EngineGone, EngineServer
+from service.process.messages import CatchUp, Failure, Reply, Request, UnparsedCall
 from vector_data import b64, clustered, oracle, search_concurrently
 
 DIM = 16
@@ -128,15 +129,20 @@ def test_fronts_hold_no_data(fronted):
     assert all(a - b < 5e6 for a, b in zip(after, before)), (before, after)
 
 
-async def _echo_server(path: Path) -> EngineServer:
-    async def echo(value: bytes, delay: float) -> bytes:
-        await asyncio.sleep(delay)
-        return value
+def _echo(body: bytes, delay: float = 0.0) -> UnparsedCall:
+    """A call the echo server answers with its body after `delay` seconds."""
+    return UnparsedCall(True, "echo", body, "", str(delay))
 
-    async def fail() -> bytes:
+
+async def _echo_server(path: Path) -> EngineServer:
+    async def echo(request: Request) -> Reply:
+        await asyncio.sleep(float(request.call.query))
+        return Reply(request.id, body=request.call.body)
+
+    async def fail(request: Request) -> Reply:
         raise ValueError("bad")
 
-    server = EngineServer(path, {"echo": echo, "fail": fail})
+    server = EngineServer(path, {UnparsedCall: echo, CatchUp: fail})
     await server.start()
     return server
 
@@ -146,22 +152,23 @@ def test_engine_link_answers_out_of_order_and_reports_failures(tmp_path):
         server = await _echo_server(tmp_path / "e.sock")
         client = EngineClient(tmp_path / "e.sock")
         try:
-            slow = asyncio.create_task(client.call("echo", b"slow", 0.2))
-            fast = await client.call("echo", b"fast", 0.0)
-            assert fast == b"fast" and not slow.done()  # answers come back as they finish
-            assert await slow == b"slow"
+            slow = asyncio.create_task(client.call(_echo(b"slow", 0.2)))
+            fast = await client.call(_echo(b"fast"))
+            assert fast.body == b"fast" and not slow.done()  # answers come back as they finish
+            assert (await slow).body == b"slow"
             big = np.arange(1_000_000, dtype=np.float32).tobytes()
-            assert await client.call("echo", big, 0.0) == big
-            assert await client.call("fail") is None  # a failure: the front replays through the full app
-            pending = asyncio.create_task(client.call("echo", b"late", 5.0))
+            assert (await client.call(_echo(big))).body == big
+            failed = await client.call(CatchUp("c", 1))  # the handler raised: a 500 naming the failure
+            assert failed.status == 500 and failed.value == Failure("EngineFailed", "ValueError: bad")
+            pending = asyncio.create_task(client.call(_echo(b"late", 5.0)))
             await asyncio.sleep(0.05)
             await server.stop()
             with pytest.raises(EngineGone):
                 await pending
             with pytest.raises(EngineGone):
-                await client.call("echo", b"x", 0.0)
+                await client.call(_echo(b"x"))
             server = await _echo_server(tmp_path / "e.sock")  # the engine is back: the client reconnects
-            assert await client.call("echo", b"again", 0.0) == b"again"
+            assert (await client.call(_echo(b"again"))).body == b"again"
         finally:
             await client.close()
             await server.stop()
@@ -184,26 +191,26 @@ def test_fronts_stop_with_the_engine(tmp_path):
     orphan.stop()
 
 
-def test_a_tcp_engine_link_signs_its_frames_and_never_unpickles_a_forged_one(tmp_path):
+def test_a_tcp_engine_link_signs_its_frames_and_never_decodes_a_forged_one(tmp_path):
     """The shard hosts' direct channel: TCP, frames signed with a key that only the placing layer hands out."""
-    unpickled: list[str] = []
-
-    class Marker:
-        def __reduce__(self):  # what a forged frame would run on unpickling, were it unpickled
-            return (unpickled.append, ("ran",))
+    handled: list[bytes] = []
 
     async def run() -> None:
+        async def echo(request: Request) -> Reply:
+            handled.append(request.call.body)
+            return Reply(request.id, body=request.call.body)
+
         key = b"k" * 32
-        server = EngineServer(("127.0.0.1", 0), {"echo": lambda value: asyncio.sleep(0, value)}, key=key)
+        server = EngineServer(("127.0.0.1", 0), {UnparsedCall: echo}, key=key)
         await server.start()
         good = EngineClient(("127.0.0.1", server.port), key)
         forged = EngineClient(("127.0.0.1", server.port), b"x" * 32)
         try:
-            assert await good.call("echo", b"hi") == b"hi"
+            assert (await good.call(_echo(b"hi"))).body == b"hi"
             with pytest.raises(EngineGone):  # the server closes the connection without answering
-                await asyncio.wait_for(forged.call("echo", Marker()), 5)
-            assert unpickled == []
-            assert await good.call("echo", b"still") == b"still"
+                await asyncio.wait_for(forged.call(_echo(b"forged")), 5)
+            assert (await good.call(_echo(b"still"))).body == b"still"
+            assert handled == [b"hi", b"still"]
         finally:
             await good.close()
             await forged.close()

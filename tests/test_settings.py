@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # wiring of its children, now service/process/links.py): users' environments and compose files name them.
 FLAT_NAMES_BEFORE = """
 database_url data_dir api_key host port workers fronts engines uds log_level access_log access_log_sample
-max_body_bytes max_bulk_bytes cpu_threads huge_pages batch_max inline_search_us inline_turn_us sync_search
+max_body_bytes max_bulk_bytes cpu_threads huge_pages batch_max inline_search_us inline_turn_us express_protocol
 batch_window_ms consistency bounded_staleness_ms consistency_timeout_ms replication_poll_ms replication_trace_dir
 rebuild_dead_fraction rebuild_delta_rows db_pool_min db_pool_max db_connect_timeout_s db_command_timeout_s
 duckdb_memory_mb db_check_interval_s db_max_restarts readiness_timeout_s db_acquire_timeout_s sql_pool_max admission

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.admission.deadlines import deadline as current_deadline
+from service.admission.deadlines import set_deadline
 from service.admission.pressure import InflightLimit
 from service.errors import BadRequest, ProblemError
 from service.process.devices import is_out_of_memory
@@ -241,6 +242,35 @@ class Admission:
         if self.metrics is not None:
             self.metrics.shed(engine, reason)
 
+    # -- requests --------------------------------------------------------------------------------------
+    def begin(self, deadline: float | None, principal: str | None) -> None:
+        """What a request carries through this process (its task): its deadline, and the principal whose request
+        quota it is counted against (429 past it). None: no deadline; no principal named (no quota)."""
+        if deadline is not None:
+            set_deadline(deadline)
+        if principal is not None:
+            PRINCIPAL.set(principal)
+            self.check_request(principal)
+
+    def enter_now(self, light: bool) -> Ticket | None:
+        """A slot under the in-flight limit now, or None where enter() would have to wait."""
+        if self.pressure is None:
+            return Ticket(None, light)
+        return Ticket(self.pressure, light) if self.pressure.admit(light) else None
+
+    async def enter(self, light: bool) -> Ticket:
+        """A slot under the in-flight limit, now or after a short wait; Shed (503) when none comes. `light`: not
+        heavy work (SSB, SQL, geometry), which may take at most half the limit."""
+        pressure = self.pressure
+        if pressure is None:
+            return Ticket(None, light)
+        if not await pressure.enter(light):
+            self.shed("requests", "inflight")
+            raise Shed(f"the service is serving {pressure.inflight} requests, its limit under the present load "
+                       "(SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot came free in "
+                       "time; this one was not run", 1.0, reason="inflight")
+        return Ticket(pressure, light)
+
     # -- quotas ----------------------------------------------------------------------------------------
     def check_request(self, principal: str) -> None:
         """Count one request against the principal's request bucket; 429 past it."""
@@ -299,6 +329,23 @@ class Admission:
             self.breakers.pop(engine)
             if self.metrics is not None:
                 self.metrics.breaker_open.labels(engine).set(0)
+
+
+class Ticket:
+    """One request's slot under the in-flight limit, given back once with how it went."""
+
+    __slots__ = ("light", "pressure", "started")
+
+    def __init__(self, pressure: InflightLimit | None, light: bool) -> None:
+        self.pressure, self.light, self.started = pressure, light, time.perf_counter()
+
+    def leave(self, kind: object = None) -> float:
+        """Give the slot back; `kind` (what the request was: its route) when it succeeded, whose latency moves the
+        limit (failures say nothing of queueing). Returns the seconds since entry."""
+        seconds = time.perf_counter() - self.started
+        if self.pressure is not None:
+            self.pressure.leave(self.light, kind, seconds)
+        return seconds
 
 
 class Slot:

@@ -11,8 +11,10 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from indexes.errors import EngineFailed, InvalidInput, ShardUnavailable
+from indexes.errors import InvalidInput, ShardUnavailable
+from indexes.resident import SearchResult
 from service.process.link import EngineClient
+from service.process.messages import CatchUp, Failure, ShardAnswer, ShardSearch, float32_bytes
 
 log = logging.getLogger("switchyard.cluster")
 
@@ -33,6 +35,15 @@ WATCH_TIMEOUT_S = 5.0  # ... and counts it down if it takes longer to say
 DIRECT = frozenset({"search", "catch_up"})
 
 Call = Callable[[Any, str, tuple], Awaitable[Any]]  # (replica handle, method name, arguments) -> result
+
+
+def direct_call(method: str, args: tuple) -> ShardSearch | CatchUp:
+    """A hot call's arguments (ShardHost.search / catch_up) as the typed message its direct channel takes."""
+    if method == "catch_up":
+        return CatchUp(*args)
+    name, queries, k, params, payload_filter, consistency, seq, recall_target = args
+    return ShardSearch(name, float32_bytes(queries), queries.shape[1], k, params, payload_filter, consistency, seq,
+                       recall_target)
 
 
 class ShardSet:
@@ -71,12 +82,12 @@ class ShardSet:
         if client is None:
             host, _, port = address.rpartition(":")
             client = self._clients[address] = EngineClient((host, int(port)), key)
-        answer = await client.call(method, *args)  # EngineGone (a ConnectionError) when it cannot be reached
-        if answer is None:
-            raise EngineFailed(f"the replica at {address} failed to answer")
-        status, value = answer
-        if status == "error":
-            raise value
+        reply = await client.call(direct_call(method, args))  # EngineGone (a ConnectionError) when unreachable
+        value = reply.value
+        if isinstance(value, Failure):
+            raise value.error()
+        if isinstance(value, ShardAnswer):
+            return SearchResult(value.ids, value.distances, value.watermark, value.plan), value.engine
         return value
 
     def _order(self, shard: int) -> list[int]:

@@ -15,12 +15,12 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
 import numpy as np
 
 from indexes.engines import CuvsEngine, FaissEngine
-from indexes.errors import CollectionNotFound, EngineFailed, EngineUnavailable, VectorError
+from indexes.errors import CollectionNotFound, EngineUnavailable
 from indexes.manager import CollectionManager
 from indexes.resident import SearchResult
 from indexes.shards import Shard
@@ -28,6 +28,7 @@ from service.admission.control import Admission
 from service.database.postgres import open_pool
 from service.process.devices import probe_cuda
 from service.process.link import EngineServer
+from service.process.messages import CatchUp, Failure, Reply, Request, ShardAnswer, ShardSearch
 from service.runtime import vector_options
 from service.settings import Settings
 
@@ -79,7 +80,7 @@ class ShardHost:
         # Searches and write nudges skip the placing layer's call path (a Ray call cost the ingress 1-1.5 ms of CPU,
         # measured): pickled frames over TCP, as between a front and the engine process (service/process/link.py).
         host = _node_ip()
-        self._direct = EngineServer((host, 0), {"search": _answered(self.search), "catch_up": _answered(self.catch_up)},
+        self._direct = EngineServer((host, 0), {ShardSearch: self._direct_search, CatchUp: self._direct_catch_up},
                                     key=self.channel_key)
         await self._direct.start()
         self.data_address = f"{host}:{self._direct.port}"
@@ -121,6 +122,17 @@ class ShardHost:
                                       recall_target=recall_target)
         return answer.result, answer.engine
 
+    async def _direct_search(self, request: Request) -> Reply:
+        c = request.call
+        assert isinstance(c, ShardSearch)  # the channel's handler for this type
+        return await _replied(request, self.search(c.collection, c.matrix(), c.k, c.params, c.filter, c.consistency,
+                                                   c.seq, c.recall_target))
+
+    async def _direct_catch_up(self, request: Request) -> Reply:
+        c = request.call
+        assert isinstance(c, CatchUp)
+        return await _replied(request, self.catch_up(c.collection, c.seq))
+
     async def catch_up(self, name: str, seq: int) -> int:
         """Apply the log up to at least `seq` (a write the ingress just committed); returns the watermark."""
         vectors = self._manager()
@@ -151,18 +163,17 @@ class ShardHost:
                 raise CollectionNotFound(f"no collection named {name!r}", field="collection")
 
 
-def _answered(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[tuple[str, Any]]]:
-    """A direct-channel handler: ("ok", the answer) or ("error", the exception), the replica's own troubles
-    carried as EngineFailed (its text, not its class, which the ingress may not be able to unpickle)."""
-    async def handle(*args: Any) -> tuple[str, Any]:
-        try:
-            return "ok", await method(*args)
-        except VectorError as exc:
-            return "error", exc
-        except Exception as exc:  # noqa: BLE001 - sent back, never raised here
-            return "error", EngineFailed(f"{type(exc).__name__}: {exc}")
-
-    return handle
+async def _replied(request: Request, answer: Awaitable[Any]) -> Reply:
+    """A direct-channel reply: the answer, or the failure (a domain error as it is, anything else as EngineFailed
+    with its text)."""
+    try:
+        value = await answer
+    except Exception as exc:  # noqa: BLE001 - sent back, never raised here
+        return Reply(request.id, value=Failure.of(exc))
+    if isinstance(value, tuple):  # a search's (SearchResult, engine)
+        result, engine = value
+        value = ShardAnswer(result.ids, result.distances, result.watermark, result.plan, engine)
+    return Reply(request.id, value=value)
 
 
 def _node_ip() -> str:

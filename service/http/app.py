@@ -7,14 +7,16 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from service import __version__
 from service.errors import install_error_handlers
 from service.http import access_log, openapi
-from service.http.express import HotLane, local_answer, local_answer_now
+from service.http.express import Express, LocalLane
 from service.http.limits import BodySizeLimitMiddleware
 from service.http.routes import engines, jobs, olap, ops, spatial, vectors
 from service.metrics import HTTPMetricsMiddleware
+from service.pipeline import Pipeline
 from service.process.links import ProcessLinks
 from service.runtime import Runtime
 from service.settings import Settings
@@ -32,9 +34,22 @@ dropped and answered 503 `deadline-exceeded` (not run), one still running is sto
 """
 
 
-def create_app(settings: Settings | None = None, links: ProcessLinks | None = None) -> FastAPI:
-    """The FastAPI app behind the hot lane (service/http/express.py), which serves searches and JSON upserts before
-    any middleware, FastAPI's own included; the lane passes attribute access through to the app."""
+class SwitchyardApp(FastAPI):
+    """The FastAPI app with express (service/http/express.py) in front of everything, FastAPI's own middleware
+    included: express admits every request, answers searches and JSON upserts itself and hands the rest to
+    FastAPI (`serve_full`)."""
+
+    express: Express
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.express(scope, receive, send)
+
+    async def serve_full(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None, links: ProcessLinks | None = None) -> SwitchyardApp:
+    """One app, its runtime and its request pipeline."""
     settings = settings or Settings()
     engine_socket = (links or ProcessLinks.handed_down()).engine_socket
     runtime = Runtime(settings)
@@ -53,7 +68,7 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
         if engine_socket is not None:  # the engine process of `switchyard serve` with front processes
             from service.process.engine_host import engine_server
 
-            link = engine_server(runtime, engine_socket)
+            link = engine_server(runtime, pipeline, engine_socket)
             await link.start()
         try:
             yield
@@ -64,7 +79,7 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
             await runtime.stop()
             access_log.stop()
 
-    app = FastAPI(title="Switchyard", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = SwitchyardApp(title="Switchyard", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.switchyard = runtime
     install_error_handlers(app)
     openapi.install(app, settings)
@@ -76,5 +91,7 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.server.max_body_bytes,
                        max_bulk_bytes=settings.server.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
-    # an ASGI app that behaves as the FastAPI app
-    return HotLane(app, settings, local_answer(runtime), runtime.admission, local_answer_now(runtime))  # type: ignore[return-value]
+    pipeline = runtime.pipeline = Pipeline(runtime, app.exception_handlers, app)
+    app.express = Express(app.serve_full, settings, LocalLane(pipeline), runtime.admission, pipeline.problem,
+                          inline=settings.vectors.express_protocol)
+    return app

@@ -1,11 +1,12 @@
-"""Uvicorn's httptools protocol with a synchronous lane for plain searches: answered from the parser's callbacks.
+"""Uvicorn's httptools protocol with express's inline answers: searches answered from the parser's callbacks.
 
 A single-vector search the resident CPU engine can answer at once (loaded, consistent enough, a free slot, cheap
-enough for the event loop) needs no ASGI cycle: when its body is complete this protocol asks the hot lane
-(service/http/express.py, HotLane.answer_now) and writes the answer itself. Whatever answer_now declines, and every
-other request, becomes the ASGI cycle uvicorn would have made, body already read, so errors and metrics are the
-app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline), checked by
-tests/test_hot_protocol.py. SWITCHYARD_SYNC_SEARCH=false leaves uvicorn's protocol. Why: docs/design/serving.md.
+enough for the event loop) needs no ASGI cycle: express claims it from its headers (Express.claim) and, when its
+body is complete, answers it (Express.answer_inline); this protocol writes the answer itself. Whatever express
+declines, and every other request, becomes the ASGI cycle uvicorn would have made, body already read, so errors
+and metrics are the app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline,
+parser) and STATUS_LINE: uvicorn is pinned to the versions tests/test_express_protocol.py checks them on.
+SWITCHYARD_EXPRESS_PROTOCOL=false leaves uvicorn's protocol. Why: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -15,31 +16,37 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from service.http.express import HotLane, NowRequest
+from service.http.express import Claim, Express
 
 log = logging.getLogger("switchyard")
+# What this protocol reads or sets of HttpToolsProtocol's own state (checked against the installed uvicorn by
+# tests/test_express_protocol.py).
+UVICORN_STATE = ("url", "headers", "scope", "expect_100_continue", "cycle", "pipeline", "parser", "transport",
+                 "server_state", "timeout_keep_alive_task", "timeout_keep_alive", "loop", "app")
 
 
-def find_lane(app: Any) -> HotLane | None:
-    """The hot lane inside uvicorn's wrappers of the app (proxy headers, message logger), if any."""
+def find_express(app: Any) -> Express | None:
+    """Express inside uvicorn's wrappers of the app (proxy headers, message logger), if any."""
     for _ in range(8):
-        if isinstance(app, HotLane):
+        if isinstance(app, Express):
             return app
+        if isinstance(getattr(app, "express", None), Express):  # the app (service/http/app.py)
+            return app.express
         app = vars(app).get("app") if hasattr(app, "__dict__") else None
         if app is None:
             return None
     return None
 
 
-class SyncSearchProtocol(HttpToolsProtocol):
+class ExpressProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.lane = find_lane(self.app)
-        self.held: list[bytes] | None = None  # the body of a request the synchronous lane may answer ...
-        self.taken: NowRequest | None = None  # ... and what the lane took of its headers
+        self.express = find_express(self.app)
+        self.held: list[bytes] | None = None  # the body of a request express may answer inline ...
+        self.claim: Claim | None = None  # ... and what express took of its headers
         self.stopping = False
         self.answered = False  # whether the data being parsed completed a request answered here
-        self.responded = False  # whether the lane's answer to the request being completed was sent
+        self.responded = False  # whether the inline answer to the request being completed was sent
 
     def data_received(self, data: bytes) -> None:
         self.answered = False
@@ -58,16 +65,16 @@ class SyncSearchProtocol(HttpToolsProtocol):
             self.stopping = True
 
     def on_message_begin(self) -> None:
-        # What uvicorn's on_message_begin sets but the ASGI scope, which only a request the lane does not answer
+        # What uvicorn's on_message_begin sets but the ASGI scope, which only a request not answered inline
         # needs (a dict and a copy of the app state per request): made by _app_headers_complete. (uvicorn's own
         # __init__ sets it to None the same way.)
         self.url, self.expect_100_continue, self.headers, self.scope = b"", False, [], None  # type: ignore[assignment]
 
     def on_headers_complete(self) -> None:
-        if (self.lane is not None and not self.pipeline and (self.cycle is None or self.cycle.response_complete)
-                and not self.parser.should_upgrade()
-                and (taken := self.lane.take_now(self.parser.get_method(), self.url, self.headers)) is not None):
-            self.taken, self.held = taken, []  # the ASGI cycle, if one is needed, is made when the body is complete
+        if (self.express is not None and not self.pipeline
+                and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()
+                and (claim := self.express.claim(self.parser.get_method(), self.url, self.headers)) is not None):
+            self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is complete
             if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.expect_100_continue = False
@@ -94,11 +101,11 @@ class SyncSearchProtocol(HttpToolsProtocol):
             return
         raw, self.held = b"".join(self.held), None
         self.responded = False
-        assert self.lane is not None and self.taken is not None  # held: the lane took the request
+        assert self.express is not None and self.claim is not None  # held: express claimed the request
         try:
-            self.lane.answer_now(self.taken, raw, self._respond)
+            self.express.answer_inline(self.claim, raw, self._respond)
         except Exception:  # noqa: BLE001 - unanswered, the ASGI path runs it again and answers whatever happens there
-            log.exception("the synchronous search lane failed%s", "" if self.responded else
+            log.exception("the inline search answer failed%s", "" if self.responded else
                           "; the request goes through the app")
         if not self.responded:
             self._app_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started

@@ -1,13 +1,13 @@
 """What a search or JSON upsert says, parsed and checked as far as it can be without its collection.
 
-A front process (service/process/front.py) parses here and sends the result to the engine process; a single process
-parses and answers in one go (routes/vectors.py). Light on purpose: front processes import this and no engine.
+The parse step of the request pipeline (service/pipeline.py): a body becomes a typed call, which a front process
+sends to an engine process and a single process answers itself. Light on purpose: front processes import this and
+no engine.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import parse_qsl
 
@@ -16,11 +16,12 @@ import orjson
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from indexes.errors import VectorError
-from indexes.vectors import MAX_K, decode_base64, encode_payloads, unshaped_matrix
+from indexes.errors import InvalidInput, VectorError
+from indexes.vectors import MAX_K, decode_base64, encode_payloads, fit_matrix, unshaped_matrix
 from service.errors import ProblemError
 from service.http.jsonnum import Float, Int, IntList
 from service.http.openapi import exactly_one_of
+from service.process.messages import SearchCall, UpsertCall, float32_bytes
 
 RAW_VECTORS = "application/octet-stream"
 # What parsing or answering a bad request raises: the full app formats each as its problem+json.
@@ -127,42 +128,50 @@ def parse_json(model: type[BaseModel], raw: bytes) -> Any:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
-@dataclass(frozen=True)
-class ParsedSearch:
-    """A search checked as far as it can be without its collection (a front process does this part)."""
-    options: SearchOptions
-    queries: np.ndarray | bytes  # a float32 matrix from JSON lists, or raw float32 bytes (sent or base64-decoded)
-    field: str
-    single: bool  # answer one list, not a list per query
+OPTION_FIELDS = tuple(SearchOptions.model_fields)
 
 
-def parse_search(raw: bytes, content_type: str = "application/json", query_string: str = "") -> ParsedSearch:
+@functools.lru_cache(maxsize=1024)
+def raw_search_fields(query_string: str) -> tuple[dict[str, Any], bool]:
+    """raw_search_options as a SearchCall's fields (remembered alike; callers must not change them)."""
+    options, batch = raw_search_options(query_string)
+    return {name: getattr(options, name) for name in OPTION_FIELDS}, batch
+
+
+def parse_search(collection: str, raw: bytes, content_type: str = "application/json",
+                 query_string: str = "") -> SearchCall:
+    """The parse step of every search: its body (JSON, or raw float32 with options in the query string) as a
+    SearchCall, checked as far as it can be without its collection."""
     if content_type == RAW_VECTORS:
-        options, batch = raw_search_options(query_string)
-        return ParsedSearch(options, raw, "body", single=not batch)
+        fields, batch = raw_search_fields(query_string)
+        return SearchCall(collection, raw, None, "body", not batch, **fields)
     body = parse_json(SearchRequest, raw)
-    options = SearchOptions.model_construct(**{f: getattr(body, f) for f in SearchOptions.model_fields})
+    fields = {name: getattr(body, name) for name in OPTION_FIELDS}
     if body.vector is not None:
-        return ParsedSearch(options, unshaped_matrix([body.vector], "vector"), "vector", single=True)
-    if body.vectors is not None:
-        return ParsedSearch(options, unshaped_matrix(body.vectors, "vectors"), "vectors", single=False)
-    return ParsedSearch(options, decode_base64(body.vectors_b64, "vectors_b64"), "vectors_b64", single=False)
-
-
-@dataclass(frozen=True)
-class ParsedUpsert:
-    """A JSON upsert checked as far as it can be without its collection (a front process does this part)."""
-    ids: list[int]
-    vectors: np.ndarray | bytes  # a float32 matrix from JSON lists, or the decoded base64 bytes
-    field: str
-    payloads: list[bytes | None] | None
-
-
-def parse_upsert(raw: bytes) -> ParsedUpsert:
-    body = parse_json(UpsertPoints, raw)
-    if body.vectors is not None:
-        vectors: np.ndarray | bytes = unshaped_matrix(body.vectors, "vectors")
+        matrix, field, single = unshaped_matrix([body.vector], "vector"), "vector", True
+    elif body.vectors is not None:
+        matrix, field, single = unshaped_matrix(body.vectors, "vectors"), "vectors", False
     else:
-        vectors = decode_base64(body.vectors_b64, "vectors_b64")
-    return ParsedUpsert(body.ids, vectors, "vectors" if body.vectors is not None else "vectors_b64",
-                        encode_payloads(body.payloads, len(body.ids)))
+        data = decode_base64(body.vectors_b64, "vectors_b64")
+        return SearchCall(collection, data, None, "vectors_b64", False, **fields)
+    return SearchCall(collection, float32_bytes(matrix), matrix.shape[1], field, single, **fields)
+
+
+def parse_upsert(collection: str, raw: bytes) -> UpsertCall:
+    """The parse step of a JSON upsert, as an UpsertCall checked as far as it can be without its collection."""
+    body = parse_json(UpsertPoints, raw)
+    payloads = encode_payloads(body.payloads, len(body.ids))
+    if body.vectors is not None:
+        matrix = unshaped_matrix(body.vectors, "vectors")
+        return UpsertCall(collection, body.ids, float32_bytes(matrix), matrix.shape[1], "vectors", payloads)
+    return UpsertCall(collection, body.ids, decode_base64(body.vectors_b64, "vectors_b64"), None, "vectors_b64",
+                      payloads)
+
+
+def matrix_of(data: bytes, width: int | None, dim: int, field: str) -> np.ndarray:
+    """A call's vectors as a (n, dim) float32 matrix, checked against the collection's dimension."""
+    if width is None:
+        return fit_matrix(data, dim, field)
+    if width != dim:
+        raise InvalidInput(f"vectors have dimension {width}, the collection has {dim}", field=field)
+    return np.frombuffer(data, dtype="<f4").reshape(-1, dim)

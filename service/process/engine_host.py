@@ -1,47 +1,35 @@
-"""The engine process's end of the front/engine split: the hot operations a front process sends it."""
+"""The engine process's end of the front/engine split: the hot calls front processes send it, admitted and run
+through the same pipeline as this process's own HTTP requests (service/pipeline.py)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
 
-from service.admission.control import PRINCIPAL, Shed
-from service.admission.deadlines import set_deadline
-from service.http.express import HOT_KINDS, observe_hot
-from service.http.routes.vectors import answer_search, answer_upsert
-from service.process.link import EngineServer, Handler
+from service.pipeline import HOT_KINDS, Pipeline, call_scope, is_search
+from service.process.link import EngineServer
+from service.process.messages import Reply, Request, SearchCall, UnparsedCall, UpsertCall
 from service.runtime import Runtime
 
 
-def engine_server(runtime: Runtime, path: Path) -> EngineServer:
-    quota = bool(runtime.settings.admission.quota_requests_per_s)
-    pressure = runtime.admission.pressure  # the in-flight limit covers the fronts' hot requests too
+def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineServer:
+    admission = runtime.admission  # the in-flight limit covers the fronts' hot calls too
 
-    def counted(answer: Callable[[Any, str, Any], Awaitable[bytes]], search: bool) -> Handler:
-        """Answer a parsed request, counted in the metrics with the time the front spent on it."""
-        async def handle(name: str, parsed: Any, front_s: float, deadline: float | None, principal: str) -> bytes:
-            # Each request runs as its own task here: these hold for it alone. Deadlines are time.monotonic(),
-            # one clock for every process of the machine.
-            set_deadline(deadline)
-            PRINCIPAL.set(principal)
-            if quota:
-                runtime.admission.check_request(principal)
-            if pressure is not None and not await pressure.enter(True):
-                # No slot: the front replays the request through this process's full app, which answers 503
-                # (or serves it, if a slot came free meanwhile).
-                raise Shed("no slot under the in-flight limit", 1.0, reason="inflight")
-            start = time.perf_counter()
+    async def handle(request: Request) -> Reply:
+        # Each request runs as its own task here: what begin() sets holds for it alone.
+        call, search = request.call, is_search(request.call)
+        try:
+            admission.begin(request.deadline, request.principal)
+            ticket = await admission.enter(True)
+        except Exception as exc:  # noqa: BLE001 - over quota, or no slot: answered as the app answers it
+            reply = await pipeline.problem(exc, call_scope(call, search))
+        else:
             answered = False
             try:
-                body = await answer(runtime, name, parsed)
-                answered = True
+                reply = await pipeline.serve(call, request.spent_s)
+                answered = reply.status == 200
             finally:
-                if pressure is not None:
-                    pressure.leave(True, HOT_KINDS[search] if answered else None, time.perf_counter() - start)
-            observe_hot(runtime.metrics, search, front_s + time.perf_counter() - start)
-            return body
+                ticket.leave(HOT_KINDS[search] if answered else None)
+        reply.id = request.id
+        return reply
 
-        return handle
-
-    return EngineServer(path, {"search": counted(answer_search, True), "upsert": counted(answer_upsert, False)})
+    return EngineServer(path, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), handle))

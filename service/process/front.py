@@ -15,21 +15,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import operator
-import time
 from typing import Callable, Sequence, TypeVar
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.admission.control import PRINCIPAL
-from service.admission.deadlines import deadline as current_deadline
 from service.errors import problem_response
 from service.http import access_log
-from service.http.express import CLIENT_HEADER, REQUEST_ERRORS, HotLane
-from service.http.vector_requests import parse_search, parse_upsert
+from service.http.express import CLIENT_HEADER, Express, deadline_and_principal
+from service.pipeline import reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
+from service.process.messages import Call, Reply, SearchCall
 from service.settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
@@ -177,17 +175,39 @@ def _labelled(sample: str, label: str) -> str:
     return f"{sample[:space]}{{{label}}}{sample[space:]}"
 
 
-class Front(HotLane):
-    """The hot lane of a front process: parse here, answer in the engine process."""
+class EngineLane:
+    """Hot calls run in an engine process, sent over its link (service/process/link.py) to the engine with the
+    least in flight, which admits, runs and counts them (with the time spent here)."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        self.engines = engines
+        self.pick = LeastBusy()
+
+    async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply:
+        deadline, principal = deadline_and_principal()
+        try:
+            reply = await self.pick(self.engines, IN_FLIGHT).call(call, deadline, principal, spent_s)
+        except EngineGone as exc:
+            return reply_of(_unavailable(scope, exc))
+        if not reply.body:  # the engine's handler itself failed
+            return reply_of(_unavailable(scope, RuntimeError("the engine failed to answer")))
+        return reply
+
+    def run_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool:
+        return False  # a front answers nothing itself
+
+
+class Front(Express):
+    """Express in a front process: parse here, run in the engine process; everything else passes through."""
 
     def __init__(self, settings: Settings, links: ProcessLinks) -> None:
         if not links.engines:
             raise RuntimeError("a front process is started by `switchyard serve`, which hands it the engines' sockets")
         proxies = [EngineProxy(str(engine.http)) for engine in links.engines]
-        super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self._answer)
         self.proxies = proxies
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
-        self.pick = LeastBusy()
+        super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings,
+                         EngineLane(self.engines))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -209,20 +229,6 @@ class Front(HotLane):
                 access_log.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    async def _answer(self, search: bool, name: str, raw: bytes, media: str, query_string: str,
-                      start: float) -> bytes | None:
-        try:
-            parsed = parse_search(raw, media, query_string) if search else parse_upsert(raw)
-        except REQUEST_ERRORS:
-            return None  # the engine's full app answers the replay with the exact problem
-        try:
-            # The engine counts the request in its metrics, adding the time spent here.
-            engine = self.pick(self.engines, IN_FLIGHT)
-            return await engine.call("search" if search else "upsert", name, parsed, time.perf_counter() - start,
-                                     current_deadline(), PRINCIPAL.get())
-        except EngineGone:
-            return None  # the replay answers 503 if the engine is still away
 
 
 def create_front() -> Front:

@@ -1,11 +1,10 @@
-"""The hop between the front processes and the engine process: pickled frames over a unix socket (and, on a Ray
-cluster, between an ingress and the shard hosts over TCP: service/cluster/fanout.py).
+"""The hop between processes: typed messages (service/process/messages.py) in msgpack frames over a unix socket,
+from the front processes to an engine process, and over TCP from an ingress to the shard replicas of a Ray cluster
+(service/cluster/fanout.py), where every frame is signed (HMAC-SHA256) and checked before it is decoded.
 
-A request is (id, operation, arguments); its answer is (id, bytes), or (id, None) when it failed, and the front then
-replays the request through the engine's full app, which formats the error as it would without the hop. Answers
-come back as they finish, so one connection carries every request of a front at once. Pickle carries numpy arrays
-as raw bytes; both ends are this codebase, and the socket sits in a directory only this user can open. Why this
-transport (measured against ZeroMQ): docs/design/serving.md#front-and-engine-processes.
+A `Request` carries one call and its id; the handler for the call's type answers with a `Reply` of the same id.
+Answers come back as they finish, so one connection carries every request of a front at once. Why this transport
+(measured against ZeroMQ): docs/design/serving.md#front-and-engine-processes.
 """
 
 from __future__ import annotations
@@ -14,10 +13,13 @@ import asyncio
 import hmac
 import itertools
 import os
-import pickle
 import struct
 from pathlib import Path
 from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from service.process.messages import Call, Failure, Message, Reply, Request, encoder, reply_decoder, request_decoder
 
 LENGTH = struct.Struct("!I")
 SIGNATURE = 32  # bytes of HMAC-SHA256 before each signed frame
@@ -27,8 +29,8 @@ class EngineGone(ConnectionError):
     """The engine process cannot be reached, or went away before answering."""
 
 
-def frame(message: object, key: bytes | None = None) -> bytes:
-    body = pickle.dumps(message, protocol=5)
+def frame(message: Message, key: bytes | None = None) -> bytes:
+    body = encoder.encode(message)
     if key is not None:
         body = hmac.digest(key, body, "sha256") + body
     return LENGTH.pack(len(body)) + body
@@ -38,10 +40,12 @@ class FrameProtocol(asyncio.Protocol):
     """Cuts the byte stream into frames and hands each message to `received` (a protocol, not streams: the hop
     is on every hot request, and StreamReader's two awaits per frame cost more than this loop)."""
 
-    def __init__(self, received: Callable[[Any], None], key: bytes | None = None) -> None:
+    def __init__(self, received: Callable[[Any], None], decoder: msgspec.msgpack.Decoder,
+                 key: bytes | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.received = received
-        self.key = key  # over TCP, frames are signed (HMAC-SHA256) and checked before anything is unpickled
+        self.decoder = decoder
+        self.key = key  # over TCP, frames are signed (HMAC-SHA256) and checked before anything is decoded
         self._buffer = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -63,21 +67,27 @@ class FrameProtocol(asyncio.Protocol):
                     if self.transport is not None:
                         self.transport.close()
                     return
-            self.received(pickle.loads(body))
+            try:
+                message = self.decoder.decode(body)
+            except msgspec.DecodeError:  # not a message of ours: this peer is not one of ours either
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            self.received(message)
 
-    def send(self, message: object) -> None:
+    def send(self, message: Message) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame(message, self.key))
 
 
-Handler = Callable[..., Awaitable[Any]]
+Handler = Callable[[Request], Awaitable[Reply]]  # answers one kind of call
 Address = Path | tuple[str, int]  # a unix socket, or a TCP host and port (0: any free one)
 
 
 class _EngineSide(FrameProtocol):
-    def __init__(self, handlers: dict[str, Handler], tasks: set[asyncio.Task], links: set[_EngineSide],
+    def __init__(self, handlers: dict[type, Handler], tasks: set[asyncio.Task], links: set[_EngineSide],
                  key: bytes | None) -> None:
-        super().__init__(self._request, key)
+        super().__init__(self._request, request_decoder, key)
         self.handlers = handlers
         self.tasks = tasks
         self.links = links
@@ -89,24 +99,23 @@ class _EngineSide(FrameProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.links.discard(self)
 
-    def _request(self, message: Any) -> None:
-        rid, operation, args = message
-        task = asyncio.ensure_future(self._answer(rid, operation, args))
+    def _request(self, request: Request) -> None:
+        task = asyncio.ensure_future(self._answer(request))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _answer(self, rid: int, operation: str, args: tuple) -> None:
+    async def _answer(self, request: Request) -> None:
         try:
-            answer: bytes | None = await self.handlers[operation](*args)
-        except Exception:  # expected (404, 422 ...) or not: the replay through the full app answers and logs it
-            answer = None
-        self.send((rid, answer))
+            reply = await self.handlers[type(request.call)](request)
+        except Exception as exc:  # noqa: BLE001 - a handler's own failure (handlers answer expected errors)
+            reply = Reply(request.id, status=500, value=Failure.of(exc))
+        self.send(reply)
 
 
 class EngineServer:
     """The engine process's end: runs each request's handler as its own task and sends answers as they finish."""
 
-    def __init__(self, path: Address, handlers: dict[str, Handler], key: bytes | None = None) -> None:
+    def __init__(self, path: Address, handlers: dict[type, Handler], key: bytes | None = None) -> None:
         self.path = path
         self.key = key
         self.port: int | None = None  # the TCP port listened on, once started
@@ -142,15 +151,14 @@ class EngineServer:
 
 class _FrontSide(FrameProtocol):
     def __init__(self, key: bytes | None = None) -> None:
-        super().__init__(self._answered, key)
+        super().__init__(self._answered, reply_decoder, key)
         self.pending: dict[int, asyncio.Future] = {}
         self.lost = False
 
-    def _answered(self, message: Any) -> None:
-        rid, answer = message
-        future = self.pending.get(rid)
+    def _answered(self, reply: Reply) -> None:
+        future = self.pending.get(reply.id)
         if future is not None and not future.done():
-            future.set_result(answer)
+            future.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -174,15 +182,16 @@ class EngineClient:
         """Requests sent and not yet answered."""
         return len(self._link.pending) if self._link is not None else 0
 
-    async def call(self, operation: str, *args: object) -> Any:
-        """The engine's answer, or None if the request failed there; EngineGone if it cannot be reached."""
+    async def call(self, call: Call, deadline: float | None = None, principal: str = "",
+                   spent_s: float = 0.0) -> Reply:
+        """The engine's reply; EngineGone if it cannot be reached or goes away before answering."""
         link = self._link
         if link is None or link.lost:
             link = await self._connect()
         rid = next(self._ids)
         answer = link.pending[rid] = asyncio.get_running_loop().create_future()
         try:
-            link.send((rid, operation, args))
+            link.send(Request(rid, call, deadline, principal, spent_s))
             return await answer
         finally:
             link.pending.pop(rid, None)

@@ -19,23 +19,20 @@ from indexes.vectors import (
     check_finite,
     check_ids,
     checked_points,
-    fit_matrix,
 )
 from service.http.deps import RuntimeDep, domain, v1_router
 from service.http.jsonnum import Float, Int, IntList
 from service.http.vector_requests import (
     RAW_VECTORS,
     REQUEST_ERRORS,
-    ParsedSearch,
-    ParsedUpsert,
     SearchRequest,
     UpsertPoints,
-    parse_search,
-    parse_upsert,
-    raw_search_options,
+    matrix_of,
 )
 from service.jobs.disk import BULK_BYTES_PER_BYTE, ensure_room
 from service.jobs.spool import spool
+from service.pipeline import Pipeline, parse_call
+from service.process.messages import Reply, SearchCall, UpsertCall
 
 router = v1_router(tags=["vectors"])
 
@@ -206,7 +203,7 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
-    return Response(await run_upsert(runtime, name, await request.body()), media_type="application/json")
+    return _answered(await pipeline_of(runtime).serve(parse_call(False, name, await request.body(), "", "")))
 
 
 async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: str) -> Any:
@@ -229,19 +226,14 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
         raise
 
 
-async def answer_upsert(runtime: Any, name: str, parsed: ParsedUpsert) -> bytes:
-    """Store a parsed upsert (acknowledged after COMMIT) and answer it."""
+async def answer_upsert(runtime: Any, call: UpsertCall) -> bytes:
+    """The run step of a JSON upsert: store it (acknowledged after COMMIT) and answer it."""
     vectors = domain(runtime, "vectors")
-    c = await vectors.collection(name)
-    points = checked_points(parsed.ids, fit_matrix(parsed.vectors, c.dim, parsed.field), parsed.payloads)
+    c = await vectors.collection(call.collection)
+    points = checked_points(call.ids, matrix_of(call.vectors, call.width, c.dim, call.field), call.payloads)
     async with runtime.admission.slot("writes", bound_run=False):
-        seq = await vectors.upsert(name, points)
+        seq = await vectors.upsert(call.collection, points)
     return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
-
-
-async def run_upsert(runtime: Any, name: str, raw: bytes) -> bytes:
-    """A JSON upsert: parse, store, answer. Shared with the hot lane."""
-    return await answer_upsert(runtime, name, parse_upsert(raw))
 
 
 @router.post("/collections/{name}/points/delete", summary="Delete points by id")
@@ -252,20 +244,18 @@ async def delete_points(name: CollectionName, body: DeletePoints, runtime: Runti
     return WriteOut(deleted=deleted, seq=seq)
 
 
-async def answer_search(runtime: Any, name: str, parsed: ParsedSearch) -> bytes:
-    """Run a parsed search and return its JSON answer."""
+async def answer_search(runtime: Any, call: SearchCall) -> bytes:
+    """The run step of a search: its JSON answer."""
     vectors = domain(runtime, "vectors")
-    c = await vectors.collection(name)
-    raw = isinstance(parsed.queries, bytes)  # counted before anything is decoded
-    check_batch(len(parsed.queries) // (4 * c.dim) if raw else len(parsed.queries), parsed.options.k, parsed.field)
-    queries = fit_matrix(parsed.queries, c.dim, parsed.field)
+    c = await vectors.collection(call.collection)
+    check_batch(call.rows(c.dim), call.k, call.field)  # counted before anything is decoded
+    queries = matrix_of(call.queries, call.width, c.dim, call.field)
     # A raw body is one query unless it says batch=true, which it can only tell once the dimension is known.
-    single = parsed.single and (parsed.field != "body" or len(queries) == 1)
-    body = parsed.options
-    consistency = body.consistency or vectors.consistency.default
-    answer = await vectors.search(name, queries, body.k, body.engine, body.params, body.filter,
-                                  single=single, consistency=consistency, seq=body.seq,
-                                  recall_target=body.recall_target)
+    single = call.single and (call.field != "body" or len(queries) == 1)
+    consistency = call.consistency or vectors.consistency.default
+    answer = await vectors.search(call.collection, queries, call.k, call.engine, call.params, call.filter,
+                                  single=single, consistency=consistency, seq=call.seq,
+                                  recall_target=call.recall_target)
     return search_json(answer, single, consistency)
 
 
@@ -280,44 +270,28 @@ def search_json(answer: Any, single: bool, consistency: str) -> bytes:
     return orjson.dumps(out)
 
 
-def search_now(runtime: Any, name: str, raw: bytes, content_type: str, query_string: str,
-               respond: Callable[[bytes], None]) -> bool:
-    """run_search's answer computed at once, without awaiting anything, and given to `respond` as soon as it is
-    made; False, with nothing given, for a request that is not one plain query served by the resident CPU engine
-    right away, or that fails in any way (run_search then answers it, errors included). Called by the HTTP
-    protocol itself (service/http/express_protocol.py)."""
+def search_inline(runtime: Any, call: SearchCall, respond: Callable[[bytes], None]) -> bool:
+    """answer_search's answer computed at once, without awaiting anything, and given to `respond` as soon as it is
+    made; False, with nothing given, for a search that is not one query served by the resident CPU engine right
+    away, or that fails in any way (answer_search then answers it, errors included)."""
     vectors = runtime.vectors
-    c = vectors.catalog.get(name) if vectors is not None else None
-    if c is None:
+    c = vectors.catalog.get(call.collection) if vectors is not None else None
+    if c is None or len(call.queries) != 4 * c.dim:
         return False
+    if call.width not in (None, c.dim):
+        return False
+    queries = np.frombuffer(call.queries, dtype="<f4").reshape(1, c.dim)
     try:
-        if content_type == RAW_VECTORS:  # one vector of the collection's dimension: nothing to parse
-            body, batch = raw_search_options(query_string)
-            if len(raw) != 4 * c.dim:
-                return False
-            queries, single = np.frombuffer(raw, dtype="<f4").reshape(1, c.dim), not batch
-            check_finite(queries, "body")
-        else:  # one vector, or a batch of one (answered as a batch)
-            parsed = parse_search(raw, content_type, query_string)
-            body, single = parsed.options, parsed.single
-            queries = fit_matrix(parsed.queries, c.dim, parsed.field)
-            if len(queries) != 1:
-                return False
-        consistency = body.consistency or vectors.consistency.default
-        answer = vectors.search_now(name, queries[0], body.k, body.engine, body.params, consistency, body.seq,
-                                    body.filter, body.recall_target,
-                                    lambda found: respond(search_json(found, single, consistency)))
+        if call.width is None:  # JSON lists were checked when parsed
+            check_finite(queries, call.field)
     except REQUEST_ERRORS:
         return False
+    single = call.single
+    consistency = call.consistency or vectors.consistency.default
+    answer = vectors.search_now(call.collection, queries[0], call.k, call.engine, call.params, consistency, call.seq,
+                                call.filter, call.recall_target,
+                                lambda found: respond(search_json(found, single, consistency)))
     return answer is not None
-
-
-async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "application/json",
-                     query_string: str = "") -> bytes:
-    """Parse a search body, search, and return the JSON answer. Shared by the route below and the hot lane
-    (service/http/express.py), which calls it without FastAPI's per-request machinery; a front process calls the two
-    halves on either side of its hop to the engine process (service/process/front.py)."""
-    return await answer_search(runtime, name, parse_search(raw, content_type, query_string))
 
 
 @router.post(
@@ -331,8 +305,19 @@ async def run_search(runtime: Any, name: str, raw: bytes, content_type: str = "a
 async def search(name: CollectionName, request: Request) -> Response:
     # The body is parsed by pydantic-core straight from bytes (or not at all) and the answer written with orjson.
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    return Response(await run_search(request.app.state.switchyard, name, await request.body(), content_type,
-                                     request.url.query), media_type="application/json")
+    call = parse_call(True, name, await request.body(), content_type, request.url.query)
+    return _answered(await pipeline_of(request.app.state.switchyard).serve(call))
+
+
+def pipeline_of(runtime: Any) -> Pipeline:
+    pipeline = runtime.pipeline
+    assert pipeline is not None  # the app sets it when it is made
+    return pipeline
+
+
+def _answered(reply: Reply) -> Response:
+    """A reply of the pipeline as the route's response."""
+    return Response(reply.body, status_code=reply.status, headers=dict(reply.headers))
 
 
 @router.post("/collections/{name}/recall", summary="recall@k of an engine against exact search")

@@ -1,4 +1,4 @@
-"""The HTTP protocol's synchronous search lane (service/http/express_protocol.py), through a real `switchyard serve`.
+"""Express's inline answers from the HTTP protocol (service/http/express_protocol.py), through a real `switchyard serve`.
 
 Plain single-vector searches the resident CPU engine can answer at once are answered from the protocol itself;
 everything else, errors included, must be answered exactly as before by the app. Checked against a numpy oracle,
@@ -7,6 +7,7 @@ over keep-alive connections, pipelined requests, HTTP/1.0 and `Expect: 100-conti
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import socket
@@ -17,11 +18,12 @@ import numpy as np
 import pytest
 
 from helpers import assert_problem
+from service.http import express_protocol
 from loadtests.processes import local_service
 from vector_data import b64, clustered, oracle
 
 DIM = 16
-KEY = "sync-lane-key"
+KEY = "express-protocol-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 RAW = {"Content-Type": "application/octet-stream"}
 SEARCH_ROUTE = 'route="/v1/collections/{name}/search"'
@@ -29,7 +31,7 @@ SEARCH_ROUTE = 'route="/v1/collections/{name}/search"'
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sync-lane")
+    folder = tmp_path_factory.mktemp("express-protocol")
     data = clustered(600, DIM, seed=31)
     env = {"SWITCHYARD_API_KEY": KEY, "SWITCHYARD_UDS": str(folder / "sy.sock")}
     with local_service(1, folder / "data", folder / "serve.log", env=env) as url:
@@ -44,6 +46,24 @@ def served(tmp_path_factory):
             yield client, data, folder / "sy.sock"
 
 
+def test_the_installed_uvicorn_is_one_the_protocol_was_checked_on():
+    """The protocol subclasses uvicorn's HttpToolsProtocol and reads its per-request state, which is not public API:
+    pyproject.toml pins uvicorn to the versions these tests pass on, and this fails on any other."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    pin = next(Requirement(r) for r in requires("switchyard") or () if Requirement(r).name == "uvicorn")
+    assert pin.specifier.contains(version("uvicorn")), (pin, version("uvicorn"))
+    source = inspect.getsource(HttpToolsProtocol)
+    for used in express_protocol.UVICORN_STATE:
+        assert f"self.{used}" in source, f"uvicorn's HttpToolsProtocol no longer has {used!r}"
+    for hook in ("on_message_begin", "on_headers_complete", "on_body", "on_message_complete", "data_received",
+                 "shutdown", "timeout_keep_alive_handler"):
+        assert callable(getattr(HttpToolsProtocol, hook, None)), hook
+
+
 def metric(client: httpx.Client, name: str, *labels: str) -> float:
     for line in client.get("/metrics").text.splitlines():
         if line.startswith(name) and all(label in line for label in labels):
@@ -52,7 +72,7 @@ def metric(client: httpx.Client, name: str, *labels: str) -> float:
 
 
 def synced(client: httpx.Client) -> float:
-    return metric(client, "switchyard_sync_searches_total")
+    return metric(client, "switchyard_express_protocol_searches_total")
 
 
 def test_plain_searches_are_answered_by_the_protocol_as_the_oracle_answers(served):

@@ -1,0 +1,121 @@
+"""The request pipeline of searches and JSON upserts: parse -> authorize -> admit -> run -> observe -> answer.
+
+Each step is written once, and every lane goes through the same functions:
+- parse: `parse_call` (http/vector_requests.parse_search / parse_upsert), a body to a typed call;
+- authorize: http/auth.check_bearer;
+- admit: Admission.begin (deadline, quota) and Admission.enter / enter_now (the in-flight limit);
+- run and observe: `Pipeline.serve` (awaited) and `Pipeline.serve_inline` (at once, no await), in the process
+  that holds the engines;
+- answer: the lane's own way out, from the `Reply` the run gives.
+The lanes differ only in how bytes arrive and leave and where the run happens: http/express.py (an ASGI request
+of this process), http/express_protocol.py (a search answered from the HTTP parser's callbacks), and
+process/front.py + process/engine_host.py (parsed in a front process, run in an engine process).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Scope
+
+from service.http.vector_requests import REQUEST_ERRORS, parse_search, parse_upsert
+from service.metrics import Metrics
+from service.process.messages import Call, Reply, SearchCall, UnparsedCall, UpsertCall
+
+if TYPE_CHECKING:
+    from service.runtime import Runtime  # not at run time: front processes import this module, not the engines
+
+JSON_HEADERS = [("content-type", "application/json")]
+ROUTES = {True: ("POST", "/v1/collections/{name}/search"), False: ("PUT", "/v1/collections/{name}/points")}
+# A hot call's kind under the in-flight limit (Admission.enter): the route it stands for.
+HOT_KINDS = {True: ("POST", "search"), False: ("PUT", "points")}
+Handlers = Mapping[Any, Callable[..., Any]]  # the app's exception handlers, by exception class
+
+
+def parse_call(search: bool, collection: str, raw: bytes, media: str, query: str) -> Call:
+    """The parse step: a hot request's body as its typed call; what does not parse becomes an UnparsedCall, which
+    the run parses again to answer with the exact problem (so errors have one way out: Pipeline.serve)."""
+    try:
+        return parse_search(collection, raw, media, query) if search else parse_upsert(collection, raw)
+    except REQUEST_ERRORS:
+        return UnparsedCall(search, collection, raw, media, query)
+
+
+def is_search(call: Call) -> bool:
+    return isinstance(call, SearchCall) or (isinstance(call, UnparsedCall) and call.search)
+
+
+def observe(metrics: Metrics, search: bool, status: int, seconds: float) -> None:
+    """The observe step: a hot call counted under its full route's labels, as the app counts every other."""
+    method, template = ROUTES[search]
+    metrics.observe_request(template, method, status, seconds)
+
+
+class Pipeline:
+    """Run and observe for the process that holds the engines; its app's exception handlers write the problems."""
+
+    def __init__(self, runtime: Runtime, handlers: Handlers, app: Any) -> None:
+        from service.http.routes.vectors import answer_search, answer_upsert, search_inline
+
+        self.runtime = runtime
+        self.handlers = handlers
+        self.app = app
+        self._search, self._upsert, self._inline = answer_search, answer_upsert, search_inline
+
+    async def serve(self, call: Call, spent_s: float = 0.0, scope: Scope | None = None) -> Reply:
+        """Run a call and count it (with `spent_s`, the time a front spent on it): its JSON answer, or its problem.
+        `scope`: the HTTP request it came in, when there is one (the problem's `instance` and logs)."""
+        started = time.perf_counter()
+        search = is_search(call)
+        try:
+            if isinstance(call, UnparsedCall):  # raises the request's own error
+                call = parse_search(call.collection, call.body, call.media, call.query) if search else \
+                    parse_upsert(call.collection, call.body)
+            if isinstance(call, SearchCall):
+                body = await self._search(self.runtime, call)
+            else:
+                assert isinstance(call, UpsertCall)  # a pipeline runs only the hot calls
+                body = await self._upsert(self.runtime, call)
+            reply = Reply(0, 200, body, JSON_HEADERS)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered by the app's own handler
+            reply = await self.problem(exc, scope or call_scope(call, search))
+        observe(self.runtime.metrics, search, reply.status, spent_s + time.perf_counter() - started)
+        return reply
+
+    def serve_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool:
+        """Run a search at once if the resident engine can without waiting, its answer to `respond` as soon as it
+        is made, and count it: whether it was (False: nothing was sent; serve() answers it)."""
+        started = time.perf_counter()
+        if not self._inline(self.runtime, call, respond):
+            return False
+        observe(self.runtime.metrics, True, 200, time.perf_counter() - started)  # the answer's send included
+        self.runtime.metrics.answered_in_protocol()
+        return True
+
+    async def problem(self, exc: Exception, scope: Scope) -> Reply:
+        """The answer the app's exception handler gives `exc` (problem+json), as a Reply."""
+        return await problem_reply(self.handlers, self.app, exc, scope)
+
+
+async def problem_reply(handlers: Handlers, app: Any, exc: Exception, scope: Scope) -> Reply:
+    handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
+    if handler is None:
+        raise exc
+    return reply_of(await handler(Request({**scope, "app": app}), exc))
+
+
+def reply_of(response: Response) -> Reply:
+    """A (whole, not streamed) response as a Reply."""
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers if k != b"content-length"]
+    return Reply(0, response.status_code, bytes(response.body), headers)
+
+
+def call_scope(call: Call, search: bool) -> Scope:
+    """The HTTP request a call stands for, as far as an exception handler reads it (method, path)."""
+    method, template = ROUTES[search]
+    return {"type": "http", "method": method, "path": template.replace("{name}", call.collection),
+            "root_path": "", "query_string": b"", "headers": []}
+
