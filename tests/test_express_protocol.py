@@ -1,4 +1,4 @@
-"""Express's inline answers from the HTTP protocol (service/http/express_protocol.py), through a real `switchyard serve`.
+"""Express's inline answers from the HTTP protocol (http/express_protocol.py), through a real `switchyard serve`.
 
 Plain single-vector searches the resident CPU engine can answer at once are answered from the protocol itself;
 everything else, errors included, must be answered exactly as before by the app. Checked against a numpy oracle,
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_problem
-from service.http import express_protocol
 from loadtests.processes import local_service
+from service.http import express_protocol
 from vector_data import b64, clustered, oracle
 
 DIM = 16
