@@ -140,7 +140,7 @@ class Metrics:
         tally.add()
 
     def answered_in_protocol(self) -> None:
-        """One search answered by the HTTP protocol's synchronous lane."""
+        """One search answered inline by the HTTP protocol (express)."""
         self._in_protocol.add()
 
     def shed(self, engine: str, reason: str) -> None:

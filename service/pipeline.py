@@ -14,6 +14,7 @@ process/front.py + process/engine_host.py (parsed in a front process, run in an 
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from service.runtime import Runtime  # not at run time: front processes import this module, not the engines
 
 JSON_HEADERS = [("content-type", "application/json")]
+HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")  # the paths of hot calls
 ROUTES = {True: ("POST", "/v1/collections/{name}/search"), False: ("PUT", "/v1/collections/{name}/points")}
 # A hot call's kind under the in-flight limit (Admission.enter): the route it stands for.
 HOT_KINDS = {True: ("POST", "search"), False: ("PUT", "points")}
@@ -81,7 +83,7 @@ class Pipeline:
                 body = await self._upsert(self.runtime, call)
             reply = Reply(0, 200, body, JSON_HEADERS)
         except Exception as exc:  # noqa: BLE001 - every failure is answered by the app's own handler
-            reply = await self.problem(exc, scope or call_scope(call, search))
+            reply = await problem_reply(self.handlers, self.app, exc, scope or call_scope(call, search))
         observe(self.runtime.metrics, search, reply.status, spent_s + time.perf_counter() - started)
         return reply
 
@@ -95,9 +97,15 @@ class Pipeline:
         self.runtime.metrics.answered_in_protocol()
         return True
 
-    async def problem(self, exc: Exception, scope: Scope) -> Reply:
-        """The answer the app's exception handler gives `exc` (problem+json), as a Reply."""
-        return await problem_reply(self.handlers, self.app, exc, scope)
+    async def refuse(self, exc: Exception, scope: Scope) -> Reply:
+        """A request a step before the run refused (401, 429, 503 ...): the answer the app's exception handler gives
+        `exc`, counted when it was a hot call."""
+        started = time.perf_counter()
+        reply = await problem_reply(self.handlers, self.app, exc, scope)
+        match = HOT.match(scope["path"])
+        if match is not None and scope["method"] == ROUTES[match.group(2) == "search"][0]:
+            observe(self.runtime.metrics, match.group(2) == "search", reply.status, time.perf_counter() - started)
+        return reply
 
 
 async def problem_reply(handlers: Handlers, app: Any, exc: Exception, scope: Scope) -> Reply:

@@ -402,7 +402,7 @@ def test_a_request_past_its_deadline_is_not_run(small):
     r = small.post("/v1/collections/adm/search", json={"vector": [0.5] * 4, "k": 3, "engine": "pgvector"},
                    headers={"X-Request-Timeout": "0.000001"})
     assert_problem(r, 503, "deadline-exceeded")
-    raw = np.full(4, 0.5, np.float32).tobytes()  # the hot lane too
+    raw = np.full(4, 0.5, np.float32).tobytes()  # express's inline answers too
     r = small.post("/v1/collections/adm/search?k=3", content=raw,
                    headers={"Content-Type": "application/octet-stream", "X-Request-Timeout": "0.000001"})
     assert_problem(r, 503, "deadline-exceeded")
@@ -523,7 +523,7 @@ def test_an_engine_out_of_memory_answers_503_and_cools_down_at_once(make_client)
         "std::bad_alloc: out_of_memory: CUDA error at: rmm/mr/device/cuda_memory_resource.hpp"), breaker_failures=5)
     query = {"vector": [0.5] * 4, "k": 3}
     r = client.post("/v1/collections/oom/search", json={**query, "engine": "cpu"})
-    # the hot lane hands a failed request to the full app, which finds the engine cooling down already
+    # the failure itself is out-of-memory; a request that meets the breaker already open is cooling-down
     body = r.json()
     assert r.status_code == 503 and body["type"].endswith(("out-of-memory", "engine-cooling-down")), body
     assert r.headers["Retry-After"] == "60" and "out of memory" in body["detail"] and "bad_alloc" not in body["detail"]

@@ -52,7 +52,7 @@ def service_processes(client: httpx.Client) -> tuple[psutil.Process, list[psutil
 def test_answers_match_the_oracle_through_every_encoding(fronted):
     data = clustered(300, DIM, seed=11)
     assert fronted.post("/v1/collections", json={"name": "f1", "dim": DIM}).status_code == 201
-    # half as JSON lists, half as base64, through the fronts' hot lane; payloads ride along
+    # half as JSON lists, half as base64, through the fronts' express; payloads ride along
     r = fronted.put("/v1/collections/f1/points", json={"ids": list(range(150)), "vectors": data[:150].tolist(),
                                                        "payloads": [{"i": i} for i in range(150)]})
     assert r.status_code == 200, r.text

@@ -92,6 +92,6 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
                        max_bulk_bytes=settings.server.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
     pipeline = runtime.pipeline = Pipeline(runtime, app.exception_handlers, app)
-    app.express = Express(app.serve_full, settings, LocalLane(pipeline), runtime.admission, pipeline.problem,
+    app.express = Express(app.serve_full, settings, LocalLane(pipeline), runtime.admission, pipeline.refuse,
                           inline=settings.vectors.express_protocol)
     return app

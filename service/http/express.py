@@ -27,11 +27,10 @@ from service.http.access_log import log_request
 from service.http.auth import check_bearer
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search
 from service.metrics import StatusSend
-from service.pipeline import HOT_KINDS, Pipeline, parse_call
+from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call
 from service.process.messages import Call, Reply, SearchCall
 from service.settings import Settings
 
-HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")
 JSON = b"application/json"
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 CLIENT_HEADER = b"x-switchyard-client"  # a front process's client address, to the engine process (quotas)

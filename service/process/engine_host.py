@@ -21,7 +21,7 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
             admission.begin(request.deadline, request.principal)
             ticket = await admission.enter(True)
         except Exception as exc:  # noqa: BLE001 - over quota, or no slot: answered as the app answers it
-            reply = await pipeline.problem(exc, call_scope(call, search))
+            reply = await pipeline.refuse(exc, call_scope(call, search))
         else:
             answered = False
             try:
