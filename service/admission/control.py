@@ -226,9 +226,8 @@ class Admission:
         The caller gives it back with `.release(held_s)` (None: the call did not run)."""
         if not self.enabled:
             return UNBOUNDED
-        breaker = self.breakers.get(engine)
-        if ((breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until)
-                or self.settings.admission.quota_engine_seconds_per_s or current_deadline() is not None):
+        if (self.open_breaker(engine) is not None or self.settings.admission.quota_engine_seconds_per_s
+                or current_deadline() is not None):
             return None
         gate = self.gate(engine)
         if gate.active >= gate.limit or gate.waiters:
@@ -297,6 +296,11 @@ class Admission:
         return bucket
 
     # -- breakers --------------------------------------------------------------------------------------
+    def open_breaker(self, engine: str) -> Breaker | None:
+        """The engine's breaker while it is open (the engine is cooling down), else None."""
+        breaker = self.breakers.get(engine)
+        return breaker if breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until else None
+
     def cooling(self, engine: str) -> str | None:
         """Why `auto` should route around this engine now, or None. After the cool-down one request probes it."""
         breaker = self.breakers.get(engine)
@@ -365,8 +369,7 @@ class Slot:
         if not a.enabled:
             self.started = time.monotonic()
             return
-        breaker = a.breakers.get(self.engine)
-        if breaker is not None and breaker.open_until and time.monotonic() < breaker.open_until:
+        if (breaker := a.open_breaker(self.engine)) is not None:
             a.shed(self.engine, "cooling_down")
             raise CoolingDown(f"engine {self.engine} is cooling down after {breaker.why()}; the request was not run",
                               breaker.open_until - time.monotonic(), engine=self.engine, reason="cooling_down")

@@ -1,7 +1,8 @@
 """Access logging off the event loop: uvicorn's own access log is off (it formatted and wrote a line inside the
 loop for every request, about a fifth of a search's cost); requests are logged here instead, through a
 QueueHandler so that formatting and writing happen on a background thread. The metrics middleware logs each
-request that reaches the full app; hot routes are logged only when sampled (service/http/express.py)."""
+request that reaches the full app; express logs hot calls that fail, and successful ones only when sampled
+(service/http/express.py)."""
 
 from __future__ import annotations
 

@@ -113,6 +113,7 @@ class Express:
         self.default_timeout = settings.admission.request_timeout_s
         self.max_body = settings.server.max_body_bytes
         self.sample = settings.server.access_log_sample
+        self.log_failures = settings.server.access_log  # successes are logged only when sampled
         key = settings.server.api_key
         self.key = key.get_secret_value().encode() if key is not None else None
 
@@ -206,8 +207,8 @@ class Express:
         call = parse_call(search, match.group(1), raw, h.media.decode(), scope["query_string"].decode("latin-1"))
         reply = await self.lane.run(call, time.perf_counter() - started, scope)
         await _send_reply(send, reply)
-        if self.sample and random.random() < self.sample:
-            log_request(scope, reply.status, time.perf_counter() - started, sampled=True)
+        if (self.log_failures and reply.status != 200) or (self.sample and random.random() < self.sample):
+            log_request(scope, reply.status, time.perf_counter() - started, sampled=reply.status == 200)
 
     def _parses(self, h: Headers, search: bool) -> bool:
         return h.media == JSON or (search and h.media == RAW_VECTORS_BYTES)
