@@ -18,7 +18,7 @@ from .ann import resolve_type, search_params
 from .errors import CollectionNotFound, EngineFailed, EngineUnavailable, InvalidInput, NotCaughtUp
 from .manager_state import ManagerState
 from .replica import Replica, check_level
-from .resident import SearchResult
+from .resident import ResidentCollection, SearchResult
 from .store import Collection
 from .vectors import MAX_K
 
@@ -42,6 +42,13 @@ def check_target(recall_target: float | None, params: dict[str, Any] | None) -> 
         raise InvalidInput("give either search params or a recall_target, not both", field="recall_target")
     if not 0 < recall_target <= 1:
         raise InvalidInput("must be above 0 and at most 1", field="recall_target")
+
+
+def resident_params(index: ResidentCollection, configured: str, params: dict[str, Any] | None) -> tuple:
+    """`params` checked for the index type a resident search runs on: its index's, or where none is built yet,
+    the type the collection's configured one (`configured`) resolves to at its size."""
+    return search_params(index.index.config.index_type if index.index is not None else resolve_type(
+        configured, index.count), params)
 
 
 class Searches(ManagerState):
@@ -100,16 +107,26 @@ class Searches(ManagerState):
                            params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
                            recall_target: float | None) -> tuple[Collection, str, filters.Node | None]:
         """A search's 422s, before any engine sees it: the collection, the consistency level and the parsed filter."""
+        c = await self.collection(name)
+        level, where = self.check_query(c, queries.shape[1], k, consistency, seq, params, payload_filter,
+                                        recall_target)
+        return c, level, where
+
+    def check_query(self, c: Collection, dim: int, k: int, consistency: str | None, seq: int | None,
+                    params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
+                    recall_target: float | None) -> tuple[str, filters.Node | None]:
+        """A search's checks that need no engine, for queries of dimension `dim` on `c`: shared by search(), which
+        raises their 422s, and search_now(), which leaves what they refuse to search(). Returns the consistency
+        level to reach and the parsed filter."""
         level = consistency or self.consistency.default
         check_level(level, seq)
         where = filters.parse(payload_filter)
         check_target(recall_target, params)
-        c = await self.collection(name)
-        if queries.shape[1] != c.dim:
-            raise InvalidInput(f"query has dimension {queries.shape[1]}, the collection has {c.dim}", field="vector")
+        if dim != c.dim:
+            raise InvalidInput(f"query has dimension {dim}, the collection has {c.dim}", field="vector")
         if not 1 <= k <= MAX_K:
             raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
-        return c, level, where
+        return level, where
 
     def search_now(self, name: str, query: np.ndarray, k: int, engine: str, params: dict[str, Any] | None,
                    consistency: str | None, seq: int | None, payload_filter: dict[str, Any] | None = None,
@@ -122,18 +139,15 @@ class Searches(ManagerState):
         metrics are seen to (its caller's client need not wait for them)."""
         arrived = time.monotonic()
         c, r = self.catalog.get(name), self.resident.get(name)
-        level = consistency or self.consistency.default
-        if (c is None or r is None or not r.loaded or query.shape != (c.dim,) or not 1 <= k <= MAX_K
-                or engine not in ("auto", "cpu") or self._kind_of(r) != "cpu"):
+        if (c is None or r is None or not r.loaded or query.ndim != 1 or engine not in ("auto", "cpu")
+                or self._kind_of(r) != "cpu"):
             return None
-        index, served = r.index, ENGINE_KIND["cpu"]
+        served = ENGINE_KIND["cpu"]
         try:
-            check_level(level, seq)
-            checked_items = search_params(index.index.config.index_type if index.index is not None else resolve_type(
-                c.index_type, index.count), params)
-            where, run = filters.parse(payload_filter), None
+            level, where = self.check_query(c, len(query), k, consistency, seq, params, payload_filter,
+                                            recall_target)
+            checked_items, run = resident_params(r.index, c.index_type, params), None
             if where is not None or recall_target is not None:
-                check_target(recall_target, params)
                 key, run = self._planned(r, k, checked_items, where, recall_target)
             else:
                 key = (name, k, checked_items)
@@ -210,9 +224,7 @@ class Searches(ManagerState):
     async def _search_resident(self, r: Replica, queries: np.ndarray, k: int, params: dict[str, Any] | None,
                                where: filters.Node | None, single: bool, recall_target: float | None) -> SearchResult:
         index = r.index
-        index_type = index.index.config.index_type if index.index is not None else resolve_type(
-            r.collection.index_type, index.count)
-        checked_items = search_params(index_type, params)
+        checked_items = resident_params(index, r.collection.index_type, params)
         checked = dict(checked_items)
         if where is not None or recall_target is not None:
             # The resident payload index evaluates the filter: no PostgreSQL query on this path.
