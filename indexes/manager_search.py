@@ -44,7 +44,8 @@ def check_target(recall_target: float | None, params: dict[str, Any] | None) -> 
         raise InvalidInput("must be above 0 and at most 1", field="recall_target")
 
 
-def resident_params(index: ResidentCollection, configured: str, params: dict[str, Any] | None) -> tuple:
+def resident_params(index: ResidentCollection, configured: str,
+                    params: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     """`params` checked for the index type a resident search runs on: its index's, or where none is built yet,
     the type the collection's configured one (`configured`) resolves to at its size."""
     return search_params(index.index.config.index_type if index.index is not None else resolve_type(
