@@ -3,7 +3,7 @@
 While the engine works on one batch, new requests queue and go together as the next (up to max_batch), so a lone
 client waits for nothing; with window_s > 0 an idle key's first request waits that long for company. Every future
 is resolved, with the result or the engine's exception. A lone cheap query (`inline_below_s`) runs on the event
-loop instead of hopping to a worker thread, unless `can_inline(key)` vetoes it; `try_now(key, vector)` is the same
+loop instead of hopping to a worker thread, unless `can_inline(key)` vetoes it; `try_inline(key, vector)` is the same
 for a caller that cannot wait (service/http/express_protocol.py), within a budget of engine time per turn of the loop
 (`turn_budget_s`). Why, with measurements: docs/design/vectors.md#micro-batching-and-inline-searches.
 """
@@ -45,7 +45,7 @@ class MicroBatcher:
         self._lone_cost: dict[Hashable, float] = {}  # moving average of a lone query's engine time, per key
         self._arriving = 0  # searches between their arrival and the decision to inline them or not
         self.turn_budget_s = turn_budget_s
-        self._this_turn = 0  # searches try_now answered in this turn of the event loop ...
+        self._this_turn = 0  # searches try_inline answered in this turn of the event loop ...
         self._turn_spent = 0.0  # ... and their engine time
         self.batches = 0
         self.queries = 0
@@ -75,7 +75,7 @@ class MicroBatcher:
         return (self._lone_cost.get(key, math.inf) < self.inline_below_s and (lane is None or not lane.busy)
                 and (self.can_inline is None or self.can_inline(key)))
 
-    def try_now(self, key: Hashable, vector: np.ndarray,
+    def try_inline(self, key: Hashable, vector: np.ndarray,
                 run: Callable[[np.ndarray], list[Any]] | None = None) -> Any | None:
         """The inline search, now, or None: not cheap enough, the key's lane is busy, another search is deciding,
         or it would take this turn of the loop past its budget (see the module's docstring). `run`: a search of

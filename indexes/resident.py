@@ -5,6 +5,7 @@ later rows (the delta) are searched exactly and merged; deletes and replaced ids
 return, compacted away by a rebuild. Changes come only from PostgreSQL's change log (`apply`), in one step, so a
 replica is always PostgreSQL's state at some seq; `digest` follows every change. Within one `generation` rows are
 only appended, so a reader may take the arrays and the row count under the lock and copy rows below it after.
+Searches are in resident_search.py (ResidentSearch, a base of ResidentCollection).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import numpy as np
 
 from . import digest, planner
 from .ann import AnnIndex, IndexConfig, min_train_rows, resolve_type
-from .distance import exact_search, from_engine, merge_topk, prepare
-from .filters import Node
+from .distance import exact_search, prepare
 from .payloads import PayloadIndex, parsed
+from .resident_search import ResidentSearch
+from .resident_search import SearchResult as SearchResult  # re-exported: its users import it from here
 from .rwlock import ReadWriteLock
 
 # A write of up to this many rows goes straight into an index that can add (HNSW): cheap, and under the write
@@ -26,7 +28,6 @@ from .rwlock import ReadWriteLock
 # took a second each, in the acknowledgement path and blocking searches (a 100k x 768 load of 5,000-row upserts
 # spent 76% of its time there).
 DIRECT_ADD_ROWS = 64
-MAX_OVERFETCH = 4096
 
 
 @dataclass
@@ -54,14 +55,6 @@ class IndexBackend(Protocol):
     def build(self, config: IndexConfig, vectors: np.ndarray) -> AnnIndex: ...
 
     def load(self, config: IndexConfig, data: bytes) -> AnnIndex: ...
-
-
-@dataclass
-class SearchResult:
-    ids: list[list[int]]
-    distances: list[list[float]]
-    watermark: int | None = None  # the change seq the answer reflects (None: read from PostgreSQL itself)
-    plan: dict[str, Any] | None = None  # filtered or recall-targeted searches: the plan that ran (planner.py)
 
 
 @dataclass
@@ -96,7 +89,7 @@ class RebuildConflict(RuntimeError):
     """The layout changed while a rebuild ran (another compaction or a restore): its result is dropped."""
 
 
-class ResidentCollection:
+class ResidentCollection(ResidentSearch):
     def __init__(self, name: str, dim: int, metric: str, index_type: str, build_params: dict[str, Any],
                  backend: IndexBackend, policy: RebuildPolicy | None = None) -> None:
         self.name, self.dim, self.metric = name, dim, metric
@@ -391,90 +384,7 @@ class ResidentCollection:
         self.digest = digest.total(hashes[alive])
         self.generation += 1
 
-    # -- search ----------------------------------------------------------------------------------------
-    def keep_mask(self) -> np.ndarray | None:
-        """Rows a search may return, or None when every row may be returned."""
-        return self._alive[: self.n_rows].copy() if self.n_dead else None
-
-    def search(self, queries: np.ndarray, k: int, params: dict[str, Any], where: Node | None = None,
-               recall_target: float | None = None) -> SearchResult:
-        """Top-k live rows. `where` restricts them to a payload filter (planner.py picks exact search over the
-        matching rows or the ANN index with them as a filter); `recall_target` picks calibrated parameters."""
-        q = prepare(np, queries, self.metric)
-        if where is None and recall_target is None:
-            return self._search_plain(q, k, params)
-        with self.lock.read():
-            watermark, matched = self.watermark, None
-            if where is not None:
-                matched = self.filters.rows(where, self._filter_key(), self._evaluate)
-                plan, report = matched.plan((k, tuple(params.items()), recall_target, self.plan_epoch),
-                                            lambda: self._plan(k, params, recall_target, matched.count))
-            else:
-                plan = self._plan(k, params, recall_target, None)
-                report = plan.report()
-            if self.count == 0 or plan.matched == 0:
-                empty: list[list[Any]] = [[] for _ in range(len(q))]
-                return SearchResult(empty, [list(e) for e in empty], watermark, report)
-            if plan.kind == "exact" and matched is not None:  # over the matching rows, gathered once per filter
-                scores, local = exact_search(np, matched.vectors(self._vectors), q, k, self.metric)
-                ids = _ids_of(matched.ids(self._ids), local)
-            else:
-                if plan.kind == "exact" and plan.index_type not in (None, "brute_force"):  # no setting reaches a target
-                    scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
-                else:
-                    keep = matched.mask if matched is not None else self.keep_mask()
-                    scores, rows = self._search_rows(q, k, plan.params, keep, matched is not None)
-                ids = _ids_of(self._ids, rows)
-        return _shape(ids, from_engine(np, scores, self.metric), watermark, report)
-
-    def _plan(self, k: int, params: dict[str, Any], recall_target: float | None, matched: int | None) -> planner.Plan:
-        """How a search runs (planner.py): for a recall target, and for a filter keeping `matched` rows."""
-        index_type = self.index.config.index_type if self.index is not None else None
-        plan = planner.Plan.unfiltered(index_type, params)
-        if recall_target is not None:
-            plan = planner.targeted(plan, self.calibration, recall_target, k)
-        if matched is not None:
-            build = self.index.config.params if self.index is not None else {}
-            plan = planner.filtered(plan, matched, self.count, k, build)
-        return plan
-
-    def _search_plain(self, q: np.ndarray, k: int, params: dict[str, Any]) -> SearchResult:
-        """search() without a filter or a recall target, which needs no planner: most searches, so kept short."""
-        with self.lock.read():
-            watermark = self.watermark
-            if self.count == 0:
-                return SearchResult([[] for _ in range(len(q))], [[] for _ in range(len(q))], watermark)
-            index = self.index
-            if index is not None and not self.n_dead and self.n_rows == index.size:  # every row in the index, alive
-                scores, rows = index.search(q, k, {} if index.config.index_type == "brute_force" else params, None)
-            else:
-                exact = index is None or index.config.index_type == "brute_force"
-                scores, rows = self._search_rows(q, k, {} if exact else params, self.keep_mask())
-            ids = _ids_of(self._ids, rows)
-        return _shape(ids, from_engine(np, scores, self.metric), watermark)
-
-    def _filter_key(self) -> tuple[int, int]:
-        """What a filter's rows depend on: every change moves the watermark, every new layout the generation."""
-        return (self.generation, self.watermark)
-
-    def _evaluate(self, where: Node) -> np.ndarray:
-        n = self.n_rows
-        return self.payloads.evaluate(where, n) & self._alive[:n]
-
-    def _search_rows(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
-                     filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        parts = []
-        size = self.indexed_rows
-        if size:
-            parts.append(self._search_index(q, k, params, keep, filtered))
-        if self.n_rows > size:
-            delta_keep = keep[size:] if keep is not None else None
-            s, r = exact_search(np, self._vectors[size:self.n_rows], q, k, self.metric, delta_keep)
-            parts.append((s, np.where(r >= 0, r + size, -1)))
-        if not parts:
-            return exact_search(np, self._vectors[:0], q, k, self.metric)
-        return merge_topk(np, self.metric, k, *parts) if len(parts) > 1 or parts[0][1].shape[1] != k else parts[0]
-
+    # -- calibration -----------------------------------------------------------------------------------
     def calibrate(self) -> planner.Calibration | None:
         """Measure the index's recall@10 over its parameter sweep (planner.calibrate), with the rows the last
         rebuild held out as queries and exact search over the indexed rows as truth; keep it with the index.
@@ -509,32 +419,7 @@ class ResidentCollection:
                 self.plan_epoch += 1
         return found
 
-    def planner_report(self) -> dict[str, Any]:
-        """The payload fields the filter index holds (live rows per kind of value), the calibration of the index,
-        and the filter cache's use."""
-        with self.lock.read():
-            fields = self.payloads.describe(self._alive[: self.n_rows])
-            calibration = self.calibration.report() if self.calibration is not None else None
-        return {"payload_fields": fields, "calibration": calibration,
-                "filter_cache": {"hits": self.filters.hits, "misses": self.filters.misses}}
-
-    def _search_index(self, q: np.ndarray, k: int, params: dict[str, Any], keep: np.ndarray | None,
-                      filtered: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """The ANN index's top-k of its own rows, none outside `keep`."""
-        assert self.index is not None  # there are indexed rows
-        size = self.indexed_rows
-        index_keep = keep[:size] if keep is not None else None
-        if not filtered and self._dead_row_marker() is not None:
-            index_keep = None  # the index drops its dead rows itself, from its resident bitset
-        if index_keep is None or self.index.supports_filter:
-            return self.index.search(q, k, params, index_keep)
-        # No filter in this index: over-fetch past the rows that will be dropped.
-        excluded = size - int(index_keep.sum())
-        fetch = min(size, k + min(excluded, MAX_OVERFETCH))
-        s, r = self.index.search(q, fetch, params, None)
-        bad = (r < 0) | ~index_keep[np.maximum(r, 0)]
-        return s, np.where(bad, -1, r)
-
+    # -- reads of the rows -----------------------------------------------------------------------------
     def vectors_of(self, ids: np.ndarray) -> np.ndarray:
         """Prepared vectors of live ids (for recall sampling)."""
         with self.lock.read():
@@ -591,22 +476,3 @@ class ResidentCollection:
             self.plan_epoch += 1
             self.watermark = int(state["watermark"])
 
-
-def _ids_of(all_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The ids of row numbers, -1 (no result) kept; most searches have none, and skip marking them (np.where cost
-    a microsecond a search)."""
-    ids = all_ids.take(rows, mode="clip")  # rows >= 0 are all below len(all_ids)
-    if rows.size and rows.min() < 0:
-        ids[rows < 0] = -1
-    return ids
-
-
-def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None,
-           plan: dict[str, Any] | None = None) -> SearchResult:
-    """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
-    out_ids, out_d = ids.tolist(), distances.tolist()
-    for i, row_ids in enumerate(out_ids):
-        if -1 in row_ids:  # the engines mark a missing result -1, and only at the end of a row
-            n = row_ids.index(-1)
-            out_ids[i], out_d[i] = row_ids[:n], out_d[i][:n]
-    return SearchResult(out_ids, out_d, watermark, plan)

@@ -96,17 +96,17 @@ def test_try_now_answers_at_once_only_what_submit_would_inline_and_within_the_tu
     batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.05, turn_budget_s=0.035)
 
     async def go():
-        assert batcher.try_now("c", np.ones(2)) is None  # its cost is unknown yet
+        assert batcher.try_inline("c", np.ones(2)) is None  # its cost is unknown yet
         await batcher.submit("c", np.ones(2))  # measured on a worker thread
         loop_thread = threading.get_ident()
-        turn = [batcher.try_now("c", np.full(2, i)) for i in range(5)]
+        turn = [batcher.try_inline("c", np.full(2, i)) for i in range(5)]
         await asyncio.sleep(0)  # the next turn of the loop
-        again = batcher.try_now("c", np.full(2, 7.0))
+        again = batcher.try_inline("c", np.full(2, 7.0))
         engine.seconds = 0.08  # two searches arriving together: a batch in flight on the worker thread ...
         held = [asyncio.ensure_future(batcher.submit("c", np.ones(2))) for _ in range(2)]
         await asyncio.sleep(0.01)
         assert batcher._lanes["c"].busy
-        busy = batcher.try_now("c", np.ones(2))
+        busy = batcher.try_inline("c", np.ones(2))
         await asyncio.gather(*held)
         engine.seconds = 0.0
         return loop_thread, turn, again, busy
@@ -124,7 +124,7 @@ def test_cheap_searches_arriving_together_all_fit_in_one_turn():
 
     async def go():
         await batcher.submit("c", np.ones(2))
-        return [batcher.try_now("c", np.full(2, i)) for i in range(32)]
+        return [batcher.try_inline("c", np.full(2, i)) for i in range(32)]
 
     turn = run(go())
     assert [r[0] for r in turn] == [2.0 * i for i in range(32)]
@@ -139,9 +139,9 @@ def test_try_now_leaves_slow_or_vetoed_searches_and_passes_engine_errors():
     async def go():
         for batcher in (slow, vetoed, flaky):
             await batcher.submit("c", np.ones(2))
-        assert slow.try_now("c", np.ones(2)) is None and vetoed.try_now("c", np.ones(2)) is None
+        assert slow.try_inline("c", np.ones(2)) is None and vetoed.try_inline("c", np.ones(2)) is None
         failing.fail = True
         with pytest.raises(RuntimeError, match="engine failed"):
-            flaky.try_now("c", np.ones(2))
+            flaky.try_inline("c", np.ones(2))
 
     run(go())

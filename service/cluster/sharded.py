@@ -110,7 +110,7 @@ class ShardedCollections(WatchesParts, CollectionManager):
                                               seq, recall_target, split=True)
         return [(result, served) for result in results]
 
-    def search_now(self, *args: Any, **kwargs: Any) -> None:
+    def search_inline(self, *args: Any, **kwargs: Any) -> None:
         """Every resident search here is a fan-out: nothing is answered on the event loop."""
         return None
 

@@ -288,7 +288,7 @@ def search_inline(runtime: Any, call: SearchCall, respond: Callable[[bytes], Non
         return False
     single = call.single
     consistency = call.consistency or vectors.consistency.default
-    answer = vectors.search_now(call.collection, queries[0], call.k, call.engine, call.params, consistency, call.seq,
+    answer = vectors.search_inline(call.collection, queries[0], call.k, call.engine, call.params, consistency, call.seq,
                                 call.filter, call.recall_target,
                                 lambda found: respond(search_json(found, single, consistency)))
     return answer is not None

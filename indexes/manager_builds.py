@@ -1,0 +1,139 @@
+"""Rebuilds of resident indexes (compaction, calibration) and the pgvector index's build, asked for or in the
+background after writes: one rebuild at a time per collection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import pgvector_search
+from .build_process import DetachedBuilder
+from .manager_state import ManagerState
+from .planner import CALIBRATION_QUERIES
+from .replica import Replica
+from .resident import PendingBuild, ResidentCollection
+from .store import Collection
+
+log = logging.getLogger("switchyard.vectors")
+
+Progress = Callable[[int, int | None, str], None]
+
+
+def build_detached(index: ResidentCollection, builder: DetachedBuilder, scratch: Path,
+                   say: Callable[[str], None] | None) -> PendingBuild:
+    """A rebuild's first half for an engine whose builds may run in a child process (cuVS): rows chosen, and a
+    large index built there, without a call into the engine, so the engine's one thread serves searches meanwhile.
+    build_and_calibrate then installs it on that thread."""
+    pending = index.plan_build(hold_out=CALIBRATION_QUERIES)
+    if pending.n_indexed and builder.wants(pending.n_indexed, index.dim):
+        if say:
+            say(f"building {pending.config.index_type} over {pending.n_indexed} vectors in a build process")
+        pending.data = builder.build(pending.config, pending.vectors[:pending.n_indexed], scratch)
+    return pending
+
+
+def build_and_calibrate(index: ResidentCollection, say: Callable[[str], None] | None,
+                        pending: PendingBuild | None = None) -> None:
+    """Rebuild holding a sample out of the index (or install `pending`, a rebuild whose index was built
+    elsewhere), measure the new index's recall over its parameter sweep with that sample as queries (for recall
+    targets), then add the sample to the index."""
+    if pending is None:
+        index.rebuild(say, hold_out=CALIBRATION_QUERIES)
+    else:
+        index.install(pending, say)
+    try:
+        if index.held_out is not None:
+            if say:
+                say("calibrating recall over the search-parameter sweep")
+            index.calibrate()
+    finally:
+        index.absorb()
+
+
+class Builds(ManagerState):
+    """Rebuilds of this process's resident indexes, and pgvector's index."""
+
+    async def build(self, name: str, progress: Progress | None = None, fallback: str = "background") -> dict[str, Any]:
+        """Compact and rebuild the resident index, and create the pgvector index if it is missing.
+
+        While a resident index serves, pgvector's is only the fallback: with `fallback="background"` it is built
+        after this returns, CONCURRENTLY (writes go on), and describe() says "building" meanwhile; "wait" builds
+        it before returning, as it always is when pgvector is the serving engine."""
+        c = await self.collection(name)
+        r = self.resident.get(name)
+        say = progress or (lambda done, total, message: None)
+        out = await self.rebuild_resident(name, lambda message: say(0, None, message))
+        if name in self.fallback_builds or await pgvector_search.has_index(self.pool, c):
+            return out
+        if fallback == "background" and r is not None and r.loaded and r.index.index is not None:
+            out["pgvector_index"] = "building"
+            self.fallback_builds.add(name)
+            self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
+            return out
+        say(0, None, "building the pgvector index")
+        started = time.perf_counter()
+        out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
+        out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
+        return out
+
+    async def rebuild_resident(self, name: str, say: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Compact and rebuild this process's resident index of the collection, if it holds one."""
+        r = self.resident.get(name)
+        if r is None or not r.loaded:
+            return {}
+        started = time.perf_counter()
+        await self._rebuild(r, say)
+        return {"resident_build_s": round(time.perf_counter() - started, 3),
+                "resident_index": r.index.index.config.index_type if r.index.index is not None else None}
+
+    async def _build_fallback(self, c: Collection) -> None:
+        started = time.perf_counter()
+        try:
+            await pgvector_search.build_index(self.pool, c, await self.store.count(c), concurrently=True)
+            log.info("collection %s: pgvector index built in the background in %.1f s", c.name,
+                     time.perf_counter() - started)
+        finally:
+            self.fallback_builds.discard(c.name)
+
+    async def _rebuild(self, r: Replica, say: Callable[[str], None] | None) -> None:
+        """Rebuild now, through the collection's one rebuild slot: a rebuild already running that started before
+        this call is waited for, then another runs (it may be a background one that started meanwhile) unless
+        the one waited for left nothing to compact."""
+        asked = time.monotonic()
+        while True:
+            task = r.rebuild_task
+            if task is None or task.done():
+                await asyncio.shield(self._start_rebuild(r, say))
+                return
+            if r.rebuild_started >= asked:
+                await asyncio.shield(task)
+                return
+            await asyncio.gather(task, return_exceptions=True)
+            if r.index.compact:  # the rebuild that was running already covers every row (a bulk load's)
+                return
+
+    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> asyncio.Task:
+        async def rebuild() -> None:
+            index, kind = r.index, self._kind_of(r)
+            loop = asyncio.get_running_loop()
+            builder = getattr(self.backends[kind], "builder", None)
+            if builder is None:
+                await loop.run_in_executor(self.build_executors[kind], build_and_calibrate, index, say)
+            else:  # the build in a child process, the rest (load, swap, calibration) on the engine's thread
+                pending = await loop.run_in_executor(self.build_executors[kind], build_detached, index, builder,
+                                                     self.data_dir / "builds", say)
+                await loop.run_in_executor(self.executors[kind], build_and_calibrate, index, say, pending)
+            self._snapshot_soon(r)
+
+        r.rebuild_started = time.monotonic()
+        r.rebuild_task = task = asyncio.ensure_future(rebuild())
+        return task
+
+    def _maybe_rebuild(self, r: Replica) -> None:
+        if r.bulk_loading or not r.loaded:
+            return
+        if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
+            self._spawn(asyncio.shield(self._start_rebuild(r, None)), f"background rebuild of {r.collection.name}")
