@@ -129,7 +129,8 @@ class Express:
         if match is None or match.group(2) != "search":
             return None
         h = read_headers(headers)
-        if (h.timeout is not None or h.forwarded is not None or h.chunked or not 0 < h.length <= INLINE_MAX_BODY
+        if (h.timeout is not None or h.forwarded is not None or h.chunked
+                or not 0 < h.length <= min(INLINE_MAX_BODY, self.max_body)
                 or not self._parses(h, True)):
             return None
         try:

@@ -1,0 +1,40 @@
+"""Express (service/http/express.py): which searches it claims for an inline answer, from headers alone."""
+
+from __future__ import annotations
+
+from service.http.express import Claim, Express
+from service.settings import Settings
+
+SEARCH = b"/v1/collections/c1/search?k=3"
+
+
+def headers(length: int, media: bytes = b"application/json", **more: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-length", str(length).encode()), (b"content-type", media),
+            *((name.replace("_", "-").encode(), value) for name, value in more.items())]
+
+
+def express(**settings: object) -> Express:
+    return Express(app=None, settings=Settings(**settings), lane=None, inline=True)  # type: ignore[arg-type]
+
+
+def test_a_plain_search_within_the_limits_is_claimed_with_its_options():
+    claim = express().claim(b"POST", SEARCH, headers(100, b"application/octet-stream"))
+    assert claim == Claim("c1", "application/octet-stream", "k=3")
+
+
+def test_what_must_be_refused_or_bounded_is_never_claimed():
+    small = express(max_body_bytes=2000)
+    assert small.claim(b"POST", SEARCH, headers(2000)) is not None
+    assert small.claim(b"POST", SEARCH, headers(2001)) is None  # over the body limit: the app answers 413
+    keyed = express(api_key="k")
+    assert keyed.claim(b"POST", SEARCH, headers(10)) is None  # no key: the app answers 401
+    assert keyed.claim(b"POST", SEARCH, headers(10, authorization=b"Bearer x")) is None
+    assert keyed.claim(b"POST", SEARCH, headers(10, authorization=b"Bearer k")) is not None
+    plain = express()
+    assert plain.claim(b"POST", SEARCH, headers(10, x_request_timeout=b"1")) is None  # a deadline to keep
+    assert plain.claim(b"POST", SEARCH, headers(10, transfer_encoding=b"chunked")) is None
+    assert plain.claim(b"POST", SEARCH, headers(10, b"text/plain")) is None
+    assert plain.claim(b"PUT", b"/v1/collections/c1/points", headers(10)) is None  # upserts are never inline
+    assert plain.claim(b"POST", b"/v1/collections/c1/recall", headers(10)) is None
+    assert express(quota_requests_per_s=5).claim(b"POST", SEARCH, headers(10)) is None  # a quota to charge
+    assert express(request_timeout_s=5).claim(b"POST", SEARCH, headers(10)) is None
