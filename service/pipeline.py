@@ -68,9 +68,15 @@ class Pipeline:
         self._search, self._upsert, self._inline = answer_search, answer_upsert, search_inline
 
     async def serve(self, call: Call, spent_s: float = 0.0, scope: Scope | None = None) -> Reply:
-        """Run a call and count it (with `spent_s`, the time a front spent on it): its JSON answer, or its problem.
-        `scope`: the HTTP request it came in, when there is one (the problem's `instance` and logs)."""
+        """Run a call and count it (with `spent_s`, the time a front spent on it)."""
         started = time.perf_counter()
+        reply = await self.run(call, scope)
+        observe(self.runtime.metrics, is_search(call), reply.status, spent_s + time.perf_counter() - started)
+        return reply
+
+    async def run(self, call: Call, scope: Scope | None = None) -> Reply:
+        """The run step: a call's JSON answer, or its problem. `scope`: the HTTP request it came in, when there is
+        one (the problem's `instance` and logs). Uncounted: FastAPI's routes, whose requests the app counts."""
         search = is_search(call)
         try:
             if isinstance(call, UnparsedCall):  # raises the request's own error
@@ -81,11 +87,9 @@ class Pipeline:
             else:
                 assert isinstance(call, UpsertCall)  # a pipeline runs only the hot calls
                 body = await self._upsert(self.runtime, call)
-            reply = Reply(0, 200, body, JSON_HEADERS)
+            return Reply(0, 200, body, JSON_HEADERS)
         except Exception as exc:  # noqa: BLE001 - every failure is answered by the app's own handler
-            reply = await problem_reply(self.handlers, self.app, exc, scope or call_scope(call, search))
-        observe(self.runtime.metrics, search, reply.status, spent_s + time.perf_counter() - started)
-        return reply
+            return await problem_reply(self.handlers, self.app, exc, scope or call_scope(call, search))
 
     def serve_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool:
         """Run a search at once if the resident engine can without waiting, its answer to `respond` as soon as it

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pytest
 
@@ -308,6 +309,25 @@ def test_hot_routes_keep_auth_limits_and_metrics(make_client):
             in text)
     assert 'switchyard_http_requests_total{method="PUT",route="/v1/collections/{name}/points",status="200"} 1.0' in text
     assert 'route="/v1/collections/{name}/search",status="401"' in text and 'status="413"' in text
+
+
+def test_searches_and_upserts_the_app_serves_are_counted_once(make_client):
+    """A body express does not parse (here text/plain, read as JSON by the route) is served by FastAPI's route
+    through the same pipeline, and counted by the app's metrics alone."""
+    client = make_client()
+    wait_ready(client)
+    assert client.post("/v1/collections", json={"name": "once", "dim": DIM}).status_code == 201
+    text = {"content-type": "text/plain"}
+    body = orjson.dumps({"ids": [1, 2], "vectors": DATA[:2].tolist()})
+    assert client.put("/v1/collections/once/points", content=body, headers=text).json()["upserted"] == 2
+    search = orjson.dumps({"vector": DATA[1].tolist(), "k": 1, "consistency": "strong"})
+    assert client.post("/v1/collections/once/search", content=search, headers=text).json()["ids"] == [2]
+    bad = orjson.dumps({"vector": [1.0], "k": 1})
+    assert_problem(client.post("/v1/collections/once/search", content=bad, headers=text), 422, "validation-error")
+    metrics = client.get("/metrics").text
+    for method, route, status in (("PUT", "points", 200), ("POST", "search", 200), ("POST", "search", 422)):
+        assert (f'switchyard_http_requests_total{{method="{method}",route="/v1/collections/{{name}}/{route}",'
+                f'status="{status}"}} 1.0') in metrics
 
 
 def test_small_and_large_upserts_store_the_same(client):

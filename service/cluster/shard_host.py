@@ -78,7 +78,7 @@ class ShardHost:
         await vectors.start()
         self.vectors = vectors
         # Searches and write nudges skip the placing layer's call path (a Ray call cost the ingress 1-1.5 ms of CPU,
-        # measured): pickled frames over TCP, as between a front and the engine process (service/process/link.py).
+        # measured): typed frames over TCP, as between a front and the engine process (service/process/link.py).
         host = _node_ip()
         self._direct = EngineServer((host, 0), {ShardSearch: self._direct_search, CatchUp: self._direct_catch_up},
                                     key=self.channel_key)

@@ -203,7 +203,7 @@ async def upsert_points(name: CollectionName, request: Request, runtime: Runtime
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
                         media_type="application/json", headers={"Location": location})
-    return _answered(await pipeline_of(runtime).serve(parse_call(False, name, await request.body(), "", "")))
+    return _answered(await pipeline_of(runtime).run(parse_call(False, name, await request.body(), "", "")))
 
 
 async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: str) -> Any:
@@ -306,7 +306,7 @@ async def search(name: CollectionName, request: Request) -> Response:
     # The body is parsed by pydantic-core straight from bytes (or not at all) and the answer written with orjson.
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
     call = parse_call(True, name, await request.body(), content_type, request.url.query)
-    return _answered(await pipeline_of(request.app.state.switchyard).serve(call))
+    return _answered(await pipeline_of(request.app.state.switchyard).run(call))
 
 
 def pipeline_of(runtime: Any) -> Pipeline:
