@@ -14,7 +14,7 @@ def headers(length: int, media: bytes = b"application/json", **more: bytes) -> l
 
 
 def express(**settings: object) -> Express:
-    return Express(app=None, settings=Settings(**settings), lane=None, inline=True)  # type: ignore[arg-type]
+    return Express(app=None, settings=Settings(**settings), runner=None, inline=True)  # type: ignore[arg-type]
 
 
 def test_a_plain_search_within_the_limits_is_claimed_with_its_options():

@@ -12,7 +12,7 @@ from starlette.types import Receive, Scope, Send
 from service import __version__
 from service.errors import install_error_handlers
 from service.http import access_log, openapi
-from service.http.express import Express, LocalLane
+from service.http.express import Express, InThisProcess
 from service.http.limits import BodySizeLimitMiddleware
 from service.http.routes import engines, jobs, olap, ops, spatial, vectors
 from service.metrics import HTTPMetricsMiddleware
@@ -92,6 +92,6 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
                        max_bulk_bytes=settings.server.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
     pipeline = runtime.pipeline = Pipeline(runtime, app.exception_handlers, app)
-    app.express = Express(app.serve_full, settings, LocalLane(pipeline), runtime.admission, pipeline.refuse,
+    app.express = Express(app.serve_full, settings, InThisProcess(pipeline), runtime.admission, pipeline.refuse,
                           inline=settings.vectors.express_protocol)
     return app

@@ -4,10 +4,10 @@ Every /v1 request takes a slot under the in-flight limit here (Admission.enter).
 float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py) without FastAPI: their
 per-request machinery and the general middleware stack cost about as much again as the engine's few hundred
 microseconds. Express takes a request whose length is declared and within the body limit and whose body it parses;
-anything else goes to the full app. Where the run happens is the `Lane` given: this process (`LocalLane`), or an
-engine process (process/front.py). A search the resident engine can answer at once is answered from the HTTP
-parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py). Hot requests are
-access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE).
+anything else goes to the full app. Where the run happens is the `Runner` given: this process (`InThisProcess`), or
+an engine process (process/front.py). A search the resident engine can answer at once is answered from the HTTP
+parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py). Hot calls that succeed
+are access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE), those that fail whenever the access log is on.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Claim(NamedTuple):
     query: str
 
 
-class Lane(Protocol):
+class Runner(Protocol):
     """Where a hot call runs."""
 
     async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply: ...
@@ -81,7 +81,7 @@ class Lane(Protocol):
     def run_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool: ...
 
 
-class LocalLane:
+class InThisProcess:
     """Calls run in this process, which holds the engines."""
 
     def __init__(self, pipeline: Pipeline) -> None:
@@ -102,10 +102,10 @@ class Express:
     """`app`: the full app, for everything else. `refuse`: the app's answer to a failed step (None: a front process,
     which passes such requests to the engine process's full app)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, lane: Lane, admission: Admission | None = None,
+    def __init__(self, app: ASGIApp, settings: Settings, runner: Runner, admission: Admission | None = None,
                  refuse: Refusal | None = None, inline: bool = False) -> None:
         self.app = app
-        self.lane = lane
+        self.runner = runner
         self.admission = admission  # None in a front process: the engine process admits
         self.refuse = refuse
         self.inline = inline  # whether searches may be answered from the protocol's callbacks
@@ -148,7 +148,7 @@ class Express:
         answered = False
         try:
             call = parse_search(claim.collection, raw, claim.media, claim.query)
-            answered = self.lane.run_inline(call, respond)
+            answered = self.runner.run_inline(call, respond)
         except REQUEST_ERRORS:
             pass
         finally:
@@ -206,7 +206,7 @@ class Express:
         if raw is None:  # the client went away
             return
         call = parse_call(search, match.group(1), raw, h.media.decode(), scope["query_string"].decode("latin-1"))
-        reply = await self.lane.run(call, time.perf_counter() - started, scope)
+        reply = await self.runner.run(call, time.perf_counter() - started, scope)
         await _send_reply(send, reply)
         if (self.log_failures and reply.status != 200) or (self.sample and random.random() < self.sample):
             log_request(scope, reply.status, time.perf_counter() - started, sampled=reply.status == 200)

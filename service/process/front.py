@@ -175,7 +175,7 @@ def _labelled(sample: str, label: str) -> str:
     return f"{sample[:space]}{{{label}}}{sample[space:]}"
 
 
-class EngineLane:
+class InEngineProcess:
     """Hot calls run in an engine process, sent over its link (service/process/link.py) to the engine with the
     least in flight, which admits, runs and counts them (with the time spent here)."""
 
@@ -207,7 +207,7 @@ class Front(Express):
         self.proxies = proxies
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
         super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings,
-                         EngineLane(self.engines))
+                         InEngineProcess(self.engines))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
