@@ -1,7 +1,11 @@
-"""Express (service/http/express.py): which searches it claims for an inline answer, from headers alone."""
+"""Express (service/http/express.py): which searches it claims for an inline answer, from headers alone, and what it
+refuses before anything else."""
 
 from __future__ import annotations
 
+import asyncio
+
+from service.http.app import create_app
 from service.http.express import Claim, Express
 from service.settings import Settings
 
@@ -38,3 +42,26 @@ def test_what_must_be_refused_or_bounded_is_never_claimed():
     assert plain.claim(b"POST", b"/v1/collections/c1/recall", headers(10)) is None
     assert express(quota_requests_per_s=5).claim(b"POST", SEARCH, headers(10)) is None  # a quota to charge
     assert express(request_timeout_s=5).claim(b"POST", SEARCH, headers(10)) is None
+
+
+def test_a_request_without_the_key_is_refused_before_it_takes_a_slot_or_sends_its_body(tmp_path):
+    """Authorize, then admit: N half-sent bodies without the key must not hold the in-flight slots of everyone."""
+    app = create_app(Settings(api_key="k", data_dir=tmp_path))
+    pressure = app.express.admission.pressure
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        raise AssertionError("express read the body of a request it must refuse")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    for path in ("/v1/collections", "/v1/collections/c1/search", "/v1/olap/sql"):
+        sent.clear()
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "root_path": "",
+                 "query_string": b"", "headers": [(b"content-length", b"1000"), (b"content-type", b"application/json")],
+                 "client": ("192.0.2.1", 4000), "server": ("127.0.0.1", 8000), "scheme": "http", "http_version": "1.1"}
+        asyncio.run(app(scope, receive, send))
+        assert sent[0]["status"] == 401, (path, sent)
+        assert (b"www-authenticate", b'Bearer realm="switchyard"') in sent[0]["headers"]
+        assert pressure is not None and pressure.inflight == 0

@@ -165,8 +165,18 @@ class Express:
             await self.app(scope, receive, send)
             return
         match = HOT.match(scope["path"])
-        if self.admission is None or not scope["path"].startswith("/v1/"):  # probes and metrics: never refused
-            await self._serve(scope, receive, send, match)
+        h = read_headers(scope["headers"])
+        v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here
+        if v1:
+            try:  # authorize, then admit: a client without the key takes no slot and sends no body
+                check_bearer(self.key, h.authorization)
+                if h.timeout is not None or self.default_timeout is not None or self.quota:
+                    self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
+            except ProblemError as exc:
+                await self._refused(scope, receive, send, exc)
+                return
+        if self.admission is None or not v1:
+            await self._serve(scope, receive, send, match, h)
             return
         try:
             ticket = await self.admission.enter(not scope["path"].startswith(HEAVY_PREFIXES))
@@ -175,7 +185,7 @@ class Express:
             return
         watched = StatusSend(send, 0)
         try:
-            await self._serve(scope, receive, watched, match)
+            await self._serve(scope, receive, watched, match, h)
         finally:  # successes' latency, by kind of request, moves the limit
             kind = None
             if 200 <= watched.status < 300:
@@ -183,23 +193,11 @@ class Express:
                 kind = what and (scope["method"], what)
             ticket.leave(kind)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None) -> None:
-        h = read_headers(scope["headers"])
-        if h.timeout is not None or self.default_timeout is not None or self.quota:
-            try:
-                self._begin(scope, h)
-            except ProblemError as exc:  # a bad X-Request-Timeout, or over quota
-                await self._refused(scope, receive, send, exc)
-                return
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None, h: Headers) -> None:
         search = match is not None and match.group(2) == "search"
         if (match is None or scope["method"] != ("POST" if search else "PUT") or not 0 <= h.length <= self.max_body
                 or not self._parses(h, search)):
             await self.app(scope, receive, send)
-            return
-        try:
-            check_bearer(self.key, h.authorization)
-        except ProblemError as exc:
-            await self._refused(scope, receive, send, exc)
             return
         started = time.perf_counter()
         raw = await _read_body(receive)
