@@ -1,6 +1,6 @@
 """Express: the outermost layer of the app, where every /v1 request is admitted and the hottest ones are answered.
 
-Every /v1 request takes a slot under the in-flight limit here (Admission.enter). Searches (JSON, base64 or raw
+Every /v1 request is authorized, then takes a slot under the in-flight limit here (Admission.enter). Searches (JSON, base64 or raw
 float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py) without FastAPI: their
 per-request machinery and the general middleware stack cost about as much again as the engine's few hundred
 microseconds. Express takes a request whose length is declared and within the body limit and whose body it parses;
