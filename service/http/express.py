@@ -1,13 +1,14 @@
 """Express: the outermost layer of the app, where every /v1 request is admitted and the hottest ones are answered.
 
-Every /v1 request is authorized, then takes a slot under the in-flight limit here (Admission.enter). Searches (JSON, base64 or raw
-float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py) without FastAPI: their
-per-request machinery and the general middleware stack cost about as much again as the engine's few hundred
-microseconds. Express takes a request whose length is declared and within the body limit and whose body it parses;
-anything else goes to the full app. Where the run happens is the `Runner` given: this process (`InThisProcess`), or
-an engine process (process/front.py). A search the resident engine can answer at once is answered from the HTTP
-parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py). Hot calls that succeed
-are access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE), those that fail whenever the access log is on.
+Every /v1 request is authorized, then takes a slot under the in-flight limit here (Admission.enter). Searches
+(JSON, base64 or raw float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py)
+without FastAPI: its per-request machinery and the general middleware stack cost about as much again as the
+engine's few hundred microseconds. Express takes a request whose length is declared and within the body limit and
+whose body it parses; anything else goes to the full app. Where the run happens is the `Runner` given: this process
+(`InThisProcess`), or an engine process (process/front.py). A search the resident engine can answer at once is
+answered from the HTTP parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py).
+Hot calls that succeed are access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE), those that fail whenever
+the access log is on.
 """
 
 from __future__ import annotations
