@@ -34,7 +34,7 @@ class _Lane:
 class MicroBatcher:
     def __init__(self, run: RunBatch, executor: Executor, *, max_batch: int = 64, window_s: float = 0.0,
                  inline_below_s: float = 0.0, can_inline: Callable[[Any], bool] | None = None,
-                 turn_budget_s: float = 0.003) -> None:
+                 turn_budget_s: float = 0.003, learnt_keys: int = 1024) -> None:
         self.run = run
         self.executor = executor
         self.max_batch = max_batch
@@ -42,7 +42,8 @@ class MicroBatcher:
         self.inline_below_s = inline_below_s if window_s <= 0 else 0.0
         self.can_inline = can_inline
         self._lanes: dict[Hashable, _Lane] = defaultdict(_Lane)
-        self._lone_cost: dict[Hashable, float] = {}  # moving average of a lone query's engine time, per key
+        self._lone_cost: dict[Hashable, float] = {}  # moving average of a lone query's engine time, per key ...
+        self.learnt_keys = learnt_keys  # ... for at most this many keys, the oldest forgotten first
         self._arriving = 0  # searches between their arrival and the decision to inline them or not
         self.turn_budget_s = turn_budget_s
         self._this_turn = 0  # searches try_inline answered in this turn of the event loop ...
@@ -63,11 +64,17 @@ class MicroBatcher:
         results = self.run(key, queries) if run is None else run(queries)
         seconds = time.perf_counter() - started
         if len(queries) == 1:
-            previous = self._lone_cost.get(key)
+            learnt = self._lone_cost
+            previous = learnt.get(key)
+            if previous is None and len(learnt) >= self.learnt_keys:  # keys without end (filters): forget the oldest
+                try:
+                    del learnt[next(iter(learnt))]
+                except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                    pass
             # Wall time: a search preempted on a busy machine (a worker thread among many client threads) reads as
             # many times its cost, and one such reading must not push the key off the event loop, where its
             # searches would only get slower. A real rise still shows within a dozen searches.
-            self._lone_cost[key] = seconds if previous is None else 0.8 * previous + 0.2 * min(seconds, 2 * previous)
+            learnt[key] = seconds if previous is None else 0.8 * previous + 0.2 * min(seconds, 2 * previous)
         return results, seconds
 
     def _inline_ok(self, key: Hashable) -> bool:

@@ -90,7 +90,7 @@ def test_an_engine_error_reaches_the_caller_inline_or_not():
     run(go())
 
 
-def test_try_now_answers_at_once_only_what_submit_would_inline_and_within_the_turn_budget():
+def test_try_inline_answers_at_once_only_what_submit_would_inline_and_within_the_turn_budget():
     # 10 ms a search, 35 ms a turn: three searches, then the fourth would pass the budget
     engine = Engine(seconds=0.01)
     batcher = MicroBatcher(engine, ThreadPoolExecutor(2), inline_below_s=0.05, turn_budget_s=0.035)
@@ -130,7 +130,7 @@ def test_cheap_searches_arriving_together_all_fit_in_one_turn():
     assert [r[0] for r in turn] == [2.0 * i for i in range(32)]
 
 
-def test_try_now_leaves_slow_or_vetoed_searches_and_passes_engine_errors():
+def test_try_inline_leaves_slow_or_vetoed_searches_and_passes_engine_errors():
     slow = MicroBatcher(Engine(seconds=0.02), ThreadPoolExecutor(1), inline_below_s=0.005)
     vetoed = MicroBatcher(Engine(), ThreadPoolExecutor(1), inline_below_s=0.005, can_inline=lambda key: False)
     failing = Engine()
@@ -145,3 +145,21 @@ def test_try_now_leaves_slow_or_vetoed_searches_and_passes_engine_errors():
             flaky.try_inline("c", np.ones(2))
 
     run(go())
+
+
+def test_learnt_costs_are_bounded_and_the_oldest_key_is_forgotten_first():
+    """Filtered searches make keys without end (the filter's text is in the key): the batcher remembers the cost of
+    at most `learnt_keys` of them, so memory stays bounded, and forgets the oldest first."""
+    batcher = MicroBatcher(Engine(), ThreadPoolExecutor(1), inline_below_s=0.05, learnt_keys=8)
+
+    async def go():
+        for i in range(100):
+            batcher.timed(f"filter-{i}", np.ones((1, 2)))  # each learnt on its first search
+        recent = batcher.try_inline("filter-99", np.ones(2))  # its cost is known: answered inline
+        await asyncio.sleep(0)
+        oldest = batcher.try_inline("filter-0", np.ones(2))  # forgotten: unknown cost, not inline
+        return recent, oldest
+
+    recent, oldest = run(go())
+    assert recent is not None and oldest is None
+    assert len(batcher._lone_cost) <= 8
