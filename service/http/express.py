@@ -25,7 +25,7 @@ from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.errors import ProblemError
 from service.http.access_log import log_request
-from service.http.auth import check_bearer
+from service.http.auth import api_key, check_bearer
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search
 from service.metrics import StatusSend
 from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call
@@ -115,8 +115,7 @@ class Express:
         self.max_body = settings.server.max_body_bytes
         self.sample = settings.server.access_log_sample
         self.log_failures = settings.server.access_log  # successes are logged only when sampled
-        key = settings.server.api_key
-        self.key = key.get_secret_value().encode() if key is not None else None
+        self.key = api_key(settings)
 
     # -- the inline answer, from the HTTP protocol's callbacks (http/express_protocol.py) -------------------------
     def claim(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Claim | None:

@@ -70,13 +70,10 @@ class SearchRequest(SearchOptions):
 RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
 
 
-@functools.lru_cache(maxsize=1024)
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
     """Options of a raw float32 search from its query string: k, engine, consistency, seq, recall_target, filter
     (JSON text), `batch=true` (answer lists even for one vector); any other name is a search parameter (`ef=64`).
-    Returns (options, batch). Remembered per query string (a client sends the same one with every vector); callers must
-    not change the options they get. Errors are not remembered: a bad query string is parsed, and refused, every
-    time."""
+    Returns (options, batch)."""
     fields: dict[str, Any] = {}
     params: dict[str, float] = {}
     batch = False
@@ -133,7 +130,8 @@ OPTION_FIELDS = tuple(SearchOptions.model_fields)
 
 @functools.lru_cache(maxsize=1024)
 def raw_search_fields(query_string: str) -> tuple[dict[str, Any], bool]:
-    """raw_search_options as a SearchCall's fields (remembered alike; callers must not change them)."""
+    """raw_search_options as a SearchCall's fields, remembered per query string (a client sends the same one with
+    every vector); callers must not change them. Errors are not remembered: a bad query string is refused each time."""
     options, batch = raw_search_options(query_string)
     return {name: getattr(options, name) for name in OPTION_FIELDS}, batch
 
