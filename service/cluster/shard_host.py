@@ -27,7 +27,7 @@ from indexes.shards import Shard
 from service.admission.control import Admission
 from service.database.postgres import open_pool
 from service.process.devices import probe_cuda
-from service.process.link import EngineServer
+from service.process.link import EngineServer, frame_limit
 from service.process.messages import CatchUp, Failure, Reply, Request, ShardAnswer, ShardSearch
 from service.runtime import vector_options
 from service.settings import Settings
@@ -81,7 +81,7 @@ class ShardHost:
         # measured): typed frames over TCP, as between a front and the engine process (service/process/link.py).
         host = _node_ip()
         self._direct = EngineServer((host, 0), {ShardSearch: self._direct_search, CatchUp: self._direct_catch_up},
-                                    key=self.channel_key)
+                                    key=self.channel_key, max_frame=frame_limit(s.server.max_body_bytes))
         await self._direct.start()
         self.data_address = f"{host}:{self._direct.port}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.pipeline import HOT_KINDS, Pipeline, call_scope, is_search
-from service.process.link import EngineServer
+from service.process.link import EngineServer, frame_limit
 from service.process.messages import Reply, Request, SearchCall, UnparsedCall, UpsertCall
 from service.runtime import Runtime
 
@@ -32,4 +32,6 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
         reply.id = request.id
         return reply
 
-    return EngineServer(path, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), handle))
+    # A front sends at most a request body once parsed: a frame claiming more is refused before it is read.
+    return EngineServer(path, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), handle),
+                        max_frame=frame_limit(runtime.settings.server.max_body_bytes))
