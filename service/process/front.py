@@ -105,7 +105,9 @@ class EngineProxy:
 
 
 def _unavailable(scope: Scope, exc: Exception) -> Response:
-    return problem_response(503, "engine-unavailable", "Engine unavailable", (
+    # 503 `unavailable`: the engine process is down or restarting, which a retry outlasts. Not 409
+    # `engine-unavailable`, which says that the engine a request names cannot serve it (docs/api.md#errors).
+    return problem_response(503, "unavailable", "Service unavailable", (
         f"the engine process did not answer ({type(exc).__name__}); it may be starting or restarting"),
         instance=scope["path"], headers={"Retry-After": "1"})
 
