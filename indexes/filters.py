@@ -135,6 +135,7 @@ def _object(raw: Any, path: str, depth: int, counter: list[int]) -> Node:
         else:
             if len(key) > MAX_FIELD_CHARS:
                 raise InvalidInput(f"field names have at most {MAX_FIELD_CHARS} characters", field=path)
+            _text(key, path)
             items.append(_field(key, value, here, counter))
     return items[0] if len(items) == 1 else And(tuple(items))
 
@@ -176,14 +177,26 @@ def _count(node: Node, counter: list[int], path: str) -> Node:
 
 
 def _scalar(value: Any, path: str) -> Scalar:
-    if value is None or isinstance(value, (bool, str)):
+    if isinstance(value, str):
+        _text(value, path)
+        return value
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, (int, float)):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of 309 digits or more
+            raise InvalidInput("must be a number within the float64 range (about +-1.8e308)", field=path) from None
         if not math.isfinite(number):
             raise InvalidInput("must be a finite number", field=path)
         return number
     raise InvalidInput("must be a string, a number, a boolean or null", field=path)
+
+
+def _text(value: str, path: str) -> None:
+    """Strings go to PostgreSQL as text on pgvector's path, which cannot hold NUL: refused on every engine."""
+    if "\x00" in value:
+        raise InvalidInput("must not contain a NUL character (\\u0000)", field=path)
 
 
 def _bound(value: Any, path: str) -> tuple[str, float]:
