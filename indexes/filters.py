@@ -105,6 +105,26 @@ def parse(raw: Any, path: str = "filter") -> Node | None:
     return node
 
 
+def portable(raw: Any) -> Any:
+    """A checked filter (parse) with its integers beyond 64 bits as floats, which is what any number means here,
+    so that it crosses process links (msgspec) and JSON; the same object when it has none."""
+    try:
+        orjson.dumps(raw)
+        return raw
+    except TypeError:
+        return _floats(raw)
+
+
+def _floats(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        return float(value)
+    return value
+
+
 def key(node: Node) -> str:
     """What identifies a filter's meaning in caches: its repr, not the tree (True == 1.0 in Python, but
     {"f": true} is no {"f": 1}); computed once per tree."""

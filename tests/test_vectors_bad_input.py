@@ -188,3 +188,31 @@ def test_zero_vectors_stay_welcome_under_l2_and_inner_product(client):
             "ids": [50], "vectors": [[0, 0, 0, 0]]}).status_code == 200
         r = client.post(f"/v1/collections/{name}/search", json={"vector": [0, 0, 0, 0], "k": 2})
         assert r.status_code == 200, r.text
+
+
+def test_collections_stored_before_the_key_registry_have_their_keys_counted(server_dsn):
+    """Migration 0008 records the keys of payloads already stored, so the limit counts them too."""
+    import asyncpg
+
+    from conftest import fresh_database, run
+    from service.database.migrate import apply_migrations, load_migrations
+
+    async def migrate(dsn: str) -> list[str]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await apply_migrations(conn, [m for m in load_migrations() if m.version < 8])
+            cid = await conn.fetchval("INSERT INTO vector_collections (name, dim, metric, index_type) "
+                                      "VALUES ('old', 2, 'l2', 'auto') RETURNING id")
+            await conn.execute(f"CREATE TABLE vectors_{cid} (id bigint PRIMARY KEY, embedding vector(2) NOT NULL, "
+                               "payload jsonb, seq bigint NOT NULL)")
+            await conn.execute(f"INSERT INTO vectors_{cid} VALUES (1, '[1,2]', '{{\"a\": 1, \"b\": 2}}', 1), "
+                               f"(2, '[1,2]', '{{\"b\": 3, \"c\": 4}}', 2), (3, '[1,2]', NULL, 3), "
+                               f"(4, '[1,2]', '[1]', 4)")
+            await apply_migrations(conn)
+            rows = await conn.fetch("SELECT key FROM vector_payload_keys WHERE collection_id = $1", cid)
+            return sorted(r["key"] for r in rows)
+        finally:
+            await conn.close()
+
+    with fresh_database(server_dsn, "payload_key_backfill") as dsn:
+        assert run(migrate(dsn)) == ["a", "b", "c"]
