@@ -105,6 +105,26 @@ def parse(raw: Any, path: str = "filter") -> Node | None:
     return node
 
 
+def portable(raw: Any) -> Any:
+    """A checked filter (parse) with its integers beyond 64 bits as floats, which is what any number means here,
+    so that it crosses process links (msgspec) and JSON; the same object when it has none."""
+    try:
+        orjson.dumps(raw)
+        return raw
+    except TypeError:
+        return _floats(raw)
+
+
+def _floats(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        return float(value)
+    return value
+
+
 def key(node: Node) -> str:
     """What identifies a filter's meaning in caches: its repr, not the tree (True == 1.0 in Python, but
     {"f": true} is no {"f": 1}); computed once per tree."""
@@ -135,6 +155,7 @@ def _object(raw: Any, path: str, depth: int, counter: list[int]) -> Node:
         else:
             if len(key) > MAX_FIELD_CHARS:
                 raise InvalidInput(f"field names have at most {MAX_FIELD_CHARS} characters", field=path)
+            _text(key, path)
             items.append(_field(key, value, here, counter))
     return items[0] if len(items) == 1 else And(tuple(items))
 
@@ -176,14 +197,26 @@ def _count(node: Node, counter: list[int], path: str) -> Node:
 
 
 def _scalar(value: Any, path: str) -> Scalar:
-    if value is None or isinstance(value, (bool, str)):
+    if isinstance(value, str):
+        _text(value, path)
+        return value
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, (int, float)):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of 309 digits or more
+            raise InvalidInput("must be a number within the float64 range (about +-1.8e308)", field=path) from None
         if not math.isfinite(number):
             raise InvalidInput("must be a finite number", field=path)
         return number
     raise InvalidInput("must be a string, a number, a boolean or null", field=path)
+
+
+def _text(value: str, path: str) -> None:
+    """Strings go to PostgreSQL as text on pgvector's path, which cannot hold NUL: refused on every engine."""
+    if "\x00" in value:
+        raise InvalidInput("must not contain a NUL character (\\u0000)", field=path)
 
 
 def _bound(value: Any, path: str) -> tuple[str, float]:

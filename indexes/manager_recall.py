@@ -7,9 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from .distance import exact_search, from_engine, prepare
+from .distance import exact_search_blocked, from_engine, prepare
 from .errors import CollectionEmpty, InvalidInput
 from .manager_search import Searches
+from .vectors import check_batch, check_nonzero
+
+# The most bytes of exact scores the ground truth holds at once (queries x rows x float32; exact_search's own
+# temporaries make its peak a few times this), however many queries and rows there are.
+SCORE_BLOCK_BYTES = 16 * 2**20
 
 
 class Recall(Searches):
@@ -19,6 +24,12 @@ class Recall(Searches):
                      queries: np.ndarray | None, seed: int, recall_target: float | None = None) -> dict[str, Any]:
         """recall@k of `engine` against exact search over the same stored vectors."""
         c = await self.collection(name)
+        if queries is not None:
+            if queries.shape[1] != c.dim:
+                raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}",
+                                   field="queries")
+            check_nonzero(queries, c.metric, "queries")
+            check_batch(len(queries), k, "queries")  # as a search would
         r = self.resident.get(name)
         if r is not None and r.loaded:
             ids, data = await r.run(r.index.live)
@@ -28,15 +39,14 @@ class Recall(Searches):
         if len(ids) == 0:
             raise CollectionEmpty("the collection is empty: upsert points first", field="collection")
         if queries is None:
+            check_batch(min(sample, len(ids)), k, "sample")
             rng = np.random.default_rng(seed)
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
-        if queries.shape[1] != c.dim:
-            raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}",
-                               field="queries")
-        # Exact search over every row: seconds of CPU for large collections, so off the event loop.
-        truth_scores, truth_rows = await asyncio.to_thread(exact_search, np, data, prepare(np, queries, c.metric), k,
-                                                           c.metric)
+        # Exact search over every row, in bounded blocks: seconds of CPU for large collections, so off the event loop.
+        truth_scores, truth_rows = await asyncio.to_thread(exact_search_blocked, np, data,
+                                                           prepare(np, queries, c.metric), k, c.metric,
+                                                           SCORE_BLOCK_BYTES)
         # The same replica state the exact answer came from: no catch-up in between.
         answer = await self.search(name, queries, k, engine, params, consistency="eventually",
                                    recall_target=recall_target)

@@ -20,7 +20,7 @@ from .manager_state import ManagerState
 from .replica import Replica, check_level
 from .resident import ResidentCollection, SearchResult
 from .store import Collection
-from .vectors import MAX_K
+from .vectors import MAX_K, check_nonzero
 
 log = logging.getLogger("switchyard.vectors")
 
@@ -109,22 +109,23 @@ class Searches(ManagerState):
                            recall_target: float | None) -> tuple[Collection, str, filters.Node | None]:
         """A search's 422s, before any engine sees it: the collection, the consistency level and the parsed filter."""
         c = await self.collection(name)
-        level, where = self.check_query(c, queries.shape[1], k, consistency, seq, params, payload_filter,
-                                        recall_target)
+        level, where = self.check_query(c, queries, k, consistency, seq, params, payload_filter, recall_target)
         return c, level, where
 
-    def check_query(self, c: Collection, dim: int, k: int, consistency: str | None, seq: int | None,
+    def check_query(self, c: Collection, queries: np.ndarray, k: int, consistency: str | None, seq: int | None,
                     params: dict[str, Any] | None, payload_filter: dict[str, Any] | None,
                     recall_target: float | None) -> tuple[str, filters.Node | None]:
-        """A search's checks that need no engine, for queries of dimension `dim` on `c`: shared by search(), which
-        raises their 422s, and search_inline(), which leaves what they refuse to search(). Returns the consistency
-        level to reach and the parsed filter."""
+        """A search's checks that need no engine, for `queries` (one vector, or a matrix) on `c`: shared by
+        search(), which raises their 422s, and search_inline(), which leaves what they refuse to search(). Returns
+        the consistency level to reach and the parsed filter."""
         level = consistency or self.consistency.default
         check_level(level, seq)
         where = filters.parse(payload_filter)
         check_target(recall_target, params)
+        dim = queries.shape[-1]
         if dim != c.dim:
             raise InvalidInput(f"query has dimension {dim}, the collection has {c.dim}", field="vector")
+        check_nonzero(queries.reshape(-1, dim), c.metric, "vector" if queries.size == dim else "vectors")
         if not 1 <= k <= MAX_K:
             raise InvalidInput(f"must be from 1 to {MAX_K}", field="k")
         return level, where
@@ -145,8 +146,7 @@ class Searches(ManagerState):
             return None
         served = ENGINE_KIND["cpu"]
         try:
-            level, where = self.check_query(c, len(query), k, consistency, seq, params, payload_filter,
-                                            recall_target)
+            level, where = self.check_query(c, query, k, consistency, seq, params, payload_filter, recall_target)
             checked_items, run = resident_params(r.index, c.index_type, params), None
             if where is not None or recall_target is not None:
                 key, run = self._planned(r, k, checked_items, where, recall_target)

@@ -27,7 +27,7 @@ from .group_commit import GroupCommit
 from .replica import Applied, Replica
 from .resident import IndexBackend, RebuildPolicy
 from .shards import Shard
-from .store import Collection, CollectionStore
+from .store import MAX_PAYLOAD_KEYS, Collection, CollectionStore
 
 log = logging.getLogger("switchyard.vectors")
 
@@ -52,8 +52,9 @@ class ManagerState:
                  batch_window_s: float = 0.0, inline_search_s: float = 0.0, inline_turn_s: float = 0.003,
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
-                 on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None) -> None:
-        self.store = CollectionStore(pool)
+                 on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None,
+                 max_payload_keys: int = MAX_PAYLOAD_KEYS) -> None:
+        self.store = CollectionStore(pool, max_payload_keys)
         self.pool = pool
         self.data_dir = data_dir
         self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)

@@ -15,7 +15,7 @@ from .group_commit import GroupCommit
 from .manager_builds import Builds, Progress
 from .resident import Changes
 from .store import SMALL_WRITE_ROWS, Collection, Commit
-from .vectors import Points
+from .vectors import Points, check_nonzero
 
 log = logging.getLogger("switchyard.vectors")
 
@@ -25,12 +25,14 @@ T = TypeVar("T")
 class Writes(Builds):
     """Upserts, deletes and bulk loads (after which the replica may need a rebuild, hence over Builds)."""
 
-    async def upsert(self, name: str, points: Points) -> int:
-        """Returns the change seq of the write; acknowledged data is committed in Postgres."""
+    async def upsert(self, name: str, points: Points, field: str = "vectors") -> int:
+        """Returns the change seq of the write; acknowledged data is committed in Postgres. `field`: where the
+        request held the vectors, for its 422s."""
         c = await self.collection(name)
         if points.vectors.shape[1] != c.dim:
             raise InvalidInput(f"vectors have dimension {points.vectors.shape[1]}, the collection has {c.dim}",
-                               field="vectors")
+                               field=field)
+        check_nonzero(points.vectors, c.metric, field)  # every write path comes here: JSON, base64, Arrow
         if len(points.ids) > SMALL_WRITE_ROWS:
             return await self._upsert_now(name, points)
         group = self.write_groups.get(name)

@@ -1,12 +1,16 @@
-"""The resident payload index: typed columns of each top-level payload key, row for row with a resident
-collection, evaluated to a row mask in memory (no PostgreSQL round trip per filtered search).
+"""The resident payload index: the values of each top-level payload key, row for row with a resident collection,
+evaluated to a row mask in memory (no PostgreSQL round trip per filtered search).
 
-Every key seen becomes a column (inferred, and reported by `describe`):
-- `kind`: uint8 per row, what the value is (absent, null, false, true, number, string, other);
-- `number`: float64 per row, allocated once a number is seen (NaN elsewhere);
-- `code`: int32 per row into the key's string vocabulary, allocated once a string is seen (-1 elsewhere).
+Every key seen becomes a sparse column (inferred, and reported by `describe`), holding entries only for the rows
+that have the key, so memory follows the payloads actually stored, never keys x collection size (one point with
+many keys on a large collection once took 13 bytes per key per row):
+- `rows`: int64 row numbers, ascending (rows only append; a compaction keeps their order);
+- `kind`: uint8 per entry, what the value is (null, false, true, number, string, other);
+- `number`: float64 per entry, allocated once a number is seen (NaN elsewhere);
+- `code`: int32 per entry into the key's string vocabulary, allocated once a string is seen (-1 elsewhere).
   Each vocabulary entry also has its instant (filters.instant, NaN for non-dates), so date ranges cost a gather.
-A column costs 1 + 8 + 4 bytes a row at most. Rows only append; a compaction takes the surviving rows (`take`).
+An entry costs 8 + 1 + 8 + 4 bytes at most, arrays at most double the entries they hold. How many keys a
+collection may have is bounded where writes are committed (store.py, SWITCHYARD_MAX_PAYLOAD_KEYS).
 """
 
 from __future__ import annotations
@@ -24,30 +28,43 @@ _COMPARE = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.
 
 
 class Column:
-    def __init__(self, capacity: int) -> None:
-        self.kind = np.zeros(capacity, dtype=np.uint8)
+    """One key's entries: `size` of them, in the first `size` places of each array."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.rows = np.empty(0, dtype=np.int64)
+        self.kind = np.empty(0, dtype=np.uint8)
         self.number: np.ndarray | None = None
         self.code: np.ndarray | None = None
         self.vocab: dict[str, int] = {}
         self.instants: list[float] = []
 
-    def grow(self, capacity: int, rows: int) -> None:
-        self.kind = _grown(self.kind, capacity, rows, 0)
-        if self.number is not None:
-            self.number = _grown(self.number, capacity, rows, np.nan)
-        if self.code is not None:
-            self.code = _grown(self.code, capacity, rows, -1)
+    def extend(self, rows: list[int], values: list[Any]) -> None:
+        """Entries for new rows (ascending, after every row held)."""
+        start, end = self.size, self.size + len(rows)
+        if end > len(self.rows):  # grown by doubling: amortised O(1) an entry, at most twice what is held
+            capacity = max(end, 2 * len(self.rows), 4)
+            self.rows = _grown(self.rows, capacity, start, 0)
+            self.kind = _grown(self.kind, capacity, start, ABSENT)
+            if self.number is not None:
+                self.number = _grown(self.number, capacity, start, np.nan)
+            if self.code is not None:
+                self.code = _grown(self.code, capacity, start, -1)
+        self.rows[start:end] = rows
+        for i, value in enumerate(values, start):
+            self._set(i, value)
+        self.size = end
 
-    def set(self, row: int, value: Any) -> None:
+    def _set(self, i: int, value: Any) -> None:
         if value is None:
-            self.kind[row] = NULL
+            self.kind[i] = NULL
         elif value is True or value is False:
-            self.kind[row] = TRUE if value else FALSE
+            self.kind[i] = TRUE if value else FALSE
         elif isinstance(value, (int, float)):
             if self.number is None:
                 self.number = np.full(len(self.kind), np.nan)
-            self.kind[row] = NUMBER
-            self.number[row] = float(value)
+            self.kind[i] = NUMBER
+            self.number[i] = float(value)
         elif isinstance(value, str):
             if self.code is None:
                 self.code = np.full(len(self.kind), -1, dtype=np.int32)
@@ -56,25 +73,39 @@ class Column:
                 code = self.vocab[value] = len(self.vocab)
                 moment = instant(value)
                 self.instants.append(np.nan if moment is None else moment)
-            self.kind[row] = STRING
-            self.code[row] = code
+            self.kind[i] = STRING
+            self.code[i] = code
         else:
-            self.kind[row] = OTHER
+            self.kind[i] = OTHER
 
-    def take(self, rows: np.ndarray) -> "Column":
-        out = Column(0)
-        out.kind = self.kind[rows]
-        out.number = None if self.number is None else self.number[rows]
-        out.code = None if self.code is None else self.code[rows]
+    def below(self, n: int) -> int:
+        """How many entries are for rows 0..n-1."""
+        return int(np.searchsorted(self.rows[: self.size], n))
+
+    def take(self, position: np.ndarray) -> "Column":
+        """This column over new row numbers: `position[old row]`, -1 for rows not kept (a compaction)."""
+        new = position[self.rows[: self.size]]
+        keep = np.flatnonzero(new >= 0)
+        new = new[keep]
+        if len(new) > 1 and (np.diff(new) < 0).any():  # a reordering compaction: entries follow their rows
+            order = np.argsort(new, kind="stable")
+            keep, new = keep[order], new[order]
+        out = Column()
+        out.size = len(keep)
+        out.rows = new
+        out.kind = self.kind[keep]
+        out.number = None if self.number is None else self.number[keep]
+        out.code = None if self.code is None else self.code[keep]
         out.vocab, out.instants = self.vocab, self.instants  # stale entries are harmless; vocab only grows
         return out
 
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.rows, self.kind, self.number, self.code) if a is not None)
 
-def _grown(array: np.ndarray, capacity: int, rows: int, fill: Any) -> np.ndarray:
-    if len(array) >= capacity:
-        return array
+
+def _grown(array: np.ndarray, capacity: int, held: int, fill: Any) -> np.ndarray:
     out = np.full(capacity, fill, dtype=array.dtype)
-    out[:rows] = array[:rows]
+    out[:held] = array[:held]
     return out
 
 
@@ -82,36 +113,40 @@ class PayloadIndex:
     def __init__(self) -> None:
         self.columns: dict[str, Column] = {}
         self.rows = 0
-        self.capacity = 0
 
     def append(self, payloads: list[Any] | None, n: int) -> None:
         """The payloads of `n` new rows (a dict or None each, as `parsed` gives them; None: none has one)."""
         start = self.rows
-        self._reserve(start + n)
         if payloads is not None:
+            entries: dict[str, tuple[list[int], list[Any]]] = {}
             for i, payload in enumerate(payloads):
                 if not isinstance(payload, dict):
                     continue
                 for key, value in payload.items():
-                    column = self.columns.get(key)
-                    if column is None:
-                        column = self.columns[key] = Column(self.capacity)
-                    column.set(start + i, value)
+                    found = entries.get(key)
+                    if found is None:
+                        found = entries[key] = ([], [])
+                    found[0].append(start + i)
+                    found[1].append(value)
+            for key, (rows, values) in entries.items():
+                column = self.columns.get(key)
+                if column is None:
+                    column = self.columns[key] = Column()
+                column.extend(rows, values)
         self.rows = start + n
-
-    def _reserve(self, need: int) -> None:
-        if need <= self.capacity:
-            return
-        self.capacity = max(need, int(self.capacity * 1.5), 1024)
-        for column in self.columns.values():
-            column.grow(self.capacity, self.rows)
 
     def take(self, rows: np.ndarray) -> "PayloadIndex":
         """A new index holding `rows` of this one, in that order (a compaction)."""
+        position = np.full(self.rows, -1, dtype=np.int64)
+        position[rows] = np.arange(len(rows))
         out = PayloadIndex()
-        out.columns = {key: column.take(rows) for key, column in self.columns.items()}
-        out.rows = out.capacity = len(rows)
+        out.columns = {key: column.take(position) for key, column in self.columns.items()}
+        out.rows = len(rows)
         return out
+
+    def nbytes(self) -> int:
+        """The bytes its arrays hold (vocabularies aside)."""
+        return sum(column.nbytes() for column in self.columns.values())
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, node: Node, n_rows: int) -> np.ndarray:
@@ -128,38 +163,17 @@ class PayloadIndex:
             return mask
         if isinstance(node, Not):
             return ~self.evaluate(node.item, n_rows)
-        return self._condition(node, n_rows)
-
-    def _condition(self, cond: Cond, n: int) -> np.ndarray:
-        column = self.columns.get(cond.field)
+        column = self.columns.get(node.field)
         if column is None:  # no row has the key: nothing matches (and $exists is False)
-            return np.zeros(n, dtype=bool)
-        kind = column.kind[:n]
-        if cond.op == "exists":
-            return kind != ABSENT
-        if cond.op in _COMPARE:
-            what, bound = cond.value
-            if what == "number":
-                if column.number is None:
-                    return np.zeros(n, dtype=bool)
-                with np.errstate(invalid="ignore"):
-                    return _COMPARE[cond.op](column.number[:n], bound)  # NaN (not a number) compares False
-            if column.code is None or not column.instants:
-                return np.zeros(n, dtype=bool)
-            instants = np.append(np.asarray(column.instants, dtype=np.float64), np.nan)  # code -1 -> NaN
-            with np.errstate(invalid="ignore"):
-                return _COMPARE[cond.op](instants[column.code[:n]], bound)
-        values = (cond.value,) if cond.op == "eq" else cond.value
-        mask = np.zeros(n, dtype=bool)
-        numbers = [v for v in values if isinstance(v, float)]
-        if numbers and column.number is not None:
-            mask |= np.isin(column.number[:n], numbers) & (kind == NUMBER)
-        codes = [column.vocab[v] for v in values if isinstance(v, str) and v in column.vocab]
-        if codes and column.code is not None:
-            mask |= np.isin(column.code[:n], codes)
-        for v in values:
-            if v is None or isinstance(v, bool):
-                mask |= kind == (NULL if v is None else TRUE if v else FALSE)
+            return np.zeros(n_rows, dtype=bool)
+        m = column.below(n_rows)
+        matched = _matches(column, node, m)
+        if matched is None:
+            return np.zeros(n_rows, dtype=bool)
+        if m == n_rows:  # every row has the key (rows ascend, below n_rows): the entries are the rows
+            return matched
+        mask = np.zeros(n_rows, dtype=bool)
+        mask[column.rows[:m][matched]] = True
         return mask
 
     # -- reports and snapshots -------------------------------------------------------------------------
@@ -167,7 +181,8 @@ class PayloadIndex:
         """Per key, how many live rows hold each kind of value."""
         out = {}
         for key, column in sorted(self.columns.items()):
-            counts = np.bincount(column.kind[: len(alive)][alive], minlength=len(KIND_NAMES))
+            m = column.below(len(alive))
+            counts = np.bincount(column.kind[:m][alive[column.rows[:m]]], minlength=len(KIND_NAMES))
             out[key] = {name: int(c) for name, c in zip(KIND_NAMES, counts) if name != "absent" and c}
         return out
 
@@ -178,30 +193,67 @@ class PayloadIndex:
         for i, (key, column) in enumerate(self.columns.items()):
             vocab = sorted(column.vocab, key=column.vocab.__getitem__)
             meta["columns"].append({"key": key, "vocab": vocab})
-            arrays[f"payload{i}.kind"] = column.kind[: self.rows]
+            arrays[f"payload{i}.rows"] = column.rows[: column.size]
+            arrays[f"payload{i}.kind"] = column.kind[: column.size]
             if column.number is not None:
-                arrays[f"payload{i}.number"] = column.number[: self.rows]
+                arrays[f"payload{i}.number"] = column.number[: column.size]
             if column.code is not None:
-                arrays[f"payload{i}.code"] = column.code[: self.rows]
+                arrays[f"payload{i}.code"] = column.code[: column.size]
         return meta, arrays
 
     @classmethod
     def restore(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> "PayloadIndex":
         out = cls()
-        out.rows = out.capacity = int(meta["rows"])
+        out.rows = int(meta["rows"])
         for i, entry in enumerate(meta["columns"]):
-            column = Column(0)
+            column = Column()
+            column.rows = np.array(arrays[f"payload{i}.rows"], dtype=np.int64)
             column.kind = np.array(arrays[f"payload{i}.kind"], dtype=np.uint8)
+            column.size = len(column.rows)
             if f"payload{i}.number" in arrays:
                 column.number = np.array(arrays[f"payload{i}.number"], dtype=np.float64)
             if f"payload{i}.code" in arrays:
                 column.code = np.array(arrays[f"payload{i}.code"], dtype=np.int32)
             column.vocab = {v: c for c, v in enumerate(entry["vocab"])}
             column.instants = [np.nan if (m := instant(v)) is None else m for v in entry["vocab"]]
-            if len(column.kind) != out.rows:
-                raise ValueError(f"payload column {entry['key']!r} has {len(column.kind)} rows, not {out.rows}")
+            rows = column.rows
+            sizes = {len(a) for a in (column.kind, column.number, column.code) if a is not None}
+            if sizes != {column.size} or (column.size and (rows[0] < 0 or rows[-1] >= out.rows
+                                                          or (np.diff(rows) <= 0).any())):
+                raise ValueError(f"payload column {entry['key']!r} does not fit {out.rows} rows")
             out.columns[entry["key"]] = column
         return out
+
+
+def _matches(column: Column, cond: Cond, m: int) -> np.ndarray | None:
+    """Which of a column's first `m` entries meet a condition (a bool array, or None for none)."""
+    kind = column.kind[:m]
+    if cond.op == "exists":
+        return kind != ABSENT
+    if cond.op in _COMPARE:
+        what, bound = cond.value
+        if what == "number":
+            if column.number is None:
+                return None
+            with np.errstate(invalid="ignore"):
+                return _COMPARE[cond.op](column.number[:m], bound)  # NaN (not a number) compares False
+        if column.code is None or not column.instants:
+            return None
+        instants = np.append(np.asarray(column.instants, dtype=np.float64), np.nan)  # code -1 -> NaN
+        with np.errstate(invalid="ignore"):
+            return _COMPARE[cond.op](instants[column.code[:m]], bound)
+    values = (cond.value,) if cond.op == "eq" else cond.value
+    matched = np.zeros(m, dtype=bool)
+    numbers = [v for v in values if isinstance(v, float)]
+    if numbers and column.number is not None:
+        matched |= np.isin(column.number[:m], numbers) & (kind == NUMBER)
+    codes = [column.vocab[v] for v in values if isinstance(v, str) and v in column.vocab]
+    if codes and column.code is not None:
+        matched |= np.isin(column.code[:m], codes)
+    for v in values:
+        if v is None or isinstance(v, bool):
+            matched |= kind == (NULL if v is None else TRUE if v else FALSE)
+    return matched
 
 
 def parsed(payloads: list[Any] | str | bytes | None, n: int) -> list[Any] | None:

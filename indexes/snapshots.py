@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("switchyard.snapshots")
 
-FORMAT = 3  # 3: the payload index and the calibration
+FORMAT = 4  # 3: the payload index and the calibration; 4: its columns sparse (rows that have the key)
 ARRAYS = ("ids", "vectors", "alive")
 ENGINES = ("cuvs", "faiss")
 

@@ -24,7 +24,7 @@ from . import digest, pgcopy
 from .distance import prepare
 from .errors import CollectionExists, CollectionNotFound, InvalidInput
 from .resident import Changes
-from .vectors import Points
+from .vectors import Points, payload_keys
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 OPERATORS = {"l2": "<->", "cosine": "<=>", "inner_product": "<#>"}
@@ -37,6 +37,10 @@ HEAD = "(SELECT coalesce(max(seq), 0) FROM vector_commits WHERE collection_id = 
 # The payloads of the rows read, in seq order, as one JSON array (NULL when none has one): one string for the
 # replica to parse off the event loop.
 PAYLOADS_JSON = "CASE WHEN bool_or(payload IS NOT NULL) THEN json_agg(payload ORDER BY seq)::text END"
+MAX_PAYLOAD_KEYS = 1024  # distinct top-level payload keys a collection may hold (SWITCHYARD_MAX_PAYLOAD_KEYS)
+# How many of `keys` ($2) the collection ($1) already holds, and how many it holds in all.
+KEYS_HELD = ("SELECT (SELECT count(*) FROM vector_payload_keys WHERE collection_id = $1 AND key = ANY($2::text[])) "
+             "AS known, (SELECT count(*) FROM vector_payload_keys WHERE collection_id = $1) AS held")
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,12 @@ def check_name(name: str) -> str:
 
 
 class CollectionStore:
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, max_payload_keys: int = MAX_PAYLOAD_KEYS) -> None:
         self.pool = pool
+        self.max_payload_keys = max_payload_keys
+        # Per collection id, keys this process has seen committed in vector_payload_keys (ids are never reused,
+        # keys never leave it but with their collection): writes within them need no look-up.
+        self.known_keys: dict[int, set[str]] = {}
 
     async def create(self, name: str, dim: int, metric: str, index_type: str, index_params: dict[str, Any],
                      pgvector_index: dict[str, Any]) -> Collection:
@@ -112,6 +120,7 @@ class CollectionStore:
             await conn.execute("DELETE FROM vector_collections WHERE id = $1", c.id)
             await conn.execute("DELETE FROM vector_replica_reports WHERE collection_id = $1", c.id)
             await conn.execute("SELECT pg_notify($1, $2)", CHANNEL, f"c:{c.id}")
+        self.known_keys.pop(c.id, None)
         return c
 
     async def list(self) -> list[Collection]:
@@ -136,8 +145,12 @@ class CollectionStore:
         """Insert or replace the points in one transaction; its commit covers (prev, seq]. Small writes bind arrays
         (unnest); large ones COPY into a temporary table first, which costs PostgreSQL ~1 ms of CPU for the table
         alone (5x a one-row upsert by arrays, measured)."""
+        keys = payload_keys(points.payloads)
+        new_keys = keys - self.known_keys.get(c.id, set())
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1, $2)", ADVISORY_NAMESPACE, c.id)
+            if new_keys:
+                await self._add_keys(conn, c, new_keys)
             if len(points.ids) <= SMALL_WRITE_ROWS:
                 source, args = self._bind_rows(c, points)
             else:
@@ -153,7 +166,32 @@ class CollectionStore:
                 f"SELECT $1, m.seq, h.prev, m.n FROM m, h RETURNING seq, prev_seq) "
                 f"SELECT seq, prev_seq, pg_notify($2, $1::text || ':' || seq) FROM x", c.id, CHANNEL, *args,
             )
-            return Commit(row["prev_seq"], row["seq"])
+            commit = Commit(row["prev_seq"], row["seq"])
+        self.known_keys.setdefault(c.id, set()).update(new_keys)  # committed now
+        return commit
+
+    async def check_keys(self, c: Collection, keys: set[str]) -> None:
+        """Refuse (InvalidInput, field payloads) keys that would take the collection past its limit: a bulk
+        load's check before its first chunk is written (each chunk's upsert checks again, under the lock)."""
+        new_keys = keys - self.known_keys.get(c.id, set())
+        if new_keys:
+            async with self.pool.acquire() as conn:
+                await self._count_keys(conn, c, new_keys)
+
+    async def _count_keys(self, conn: Any, c: Collection, keys: set[str]) -> None:
+        row = await conn.fetchrow(KEYS_HELD, c.id, list(keys))
+        total = row["held"] + len(keys) - row["known"]
+        if total > self.max_payload_keys:
+            raise InvalidInput(f"would give collection {c.name!r} {total:,} distinct top-level payload keys "
+                               f"({len(keys) - row['known']:,} new); a collection holds at most "
+                               f"{self.max_payload_keys:,} (SWITCHYARD_MAX_PAYLOAD_KEYS)", field="payloads")
+
+    async def _add_keys(self, conn: Any, c: Collection, keys: set[str]) -> None:
+        """Register a write's new payload keys under the collection's write lock, before its rows: past the limit,
+        nothing is written."""
+        await self._count_keys(conn, c, keys)
+        await conn.execute("INSERT INTO vector_payload_keys (collection_id, key) SELECT $1, unnest($2::text[]) "
+                           "ON CONFLICT DO NOTHING", c.id, list(keys))
 
     @staticmethod
     def _bind_rows(c: Collection, points: Points) -> tuple[str, tuple]:

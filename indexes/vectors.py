@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +22,9 @@ MAX_K = 1000  # most neighbours one search may ask for
 MAX_QUERIES = 10_000  # most query vectors in one search request, whatever their encoding
 MAX_RESULTS = 1_000_000  # most (query, neighbour) pairs one search may answer: queries x k
 MAX_VALUE = 1e15  # largest magnitude of a vector value (squared distances stay finite in float32)
+# A NUL character as orjson writes it (\u0000 after an even number of backslashes): PostgreSQL's jsonb and text
+# cannot hold one (asyncpg's UntranslatableCharacterError).
+_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,20 @@ def check_finite(matrix: np.ndarray, field: str) -> None:
     # float32 overflow: a finite float64 beyond 3.4e38 became inf above; values near it would overflow squared
     # distances.
     raise InvalidInput("vector values must be within +-1e15", field=field)
+
+
+def check_nonzero(matrix: np.ndarray, metric: str, field: str) -> None:
+    """Refuse zero vectors where the metric has no distance for them: under cosine a zero vector has no
+    direction (pgvector answers NaN, a unit-vector index 1.0), so every engine would answer it differently.
+    Every write and search of a cosine collection passes here, whatever its encoding."""
+    if metric != "cosine" or not matrix.size:
+        return
+    zero = ~matrix.any(axis=1)
+    if zero.any():
+        row = int(np.argmax(zero))
+        raise InvalidInput(f"vector {row} is all zeros: cosine distance is undefined for a zero vector "
+                           "(a cosine collection takes only non-zero vectors)",
+                           field=field if field == "vector" else f"{field}[{row}]")
 
 
 def unshaped_matrix(values: object, field: str, one_of: int | None = None) -> np.ndarray:
@@ -123,10 +141,30 @@ def encode_payloads(payloads: list[object] | None, n: int) -> list[bytes | None]
         raise InvalidInput(f"has {len(payloads)} entries for {n} points", field="payloads")
     out: list[bytes | None] = []
     for i, p in enumerate(payloads):
-        if p is not None and not isinstance(p, dict):
+        if p is None:
+            out.append(None)
+            continue
+        if not isinstance(p, dict):
             raise InvalidInput("each payload must be a JSON object or null", field=f"payloads[{i}]")
-        out.append(None if p is None else orjson.dumps(p))
+        try:
+            text = orjson.dumps(p)
+        except orjson.JSONEncodeError as exc:  # integers beyond 64 bits, and what JSON cannot hold
+            raise InvalidInput(f"is not storable JSON ({exc}): integers must fit in 64 bits",
+                               field=f"payloads[{i}]") from None
+        if b"\\u0000" in text and _NUL.search(text):
+            raise InvalidInput("holds a NUL character (\\u0000), which PostgreSQL cannot store in JSON",
+                               field=f"payloads[{i}]")
+        out.append(text)
     return out if any(p is not None for p in out) else None
+
+
+def payload_keys(payloads: list[bytes | None] | None) -> set[str]:
+    """The distinct top-level keys of encoded payloads."""
+    keys: set[str] = set()
+    for p in payloads or ():
+        if p is not None:
+            keys.update(orjson.loads(p))
+    return keys
 
 
 def make_points(ids: np.ndarray, vectors: np.ndarray, payloads: list[object] | None) -> Points:
@@ -141,7 +179,7 @@ def checked_points(ids: object, vectors: np.ndarray, payloads: list[bytes | None
     return Points(id_array, vectors, payloads)
 
 
-def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000) -> Iterator[Points]:
+def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000, metric: str = "l2") -> Iterator[Points]:
     """The points of an Arrow IPC stream file, `rows` at a time: columns id (integer), vector (or embedding:
     fixed-size or plain list of float), and optionally payload (JSON text or struct). The file is memory-mapped,
     so only one chunk is ever decoded in memory."""
@@ -163,23 +201,32 @@ def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000) -> Iterator[Poi
                     pending.append(take)
                     held += len(take)
                     if held == rows:
-                        yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim)
+                        yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric)
                         pending, held = [], 0
             if held:
-                yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim)
+                yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise InvalidInput(f"is not a readable Arrow IPC stream ({exc})", field="body") from None
 
 
-def check_arrow(path: str | Path, dim: int) -> int:
+def check_arrow(path: str | Path, dim: int, metric: str = "l2") -> int:
     """Read a whole Arrow IPC stream file as arrow_chunks will, so that a bad one is refused before anything is
     written; its number of rows. Ids must be unique across the whole stream, as in any one request."""
-    ids = [points.ids for points in arrow_chunks(path, dim)]
+    return scan_arrow(path, dim, metric)[0]
+
+
+def scan_arrow(path: str | Path, dim: int, metric: str = "l2") -> tuple[int, set[str]]:
+    """check_arrow's reading, also giving the distinct top-level payload keys of the stream (the store bounds
+    them per collection, before the first chunk is written)."""
+    ids, keys = [], set()
+    for points in arrow_chunks(path, dim, metric=metric):
+        ids.append(points.ids)
+        keys |= payload_keys(points.payloads)
     check_ids(np.concatenate(ids) if ids else np.empty(0, np.int64))
-    return sum(len(chunk) for chunk in ids)
+    return sum(len(chunk) for chunk in ids), keys
 
 
-def _arrow_points(table: Any, vector_column: str, dim: int) -> Points:
+def _arrow_points(table: Any, vector_column: str, dim: int, metric: str) -> Points:
     import pyarrow as pa
 
     if table.column("id").null_count or table.column(vector_column).null_count:
@@ -193,6 +240,7 @@ def _arrow_points(table: Any, vector_column: str, dim: int) -> Points:
     if len(flat) != len(vec) * dim:
         raise InvalidInput(f"vectors must all have dimension {dim}", field=vector_column)
     vectors = as_matrix(flat.reshape(len(vec), dim), dim, vector_column)
+    check_nonzero(vectors, metric, vector_column)
     payloads = None
     if "payload" in table.column_names:
         payloads = []

@@ -128,6 +128,10 @@ class VectorSettings(Group):
         "Engine time the event loop spends answering searches in one of its turns (by each search's learnt cost; "
         "the first always runs); more arriving together go to a worker thread as a batch, so the loop keeps "
         "reading while the engine runs."))
+    max_payload_keys: int = setting(1024, ge=1, le=100_000, description=(
+        "Most distinct top-level payload keys one collection may hold (each is a column of the resident payload "
+        "index); a write that would add more is refused with a 422 naming `payloads`, and nothing is stored. Keys "
+        "count until the collection is dropped."))
     express_protocol: bool = setting(True, description=(
         "Answer plain single-vector searches from the HTTP protocol itself (express's inline answers) when the "
         "resident CPU engine can at once; false: uvicorn's own protocol, every request through the ASGI app."))

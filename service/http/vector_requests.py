@@ -14,10 +14,11 @@ from urllib.parse import parse_qsl
 import numpy as np
 import orjson
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from indexes import filters
 from indexes.errors import InvalidInput, VectorError
-from indexes.vectors import MAX_K, decode_base64, encode_payloads, fit_matrix, unshaped_matrix
+from indexes.vectors import MAX_ID, MAX_K, decode_base64, encode_payloads, fit_matrix, unshaped_matrix
 from service.errors import ProblemError
 from service.http.jsonnum import Float, Int, IntList
 from service.http.openapi import exactly_one_of
@@ -49,7 +50,17 @@ class SearchOptions(BaseModel):
         "What the resident replica must have applied first: `strong` every commit before this search, `session` "
         "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
         "nothing. pgvector always reads the latest commit."))
-    seq: Int | None = Field(default=None, ge=0, description="With `session`: the seq a write of yours returned.")
+    seq: Int | None = Field(default=None, ge=0, le=MAX_ID,
+                            description="With `session`: the seq a write of yours returned.")
+
+    @field_validator("params")
+    @classmethod
+    def _params_in_range(cls, params: dict[str, int | float] | None) -> dict[str, int | float] | None:
+        """Search parameters cross process links as 64-bit integers: a larger one is refused here, not a 500."""
+        for name, value in (params or {}).items():
+            if isinstance(value, int) and not -MAX_ID - 1 <= value <= MAX_ID:
+                raise ValueError(f"search parameter {name!r} is beyond 64 bits")
+        return params
 
 
 class SearchRequest(SearchOptions):
@@ -133,7 +144,18 @@ def raw_search_fields(query_string: str) -> tuple[dict[str, Any], bool]:
     """raw_search_options as a SearchCall's fields, remembered per query string (a client sends the same one with
     every vector); callers must not change them. Errors are not remembered: a bad query string is refused each time."""
     options, batch = raw_search_options(query_string)
-    return {name: getattr(options, name) for name in OPTION_FIELDS}, batch
+    return checked_fields(options), batch
+
+
+def checked_fields(options: SearchOptions) -> dict[str, Any]:
+    """A SearchCall's option fields, with the filter checked here, where the request is parsed (a front process
+    too: a 422 naming the path inside it), and its integers beyond 64 bits as the floats they mean, so that the
+    call can cross to an engine process."""
+    fields = {name: getattr(options, name) for name in OPTION_FIELDS}
+    if fields["filter"] is not None:
+        filters.parse(fields["filter"])  # remembered by its text: the engine's own parse of it is a look-up
+        fields["filter"] = filters.portable(fields["filter"])
+    return fields
 
 
 def parse_search(collection: str, raw: bytes, content_type: str = "application/json",
@@ -144,7 +166,7 @@ def parse_search(collection: str, raw: bytes, content_type: str = "application/j
         fields, batch = raw_search_fields(query_string)
         return SearchCall(collection, raw, None, "body", not batch, **fields)
     body = parse_json(SearchRequest, raw)
-    fields = {name: getattr(body, name) for name in OPTION_FIELDS}
+    fields = checked_fields(body)
     if body.vector is not None:
         matrix, field, single = unshaped_matrix([body.vector], "vector"), "vector", True
     elif body.vectors is not None:
@@ -158,6 +180,8 @@ def parse_search(collection: str, raw: bytes, content_type: str = "application/j
 def parse_upsert(collection: str, raw: bytes) -> UpsertCall:
     """The parse step of a JSON upsert, as an UpsertCall checked as far as it can be without its collection."""
     body = parse_json(UpsertPoints, raw)
+    if max(body.ids) > MAX_ID or min(body.ids) < -MAX_ID - 1:  # ids cross process links as 64-bit integers
+        raise InvalidInput("ids must be integers between 0 and 2^63-1", field="ids")
     payloads = encode_payloads(body.payloads, len(body.ids))
     if body.vectors is not None:
         matrix = unshaped_matrix(body.vectors, "vectors")

@@ -14,11 +14,11 @@ from indexes.vectors import (
     MAX_K,
     arrow_chunks,
     as_matrix,
-    check_arrow,
     check_batch,
     check_finite,
     check_ids,
     checked_points,
+    scan_arrow,
 )
 from service.http.deps import RuntimeDep, domain, v1_router
 from service.http.jsonnum import Float, Int, IntList
@@ -144,7 +144,7 @@ class RecallRequest(BaseModel):
     params: dict[str, int | float] | None = None
     sample: Int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
     queries: list[list[Float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
-    seed: Int = 0
+    seed: Int = Field(default=0, ge=0, description="Seed of the sample's random choice (0 or more).")
     recall_target: float | None = Field(default=None, description="Search as a search with this recall_target would.")
 
 
@@ -215,11 +215,12 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     reserve = s.jobs.disk_reserve_mb * 2**20
     path = await spool(request, s.data_dir, reserve, "the bulk load's body")
     try:
-        rows = await asyncio.to_thread(check_arrow, path, c.dim)
+        rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric)
+        await vectors.store.check_keys(c, keys)
         ensure_room(s.data_dir, BULK_BYTES_PER_BYTE * rows * (4 * c.dim + 8), reserve, f"loading {rows} points")
         return await runtime.jobs.start(
-            "bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, arrow_chunks(path, c.dim), rows, progress,
-                                                                      fallback=fallback),
+            "bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, arrow_chunks(path, c.dim, metric=c.metric),
+                                                                      rows, progress, fallback=fallback),
             cleanup=lambda: path.unlink(missing_ok=True))
     except BaseException:
         path.unlink(missing_ok=True)
@@ -232,7 +233,7 @@ async def answer_upsert(runtime: Any, call: UpsertCall) -> bytes:
     c = await vectors.collection(call.collection)
     points = checked_points(call.ids, matrix_of(call.vectors, call.width, c.dim, call.field), call.payloads)
     async with runtime.admission.slot("writes", bound_run=False):
-        seq = await vectors.upsert(call.collection, points)
+        seq = await vectors.upsert(call.collection, points, call.field)
     return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
 
 

@@ -1,0 +1,179 @@
+"""Memory in proportion to the data and the request (issue 34, items 2 and 3): the payload index holds entries
+only for rows that have a key, and recall's exact ground truth scores queries x rows in bounded blocks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from helpers import wait_ready
+from indexes import distance
+from indexes.filters import parse
+from indexes.payloads import PayloadIndex
+from vector_data import clustered, oracle
+
+
+def array_bytes(index: PayloadIndex) -> int:
+    """Every numpy array the index's columns hold, whatever their layout."""
+    return sum(a.nbytes for column in index.columns.values() for a in vars(column).values()
+               if isinstance(a, np.ndarray))
+
+
+def test_many_keys_on_one_point_of_a_large_collection_cost_bytes_per_key_not_per_row():
+    index = PayloadIndex()
+    index.append(None, 20_000)  # rows without payloads
+    index.append([{f"k{i}": i for i in range(500)}], 1)
+    # Dense columns sized to the collection took 9 bytes per key per row here: 90 MB.
+    assert array_bytes(index) <= 500 * 128
+    mask = index.evaluate(parse({"k7": 7}), index.rows)
+    assert np.flatnonzero(mask).tolist() == [20_000]
+
+
+def test_payload_index_memory_follows_the_entries_present():
+    rng = np.random.default_rng(3)
+    keys, rows = 300, 30_000
+    index, entries = PayloadIndex(), 0
+    for _ in range(0, rows, 1000):
+        payloads = []
+        for _row in range(1000):
+            chosen = rng.choice(keys, size=3, replace=False)
+            payloads.append({f"k{j}": float(j) for j in chosen})
+            entries += 3
+        index.append(payloads, len(payloads))
+    # rows (8) + kind (1) + number (8) bytes an entry, arrays at most twice what they hold, a little per key
+    assert array_bytes(index) <= 2 * 17 * entries + 64 * keys
+
+
+def oracle_mask(payloads: list[dict | None], field: str, test) -> list[int]:
+    return [i for i, p in enumerate(payloads) if p is not None and field in p and test(p[field])]
+
+
+def test_sparse_columns_filter_as_dense_ones_did_through_compaction_and_snapshots():
+    rng = np.random.default_rng(5)
+    payloads: list[dict | None] = []
+    for i in range(2_000):
+        if i % 5 == 0:
+            payloads.append(None)
+        else:
+            p: dict = {}
+            if i % 2:
+                p["price"] = float(rng.integers(0, 100))
+            if i % 3:
+                p["color"] = ["red", "green", "blue"][i % 3]
+            if i % 7 == 0:
+                p["when"] = f"2024-0{1 + i % 9}-15"
+            if i % 11 == 0:
+                p["flag"] = bool(i % 2)
+            payloads.append(p)
+    index = PayloadIndex()
+    for start in range(0, len(payloads), 300):
+        chunk = payloads[start:start + 300]
+        index.append(chunk, len(chunk))
+    checks = [
+        ({"price": {"$gte": 50}}, oracle_mask(payloads, "price", lambda v: v >= 50)),
+        ({"color": {"$in": ["red", "blue"]}}, oracle_mask(payloads, "color", lambda v: v in ("red", "blue"))),
+        ({"when": {"$lt": "2024-04-01"}}, oracle_mask(payloads, "when", lambda v: v < "2024-04-01")),
+        ({"flag": True}, oracle_mask(payloads, "flag", lambda v: v is True)),
+    ]
+    for filter_, want in checks:
+        assert np.flatnonzero(index.evaluate(parse(filter_), index.rows)).tolist() == want, filter_
+    missing = {"color": {"$exists": False}}
+    assert np.flatnonzero(index.evaluate(parse(missing), index.rows)).tolist() == [
+        i for i, p in enumerate(payloads) if p is None or "color" not in p]
+    # Only the first rows a search sees count.
+    assert np.flatnonzero(index.evaluate(parse({"flag": True}), 500)).tolist() == [i for i in checks[3][1] if i < 500]
+
+    # A compaction that keeps every third row, in reverse: each row keeps its values.
+    kept = np.arange(len(payloads))[::3][::-1].copy()
+    taken = index.take(kept)
+    moved = [payloads[i] for i in kept]
+    assert np.flatnonzero(taken.evaluate(parse({"price": {"$gte": 50}}), taken.rows)).tolist() == oracle_mask(
+        moved, "price", lambda v: v >= 50)
+    # A snapshot's arrays restore the same index.
+    restored = PayloadIndex.restore(*taken.state())
+    for filter_, _ in checks:
+        assert (restored.evaluate(parse(filter_), restored.rows) == taken.evaluate(parse(filter_), taken.rows)).all()
+    alive = np.ones(taken.rows, bool)
+    assert restored.describe(alive) == taken.describe(alive)
+    assert restored.describe(alive)["flag"] == {
+        "false": sum(1 for p in moved if p and p.get("flag") is False),
+        "true": sum(1 for p in moved if p and p.get("flag") is True)}
+
+
+def test_a_snapshot_column_past_its_rows_is_refused():
+    index = PayloadIndex()
+    index.append([{"a": 1}, {"a": 2}], 2)
+    meta, arrays = index.state()
+    meta["rows"] = 1
+    with pytest.raises(ValueError):
+        PayloadIndex.restore(meta, arrays)
+
+
+# -- recall's ground truth -----------------------------------------------------------------------------------
+class Spy:
+    """Records the (queries, rows) shape of every exact_search call."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.shapes: list[tuple[int, int]] = []
+        real = distance.exact_search
+
+        def spied(xp, data, queries, k, metric, keep=None):
+            self.shapes.append((queries.shape[0], data.shape[0]))
+            return real(xp, data, queries, k, metric, keep)
+
+        monkeypatch.setattr(distance, "exact_search", spied)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
+@pytest.mark.parametrize("budget", [4 * 1000, 4 * 64, 4 * 7 * 300, 4 * 25 * 1000])
+def test_blocked_exact_search_equals_the_oracle_within_its_budget(monkeypatch, metric, budget):
+    data = clustered(1000, 16, seed=1)
+    queries = clustered(45, 16, seed=2)
+    spy = Spy(monkeypatch)
+    scores, rows = distance.exact_search_blocked(np, distance.prepare(np, data, metric),
+                                                 distance.prepare(np, queries, metric), 10, metric, budget)
+    want_rows, want_d = oracle(data, queries, 10, metric)
+    got_d = distance.from_engine(np, scores, metric)
+    assert np.allclose(got_d, want_d, atol=1e-4)
+    assert (rows == want_rows).mean() > 0.99  # ties aside
+    assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
+    assert sum(q * n for q, n in spy.shapes) == 45 * 1000  # every query saw every row, once
+
+
+def test_blocked_exact_search_with_fewer_rows_than_k():
+    data = clustered(3, 4, seed=1)
+    scores, rows = distance.exact_search_blocked(np, data, data[:2], 5, "l2", 4 * 2)
+    assert rows[:, :3].min() >= 0 and (rows[:, 3:] == -1).all()
+    assert rows[0, 0] == 0 and rows[1, 0] == 1
+
+
+def test_recall_ground_truth_is_computed_in_bounded_blocks(client, monkeypatch):
+    budget = 4 * 600
+    monkeypatch.setattr("indexes.manager_recall.SCORE_BLOCK_BYTES", budget, raising=False)
+    wait_ready(client)
+    name = f"r{time.monotonic_ns()}"
+    data = clustered(1500, 8, seed=4)
+    assert client.post("/v1/collections", json={"name": name, "dim": 8, "index": {"type": "brute_force"}}
+                       ).status_code == 201
+    assert client.put(f"/v1/collections/{name}/points", json={"ids": list(range(1500)),
+                                                               "vectors": data.tolist()}).status_code == 200
+    spy = Spy(monkeypatch)
+    r = client.post(f"/v1/collections/{name}/recall", json={"sample": 200, "k": 10, "engine": "cpu"})
+    assert r.status_code == 200, r.text
+    assert r.json()["recall"] == 1.0 and r.json()["queries"] == 200
+    # The ground truth came from blocks of at most `budget` bytes of scores, covering every query and row.
+    assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
+    assert sum(q * n for q, n in spy.shapes) == 200 * 1500
+
+
+def test_recall_is_bounded_as_a_search_is(client):
+    wait_ready(client)
+    name = f"r{time.monotonic_ns()}"
+    assert client.post("/v1/collections", json={"name": name, "dim": 4}).status_code == 201
+    assert client.put(f"/v1/collections/{name}/points", json={
+        "ids": [1, 2], "vectors": [[1, 2, 3, 4], [4, 3, 2, 1]]}).status_code == 200
+    queries = np.ones((2000, 4)).tolist()
+    r = client.post(f"/v1/collections/{name}/recall", json={"queries": queries, "k": 1000})
+    assert r.status_code == 422 and r.json()["field"] == "queries", r.text
