@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.errors import problem_response
 from service.http import access_log
-from service.http.express import CLIENT_HEADER, Express, deadline_and_principal
+from service.http.express import CLIENT_HEADER, Express, deadline_and_principal, problem_of
 from service.pipeline import reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
@@ -189,8 +189,8 @@ class InEngineProcess:
             reply = await self.pick(self.engines, IN_FLIGHT).call(call, deadline, principal, spent_s)
         except EngineGone as exc:
             return reply_of(_unavailable(scope, exc))
-        if not reply.body:  # the engine's handler itself failed
-            return reply_of(_unavailable(scope, RuntimeError("the engine failed to answer")))
+        if not reply.body:  # the engine's handler itself failed (a bug): a 500 problem with an error id, logged here
+            return problem_of(RuntimeError(f"the engine process's handler failed: {reply.value}"), scope)
         return reply
 
     def run_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool:
