@@ -16,6 +16,7 @@ import orjson
 import pytest
 import uvicorn
 
+from helpers import raw_socket, read_response
 from service.http.app import create_app
 from service.process.launcher import EXPRESS_PROTOCOL
 
@@ -42,30 +43,6 @@ def serving(settings) -> Iterator[tuple[str, object]]:
     finally:
         server.should_exit = True
         thread.join(60)
-
-
-def raw_socket(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=15)
-    return sock
-
-
-def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP response (with a Content-Length) read from the socket."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    length = int(headers["content-length"])
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed inside a response"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body[:length]
 
 
 def closed(sock: socket.socket) -> bool:
