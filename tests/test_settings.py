@@ -27,6 +27,7 @@ quota_burst quota_engine_seconds_per_s quota_engine_seconds_burst breaker_failur
 max_queued_jobs disk_reserve_mb ssb_quota_gb ops_auth ssb_import_dir gpu gpu_memory_pool_mb gpu_build_process
 ray_address ray_namespace shards shard_replicas olap_partitions olap_replicas spatial_partitions spatial_replicas
 shard_cpus shard_gpus shard_call_timeout_s ray_ingress_replicas
+read_timeout_s
 """.split()
 
 

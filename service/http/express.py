@@ -111,7 +111,7 @@ Refusal = Callable[[Exception, Scope], Awaitable[Reply]]
 
 class Express:
     """`app`: the full app, for everything else. `refuse`: the app's answer to a failed step (None: a front process,
-    which passes such requests to the engine process's full app)."""
+    which answers those with the step's own problem: `problem_of`)."""
 
     def __init__(self, app: ASGIApp, settings: Settings, runner: Runner, admission: Admission | None = None,
                  refuse: Refusal | None = None, inline: bool = False, trust_forwarded: bool = False) -> None:
@@ -194,8 +194,8 @@ class Express:
             raw, receive = await self._arrived(scope, receive, h)
         except BodyGone:
             return
-        except ProblemError as exc:  # too slow or too large: answered here, where part of the body was read
-            await self._refused(scope, receive, send, exc, here=True)
+        except ProblemError as exc:  # too slow or too large
+            await self._refused(scope, receive, send, exc)
             return
         watched = StatusSend(send, 0)
         if self.admission is None or not v1:
@@ -276,13 +276,10 @@ class Express:
             client = (h.forwarded.decode("latin-1"), 0)
         return principal_of(self.key, client)
 
-    async def _refused(self, scope: Scope, receive: Receive, send: Send, exc: Exception, here: bool = False) -> None:
+    async def _refused(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
         """A request a step refused, answered as the app answers that error (the request is not run). A front
-        passes it to the engine's app, which refuses it the same way, unless it was refused `here`, while its body
-        was read (too slow, too large): the front answers those itself."""
-        if self.refuse is None and not here:
-            await self.app(scope, receive, send)
-            return
+        answers it itself, with the same problem the engine's app would give: passed through, its body would be
+        forwarded to the engine (a keyless or slow client would hold an engine connection)."""
         await _send_reply(send, await self._problem_of(exc, scope))
 
     async def _problem_of(self, exc: Exception, scope: Scope) -> Reply:

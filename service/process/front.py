@@ -6,8 +6,10 @@ on the port. A front parses and checks searches and JSON upserts itself (the cos
 floats, validation) and sends them to an engine over service/process/link.py; the engine answers from its one copy
 of each index, micro-batching the searches of every front together. Everything else, and any hot request that
 fails, is passed through unchanged to an engine's full app over HTTP on its unix socket, so every route, error,
-header and status is the engine's own. With several engines each request goes to the one with the least in
-flight; /metrics gathers them all and /readyz asks them all.
+header and status is the engine's own. A request refused before it is run (no key, a bad header, a body too slow or
+too large) is answered by the front itself, with the problem the engine would give, and never reaches an engine.
+With several engines each request goes to the one with the least in flight; /metrics gathers them all and /readyz
+asks them all.
 """
 
 from __future__ import annotations
