@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import socket
 import time
 from contextlib import contextmanager
 from typing import Iterator
+from urllib.parse import urlsplit
 
 from fastapi.testclient import TestClient
 
@@ -75,3 +77,27 @@ def gpu_library_missing(module: str, label: str) -> str | None:
 
 def cudf_missing() -> str | None:
     return gpu_library_missing("cudf", "cuDF")
+
+
+def raw_socket(url: object) -> socket.socket:
+    """A TCP connection to the service at `url` (http://host:port), for what a client library would not send."""
+    parts = urlsplit(str(url))
+    return socket.create_connection((parts.hostname, parts.port), timeout=15)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP response (with a Content-Length) read from the socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    length = int(headers["content-length"])
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed inside a response"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body[:length]

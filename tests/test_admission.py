@@ -549,3 +549,79 @@ def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client
     lane.inflight = 3
     assert_problem(client.post("/v1/collections/none/search", json={"vector": [1.0], "k": 1}), 404, "not-found")
     assert lane.inflight == 3
+
+
+# -- quotas keyed on verified principals, in bounded tables ------------------------------------------------
+
+def test_rotating_authorization_values_draw_on_one_quota(make_client):
+    """No key configured: the client's address is the principal; an Authorization value proves nothing and must not
+    buy a fresh bucket."""
+    client = make_client(raise_server_exceptions=False, quota_requests_per_s=0.1, quota_burst=2)
+    statuses = [client.get("/v1/collections", headers={"Authorization": f"Bearer junk{i}"}).status_code
+                for i in range(20)]
+    assert statuses == [200] * 2 + [429] * 18, statuses
+
+
+def test_with_a_key_the_quota_is_the_verified_keys_and_a_wrong_key_is_401_before_any(make_client):
+    client = make_client(raise_server_exceptions=False, api_key="k3y", quota_requests_per_s=0.1, quota_burst=2)
+    admission = client.app.state.switchyard.admission
+    for i in range(20):
+        assert_problem(client.get("/v1/collections", headers={"Authorization": f"Bearer junk{i}"}), 401,
+                       "unauthorized")
+    assert len(admission.requests) == 0  # no bucket for what was never verified
+    statuses = [client.get("/v1/collections", headers={"Authorization": "Bearer k3y"}).status_code for _ in range(4)]
+    assert statuses == [200, 200, 429, 429]
+    assert len(admission.requests) == 1
+
+
+def _get(app, path: str, headers: list[tuple[bytes, bytes]]) -> int:
+    """One request to the app as from a unix socket (no client address), without its lifespan: its status."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": headers, "client": None, "server": None, "scheme": "http",
+             "http_version": "1.1"}
+    run(app(scope, receive, send))
+    return sent[0]["status"]
+
+
+def test_the_front_client_header_is_trusted_only_by_an_engine_behind_fronts(tmp_path):
+    """X-Switchyard-Client names the client only where a front set it: an engine process behind fronts, whose HTTP
+    socket only the fronts reach. Elsewhere (a unix socket of a single process) a client could rotate it."""
+    from service.http.app import create_app
+    from service.process.links import EngineSockets, ProcessLinks
+
+    quota = Settings(data_dir=tmp_path, quota_requests_per_s=0.1, quota_burst=2)
+    alone = create_app(quota, ProcessLinks())
+    statuses = [_get(alone, "/v1/collections", [(b"x-switchyard-client", f"10.0.0.{i}".encode())]) for i in range(6)]
+    assert statuses[2:] == [429] * 4, statuses
+    assert len(alone.state.switchyard.admission.requests) == 1
+    sockets = EngineSockets(tmp_path / "calls.sock", tmp_path / "http.sock")
+    engine = create_app(quota, ProcessLinks((sockets,), serving=0))
+    statuses = [_get(engine, "/v1/collections", [(b"x-switchyard-client", f"10.0.0.{i}".encode())]) for i in range(6)]
+    assert 429 not in statuses, statuses  # six clients, one request each
+    assert len(engine.state.switchyard.admission.requests) == 6
+
+
+def test_bucket_tables_are_bounded_and_pruned(monkeypatch):
+    admission = Admission(settings(quota_requests_per_s=1.0, quota_burst=2.0))
+    buckets = admission.requests
+    buckets.max_size = 100
+    refused = 0
+    for i in range(1000):
+        try:
+            admission.check_request(f"addr:{i}")
+        except OverQuota:
+            refused += 1
+    assert len(buckets) <= buckets.max_size + 1
+    assert refused >= 890  # the principals past the bound share one overflow bucket, not a fresh one each
+    later = time.monotonic() + 10  # every bucket refilled: one back at its burst is the same as a new one
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    admission.check_request("addr:after")
+    assert len(buckets) == 1

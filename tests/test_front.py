@@ -13,14 +13,18 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import psutil
 import pytest
 
-from helpers import assert_problem
+from helpers import assert_problem, raw_socket, read_response
 from loadtests.processes import local_service
 from service.database.postgres import EmbeddedPostgres
+from service.process.front import Front
 from service.process.link import EngineClient, EngineGone, EngineServer
-from service.process.messages import CatchUp, Failure, Reply, Request, UnparsedCall
+from service.process.links import EngineSockets, ProcessLinks
+from service.process.messages import CatchUp, Failure, Reply, Request, SearchCall, UnparsedCall, UpsertCall
+from service.settings import Settings
 from vector_data import b64, clustered, oracle, search_concurrently
 
 DIM = 16
@@ -217,3 +221,48 @@ def test_a_tcp_engine_link_signs_its_frames_and_never_decodes_a_forged_one(tmp_p
             await server.stop()
 
     asyncio.run(run())
+
+
+def test_through_a_front_a_failure_is_a_problem_on_a_kept_connection(fronted):
+    """A payload integer past 64 bits failed in the front's parse step, which nothing caught: uvicorn answered plain
+    text and dropped the connection. Whatever it is answered now, it is a problem, on a connection that goes on."""
+    assert fronted.post("/v1/collections", json={"name": "f5", "dim": 2}).status_code == 201
+    body = b'{"ids": [1], "vectors": [[1.0, 2.0]], "payloads": [{"n": 123456789012345678901234567890}]}'
+    upsert = (f"PUT /v1/collections/f5/points HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    sock = raw_socket(fronted.base_url)
+    try:
+        sock.sendall(upsert)
+        status, headers, answer = read_response(sock)
+        assert status in (422, 500) and headers["content-type"] == "application/problem+json", answer
+        sock.sendall(f"GET /v1/collections/f5 HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        status, _, answer = read_response(sock)
+        assert status == 200 and orjson.loads(answer)["count"] == 0
+    finally:
+        sock.close()
+
+
+def test_a_front_answers_an_engine_side_failure_as_a_problem(tmp_path, monkeypatch):
+    """An engine whose handler raises, and a front whose own parse step raises: each a 500 problem with an error id
+    (not 503 engine-unavailable, not the server's plain text)."""
+    async def broken(request: Request) -> Reply:
+        raise RuntimeError("an engine bug")
+
+    async def go() -> None:
+        calls = tmp_path / "calls.sock"
+        server = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), broken))
+        await server.start()
+        front = Front(Settings(data_dir=tmp_path), ProcessLinks((EngineSockets(calls, tmp_path / "http.sock"),)))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://front") as client:
+                r = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
+                assert assert_problem(r, 500, "internal-error")["error_id"]
+                assert "engine bug" not in r.text
+                monkeypatch.setattr("service.http.express.parse_call", lambda *args: 1 / 0)
+                r = await client.put("/v1/collections/c/points", json={"ids": [1], "vectors": [[1.0, 2.0]]})
+                assert assert_problem(r, 500, "internal-error")["error_id"]
+        finally:
+            await front.engines[0].close()
+            await server.stop()
+
+    asyncio.run(go())

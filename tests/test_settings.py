@@ -28,6 +28,7 @@ max_queued_jobs disk_reserve_mb ssb_quota_gb ops_auth ssb_import_dir gpu gpu_mem
 ray_address ray_namespace shards shard_replicas olap_partitions olap_replicas spatial_partitions spatial_replicas
 shard_cpus shard_gpus shard_call_timeout_s ray_ingress_replicas
 max_payload_keys
+read_timeout_s
 """.split()
 
 

@@ -69,10 +69,12 @@ def parse_timeout(value: bytes | str) -> float:
     return seconds
 
 
-def principal_of(authorization: bytes | None, client: tuple[str, int] | None) -> str:
-    """Whose quota a request draws on: its bearer token (hashed: never kept in clear) or its address."""
-    if authorization:
-        return "key:" + hashlib.blake2b(authorization, digest_size=8).hexdigest()
+def principal_of(verified_key: bytes | None, client: tuple[str, int] | None) -> str:
+    """Whose quota a request draws on: the API key it was verified to hold (hashed: never kept in clear), or, where
+    no key is configured, its client address. Never an unverified Authorization value: each new one would be a
+    fresh bucket."""
+    if verified_key:
+        return "key:" + hashlib.blake2b(verified_key, digest_size=8).hexdigest()
     return "addr:" + (client[0] if client else "unknown")
 
 
@@ -177,6 +179,44 @@ class TokenBucket:
         return 0.0 if self.tokens > 0 else (1e-3 - self.tokens) / self.rate
 
 
+    def full(self, now: float) -> bool:
+        """Whether it has refilled to its burst: then it is the same as a new bucket."""
+        return self.tokens + (now - self.at) * self.rate >= self.burst
+
+
+MAX_PRINCIPALS = 10_000  # buckets kept per quota; past it new principals share one bucket
+OVERFLOW = "overflow"
+SWEEP_EVERY_S = 1.0
+
+
+class Buckets:
+    """One quota's token buckets by principal, bounded: a bucket back at its burst is the same as a new one, so the
+    buckets idle long enough to refill are dropped (swept at most once a second); while the table is still at
+    `max_size`, a new principal draws on one shared overflow bucket, never on a fresh one of its own."""
+
+    def __init__(self, rate: float, burst: float, max_size: int = MAX_PRINCIPALS) -> None:
+        self.rate, self.burst, self.max_size = rate, burst, max_size
+        self.table: dict[str, TokenBucket] = {}
+        self.swept = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def get(self, principal: str, now: float) -> TokenBucket:
+        bucket = self.table.get(principal)
+        if bucket is not None:
+            return bucket
+        if now - self.swept >= SWEEP_EVERY_S:
+            self.swept = now
+            self.table = {p: b for p, b in self.table.items() if not b.full(now)}
+        if len(self.table) >= self.max_size:
+            principal = OVERFLOW
+            if (bucket := self.table.get(principal)) is not None:
+                return bucket
+        bucket = self.table[principal] = TokenBucket(self.rate, self.burst, tokens=self.burst, at=now)
+        return bucket
+
+
 @dataclass
 class Breaker:
     failures: int = 0
@@ -202,8 +242,10 @@ class Admission:
                          if a.enabled and a.max_inflight else None)
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
-        self.requests: dict[str, TokenBucket] = {}
-        self.engine_seconds: dict[str, TokenBucket] = {}
+        rate, seconds_rate = a.quota_requests_per_s, a.quota_engine_seconds_per_s
+        self.requests = Buckets(rate, a.quota_burst or max(1.0, 2 * rate))
+        self.engine_seconds = Buckets(seconds_rate,
+                                      max(seconds_rate, a.quota_engine_seconds_burst or 10 * seconds_rate))
 
     # -- gates -----------------------------------------------------------------------------------------
     def gate(self, engine: str) -> Gate:
@@ -273,27 +315,19 @@ class Admission:
     # -- quotas ----------------------------------------------------------------------------------------
     def check_request(self, principal: str) -> None:
         """Count one request against the principal's request bucket; 429 past it."""
-        rate = self.settings.admission.quota_requests_per_s
+        rate = self.requests.rate
         if not rate:
             return
-        bucket = self.requests.get(principal)
-        if bucket is None:
-            burst = self.settings.admission.quota_burst or max(1.0, 2 * rate)
-            bucket = self.requests[principal] = TokenBucket(rate, burst, tokens=burst)
-        wait = bucket.take(1.0, time.monotonic())
+        now = time.monotonic()
+        wait = self.requests.get(principal, now).take(1.0, now)
         if wait:
             self.shed("requests", "quota")
             raise OverQuota(f"more than {rate:g} requests per second for this API key or client", wait, reason="quota")
 
     def _engine_bucket(self, principal: str) -> TokenBucket | None:
-        rate = self.settings.admission.quota_engine_seconds_per_s
-        if not rate:
+        if not self.engine_seconds.rate:
             return None
-        bucket = self.engine_seconds.get(principal)
-        if bucket is None:
-            burst = max(rate, self.settings.admission.quota_engine_seconds_burst or 10 * rate)
-            bucket = self.engine_seconds[principal] = TokenBucket(rate, burst, tokens=burst)
-        return bucket
+        return self.engine_seconds.get(principal, time.monotonic())
 
     # -- breakers --------------------------------------------------------------------------------------
     def open_breaker(self, engine: str) -> Breaker | None:

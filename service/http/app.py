@@ -92,6 +92,7 @@ def create_app(settings: Settings | None = None, links: ProcessLinks | None = No
                        max_bulk_bytes=settings.server.max_bulk_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=runtime.metrics, log_requests=settings.server.access_log)
     pipeline = runtime.pipeline = Pipeline(runtime, app.exception_handlers, app)
+    # Behind fronts (engine_socket set), the HTTP socket is the fronts' alone: their client header is trusted.
     app.express = Express(app.serve_full, settings, InThisProcess(pipeline), runtime.admission, pipeline.refuse,
-                          inline=settings.vectors.express_protocol)
+                          inline=settings.vectors.express_protocol, trust_forwarded=engine_socket is not None)
     return app

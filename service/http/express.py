@@ -1,40 +1,50 @@
 """Express: the outermost layer of the app, where every /v1 request is admitted and the hottest ones are answered.
 
-Every /v1 request is authorized, then takes a slot under the in-flight limit here (Admission.enter). Searches
-(JSON, base64 or raw float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py)
-without FastAPI: its per-request machinery and the general middleware stack cost about as much again as the
-engine's few hundred microseconds. Express takes a request whose length is declared and within the body limit and
-whose body it parses; anything else goes to the full app. Where the run happens is the `Runner` given: this process
-(`InThisProcess`), or an engine process (process/front.py). A search the resident engine can answer at once is
-answered from the HTTP parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py).
-Hot calls that succeed are access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE), those that fail whenever
-the access log is on.
+Every /v1 request is authorized from its headers, then its body is read (under its arrival deadline and the body
+limit: service/http/limits.py), and only then does it take a slot under the in-flight limit (Admission.enter): a
+client without the key, or one sending its body slowly, holds a socket and nothing more. Searches (JSON, base64 or
+raw float32 bodies) and JSON upserts then go down the request pipeline (service/pipeline.py) without FastAPI: its
+per-request machinery and the general middleware stack cost about as much again as the engine's few hundred
+microseconds. Express takes a request whose length is declared and within the body limit and whose body it parses;
+anything else goes to the full app. Where the run happens is the `Runner` given: this process (`InThisProcess`), or
+an engine process (process/front.py). A search the resident engine can answer at once is answered from the HTTP
+parser's callbacks instead (`claim` and `answer_inline`, called by http/express_protocol.py). Whatever fails
+unexpectedly on any lane is answered as a problem (500 with an error id), never as the server's plain text. Hot calls
+that succeed are access-logged only when sampled (SWITCHYARD_ACCESS_LOG_SAMPLE), those that fail whenever the access
+log is on.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
+import uuid
 from typing import Awaitable, Callable, NamedTuple, Protocol
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, parse_timeout, principal_of
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
-from service.errors import ProblemError
+from service.errors import ProblemError, problem_response
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
+from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
+from service.http.media import media_type
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search
 from service.metrics import StatusSend
-from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call
+from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call, reply_of
 from service.process.messages import Call, Reply, SearchCall
 from service.settings import Settings
 
+log = logging.getLogger("switchyard.errors")
 JSON = b"application/json"
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
-CLIENT_HEADER = b"x-switchyard-client"  # a front process's client address, to the engine process (quotas)
+# A front process's client address, to its engine process (quotas): trusted only by an engine process behind fronts
+# (whose HTTP socket only the fronts reach; a front drops the header from what its clients send).
+CLIENT_HEADER = b"x-switchyard-client"
 HEAVY_PREFIXES = ("/v1/olap/", "/v1/spatial/")  # SSB, SQL and geometry: at most half the in-flight limit
 INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: a few single-vector searches' worth
 
@@ -50,12 +60,12 @@ class Headers(NamedTuple):
 
 
 def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
-    length, media, authorization, timeout, forwarded, chunked = -1, JSON, None, None, None, False
+    """What express reads of the headers; BadRequest for a repeated Content-Type (service/http/media.py)."""
+    length, authorization, timeout, forwarded, chunked = -1, None, None, None, False
+    media = media_type(headers, JSON)
     for name, value in headers:
         if name == b"content-length":
             length = int(value) if value.isdigit() else -1
-        elif name == b"content-type":
-            media = value.split(b";")[0].strip().lower()
         elif name == b"authorization":
             authorization = value
         elif name == TIMEOUT_HEADER:
@@ -101,18 +111,20 @@ Refusal = Callable[[Exception, Scope], Awaitable[Reply]]
 
 class Express:
     """`app`: the full app, for everything else. `refuse`: the app's answer to a failed step (None: a front process,
-    which passes such requests to the engine process's full app)."""
+    which answers those with the step's own problem: `problem_of`)."""
 
     def __init__(self, app: ASGIApp, settings: Settings, runner: Runner, admission: Admission | None = None,
-                 refuse: Refusal | None = None, inline: bool = False) -> None:
+                 refuse: Refusal | None = None, inline: bool = False, trust_forwarded: bool = False) -> None:
         self.app = app
         self.runner = runner
         self.admission = admission  # None in a front process: the engine process admits
         self.refuse = refuse
+        self.trust_forwarded = trust_forwarded  # an engine process behind fronts: CLIENT_HEADER names the client
         self.inline = inline  # whether searches may be answered from the protocol's callbacks
         self.quota = bool(settings.admission.quota_requests_per_s)  # a front names the principal, the engine counts
         self.default_timeout = settings.admission.request_timeout_s
         self.max_body = settings.server.max_body_bytes
+        self.read_timeout_s = settings.server.read_timeout_s
         self.sample = settings.server.access_log_sample
         self.log_failures = settings.server.access_log  # successes are logged only when sampled
         self.key = api_key(settings)
@@ -128,7 +140,10 @@ class Express:
         match = HOT.match(path.decode("latin-1"))
         if match is None or match.group(2) != "search":
             return None
-        h = read_headers(headers)
+        try:
+            h = read_headers(headers)
+        except ProblemError:
+            return None
         if (h.timeout is not None or h.forwarded is not None or h.chunked
                 or not 0 < h.length <= min(INLINE_MAX_BODY, self.max_body)
                 or not self._parses(h, True)):
@@ -165,27 +180,34 @@ class Express:
             await self.app(scope, receive, send)
             return
         match = HOT.match(scope["path"])
-        h = read_headers(scope["headers"])
-        v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here
-        if v1:
-            try:  # authorize, then admit: a client without the key takes no slot and sends no body
+        v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
+        try:
+            h = read_headers(scope["headers"])
+            if v1:  # authorize first: a client without the key sends no body and takes no slot
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
                     self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
-            except ProblemError as exc:
-                await self._refused(scope, receive, send, exc)
-                return
+        except ProblemError as exc:
+            await self._refused(scope, receive, send, exc)
+            return
+        try:  # then the body, before any slot: a slow body holds a socket, not a slot
+            raw, receive = await self._arrived(scope, receive, h)
+        except BodyGone:
+            return
+        except ProblemError as exc:  # too slow or too large
+            await self._refused(scope, receive, send, exc)
+            return
+        watched = StatusSend(send, 0)
         if self.admission is None or not v1:
-            await self._serve(scope, receive, send, match, h)
+            await self._guarded(scope, receive, watched, match, h, raw)
             return
         try:
             ticket = await self.admission.enter(not scope["path"].startswith(HEAVY_PREFIXES))
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return
-        watched = StatusSend(send, 0)
         try:
-            await self._serve(scope, receive, watched, match, h)
+            await self._guarded(scope, receive, watched, match, h, raw)
         finally:  # successes' latency, by kind of request, moves the limit
             kind = None
             if 200 <= watched.status < 300:
@@ -193,16 +215,38 @@ class Express:
                 kind = what and (scope["method"], what)
             ticket.leave(kind)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None, h: Headers) -> None:
+    async def _arrived(self, scope: Scope, receive: Receive, h: Headers) -> tuple[bytes | None, Receive]:
+        """The body, read whole under its arrival deadline and the body limit (service/http/limits.py), and the
+        receive the app reads it from. None where it is not read here: no body, a declared length over the limit
+        (the app answers 413 without reading it), or a bulk load (streamed to the app, under the deadline)."""
+        if h.length < 0 and not h.chunked:
+            return None, receive
+        if is_bulk(scope["method"], scope["path"], scope["headers"]):
+            return None, timed_receive(receive, self.read_timeout_s)
+        if h.length > self.max_body:
+            return None, receive
+        raw = await read_body(receive, self.max_body, self.read_timeout_s)
+        return raw, replay(raw, receive)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: StatusSend, match: re.Match | None, h: Headers,
+                       raw: bytes | None) -> None:
+        """_serve, with whatever it raises answered as a problem (500 with an error id at worst): uncaught, the
+        server would answer plain text and drop the connection."""
+        try:
+            await self._serve(scope, receive, send, match, h, raw)
+        except Exception as exc:  # noqa: BLE001 - every failure gets a problem
+            if send.status:  # answered already (the app's error handler sends its 500, then re-raises): done
+                return
+            await _send_reply(send, await self._problem_of(exc, scope))
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, match: re.Match | None, h: Headers,
+                     raw: bytes | None) -> None:
         search = match is not None and match.group(2) == "search"
-        if (match is None or scope["method"] != ("POST" if search else "PUT") or not 0 <= h.length <= self.max_body
+        if (match is None or raw is None or scope["method"] != ("POST" if search else "PUT")
                 or not self._parses(h, search)):
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        raw = await _read_body(receive)
-        if raw is None:  # the client went away
-            return
         call = parse_call(search, match.group(1), raw, h.media.decode(), scope["query_string"].decode("latin-1"))
         reply = await self.runner.run(call, time.perf_counter() - started, scope)
         await _send_reply(send, reply)
@@ -216,12 +260,7 @@ class Express:
         """The admit step's per-request part: the deadline, and the principal charged under quotas."""
         seconds = parse_timeout(h.timeout) if h.timeout is not None else self.default_timeout
         deadline = time.monotonic() + seconds if seconds is not None else None
-        principal = None
-        if self.quota and scope["path"].startswith("/v1/"):
-            client = scope.get("client")
-            if client is None and h.forwarded:  # from a front process, over the engine's unix socket
-                client = (h.forwarded.decode("latin-1"), 0)
-            principal = principal_of(h.authorization, client)
+        principal = self._principal(scope, h) if self.quota and scope["path"].startswith("/v1/") else None
         if self.admission is not None:
             self.admission.begin(deadline, principal)
         else:  # a front: the engine process counts, with what the front sends along
@@ -229,29 +268,47 @@ class Express:
             if principal is not None:
                 PRINCIPAL.set(principal)
 
+    def _principal(self, scope: Scope, h: Headers) -> str:
+        """Whose quota the request draws on: the key it holds (verified before this step) or, with no key configured,
+        its client's address; in an engine process behind fronts, the address its front forwards."""
+        client = scope.get("client")
+        if client is None and self.trust_forwarded and h.forwarded:
+            client = (h.forwarded.decode("latin-1"), 0)
+        return principal_of(self.key, client)
+
     async def _refused(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
         """A request a step refused, answered as the app answers that error (the request is not run). A front
-        passes it to the engine's app, which refuses it the same way."""
-        if self.refuse is None:
-            await self.app(scope, receive, send)
-            return
-        await _send_reply(send, await self.refuse(exc, scope))
+        answers it itself, with the same problem the engine's app would give: passed through, its body would be
+        forwarded to the engine (a keyless or slow client would hold an engine connection)."""
+        await _send_reply(send, await self._problem_of(exc, scope))
+
+    async def _problem_of(self, exc: Exception, scope: Scope) -> Reply:
+        """The answer to `exc`: the app's handler's (`refuse`), or, in a front process, which has none, its own."""
+        if self.refuse is not None:
+            try:
+                return await self.refuse(exc, scope)
+            except Exception:  # noqa: BLE001 - the handler failed too: the plain problem below
+                pass
+        return problem_of(exc, scope)
+
+
+def problem_of(exc: Exception, scope: Scope) -> Reply:
+    """`exc` as a problem without the app's handlers: a ProblemError's own; anything else 500 with an error id,
+    logged with its traceback (its text may hold internals: never sent)."""
+    if isinstance(exc, ProblemError):
+        return reply_of(problem_response(exc.status, exc.slug, exc.title, exc.detail, instance=scope["path"],
+                                         field=exc.field, headers=exc.headers, **exc.extra))
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"), exc_info=exc)
+    return reply_of(problem_response(
+        500, "internal-error", "Internal server error",
+        f"the server failed to handle this request; quote error id {error_id} when reporting it",
+        instance=scope.get("path"), error_id=error_id))
 
 
 def deadline_and_principal() -> tuple[float | None, str]:
     """What a call carries to the process that runs it: the request's deadline and principal."""
     return current_deadline(), PRINCIPAL.get()
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks = []
-    while True:
-        message: Message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _send_reply(send: Send, reply: Reply) -> None:

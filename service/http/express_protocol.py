@@ -7,16 +7,25 @@ declines, and every other request, becomes the ASGI cycle uvicorn would have mad
 and metrics are the app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline,
 parser) and STATUS_LINE: uvicorn is pinned to the versions tests/test_express_protocol.py checks them on.
 SWITCHYARD_EXPRESS_PROTOCOL=false leaves uvicorn's protocol. Why: docs/design/serving.md.
+
+It also bounds the time a request takes to arrive, which uvicorn does not (its keep-alive timer runs only between
+requests, and stops at a request's first byte): a connection's headers must be complete within
+SWITCHYARD_READ_TIMEOUT_S of its opening or of the request's first byte, and a body held for an inline answer within
+that long of its headers; past it the client gets a 408 problem and the connection is closed. (Bodies that go to the
+app are timed by express itself: service/http/limits.py.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from service.http.express import Claim, Express
+from service.errors import problem_response
+from service.http.express import INLINE_MAX_BODY, Claim, Express
+from service.http.limits import BODY_MIN_RATE
 
 log = logging.getLogger("switchyard")
 # What this protocol reads or sets of HttpToolsProtocol's own state (checked against the installed uvicorn by
@@ -47,6 +56,49 @@ class ExpressProtocol(HttpToolsProtocol):
         self.stopping = False
         self.answered = False  # whether the data being parsed completed a request answered here
         self.responded = False  # whether the inline answer to the request being completed was sent
+        self.read_timeout_s = self.express.read_timeout_s if self.express is not None else None
+        self.reading: asyncio.TimerHandle | None = None  # the deadline of the headers or held body arriving now
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._read_within(0.0)  # the first request's headers (uvicorn times nothing before a first response)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._read_done()
+        super().connection_lost(exc)
+
+    def _read_within(self, extra_s: float) -> None:
+        """(Re)arm the arrival deadline: SWITCHYARD_READ_TIMEOUT_S (+ extra_s) from now."""
+        if self.read_timeout_s is None:
+            return
+        if self.reading is not None:
+            self.reading.cancel()
+        self.reading = self.loop.call_later(self.read_timeout_s + extra_s, self._read_timed_out)
+
+    def _read_done(self) -> None:
+        if self.reading is not None:
+            self.reading.cancel()
+            self.reading = None
+
+    def _read_timed_out(self) -> None:
+        """Headers, or a held body, still incomplete at their deadline: 408 and close. Not while the app is
+        answering an earlier request of the connection."""
+        self.reading = None
+        if self.transport.is_closing():
+            return
+        if self.held is None and self.cycle is not None and not self.cycle.response_complete:
+            self._read_within(0.0)  # a pipelined request's headers: looked at again once that answer is out
+            return
+        what = "body" if self.held is not None else "headers"
+        problem = problem_response(408, "request-timeout", "Request timeout", (
+            f"the request {what} did not arrive within {self.read_timeout_s:g} s (SWITCHYARD_READ_TIMEOUT_S)"),
+            field="body" if what == "body" else None)
+        defaults = self.server_state.default_headers
+        head = [STATUS_LINE[408], *(name + b": " + value + b"\r\n" for name, value in defaults),
+                b"content-type: application/problem+json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                % len(problem.body)]
+        self.transport.write(b"".join((*head, bytes(problem.body))))
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         self.answered = False
@@ -69,12 +121,15 @@ class ExpressProtocol(HttpToolsProtocol):
         # needs (a dict and a copy of the app state per request): made by _app_headers_complete. (uvicorn's own
         # __init__ sets it to None the same way.)
         self.url, self.expect_100_continue, self.headers, self.scope = b"", False, [], None  # type: ignore[assignment]
+        self._read_within(0.0)  # this request's headers
 
     def on_headers_complete(self) -> None:
+        self._read_done()
         if (self.express is not None and not self.pipeline
                 and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()
                 and (claim := self.express.claim(self.parser.get_method(), self.url, self.headers)) is not None):
             self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is complete
+            self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)  # the held body's arrival, as express times others
             if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.expect_100_continue = False
@@ -100,6 +155,7 @@ class ExpressProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         raw, self.held = b"".join(self.held), None
+        self._read_done()
         self.responded = False
         assert self.express is not None and self.claim is not None  # held: express claimed the request
         try:

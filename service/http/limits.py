@@ -1,24 +1,113 @@
-"""Request body size limit, enforced before anything parses the body."""
+"""Request body limits: its size, enforced before anything parses the body, and the time it may take to arrive.
+
+Size: SWITCHYARD_MAX_BODY_BYTES, or SWITCHYARD_MAX_BULK_BYTES for the bulk-load route (BodySizeLimitMiddleware).
+Time (`read_body`, `timed_receive`, used by express for every request): the body must arrive within
+SWITCHYARD_READ_TIMEOUT_S of the request's headers, plus one second per BODY_MIN_RATE bytes received, so a client
+sending slowly (a byte every few seconds) is cut off with a 408 and its connection closed, while a large body sent at
+a sane rate is never cut off.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import problem_response
+from service.errors import PayloadTooLarge, ProblemError, problem_response
+from service.http.media import media_type
 
 # The routes that take bulk loads, with the media type that makes a body one: only these get the bulk limit.
 # Going by route, not by the Content-Type alone: an Arrow content type on any other route once lifted its limit.
 BULK_ROUTES = (
     ("PUT", re.compile(r"^/v1/collections/[^/]+/points$"), b"application/vnd.apache.arrow.stream"),
 )
+BODY_MIN_RATE = 1 << 20  # bytes per second: each MiB received extends the body's deadline by a second
 
 
-def is_bulk(method: str, path: str, content_type: bytes) -> bool:
-    media = content_type.split(b";")[0].strip().lower()
+class RequestTimeout(ProblemError):
+    """The request's body did not arrive in time: answered 408, and the connection closed (the rest of the body may
+    still be on its way)."""
+
+    status, slug, title = 408, "request-timeout", "Request timeout"
+
+    def __init__(self, timeout_s: float, received: int) -> None:
+        super().__init__(
+            f"the request body did not arrive within {timeout_s:g} s of its headers (SWITCHYARD_READ_TIMEOUT_S, plus "
+            f"a second per {BODY_MIN_RATE} bytes); {received} bytes arrived", field="body",
+            headers={"Connection": "close"})
+
+
+def is_bulk(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request is a bulk load, which gets the bulk limit (media type: service/http/media.py)."""
+    if method != "PUT" or not path.endswith("/points"):  # no header scan for every other request
+        return False
+    media = media_type(headers)
     return any(method == m and pattern.match(path) and media == bulk_media for m, pattern, bulk_media in BULK_ROUTES)
+
+
+class BodyGone(Exception):
+    """The client went away before its body arrived."""
+
+
+async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole body, read under its arrival deadline: RequestTimeout past it, PayloadTooLarge past `limit` bytes
+    (bodies of undeclared length), BodyGone when the client disconnects."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    chunks: list[bytes] = []
+    received = 0
+    while True:
+        try:
+            async with asyncio.timeout_at(start + timeout_s + received / BODY_MIN_RATE):
+                message: Message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(timeout_s, received) from None
+        if message["type"] != "http.request":
+            raise BodyGone()
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > limit:
+            raise PayloadTooLarge(f"the body exceeds the limit of {limit} bytes (SWITCHYARD_MAX_BODY_BYTES)",
+                                  limit_bytes=limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the body already read, then what the client sends next (its disconnect)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+def timed_receive(receive: Receive, timeout_s: float) -> Receive:
+    """`receive` under the body's arrival deadline, for a body streamed to the app (a bulk load): RequestTimeout
+    (answered 408 by the app) once the deadline passes."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    received = 0
+
+    async def timed() -> Message:
+        nonlocal received
+        try:
+            async with asyncio.timeout_at(start + timeout_s + received / BODY_MIN_RATE):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(timeout_s, received) from None
+        received += len(message.get("body", b""))
+        return message
+
+    return timed
 
 
 class BodySizeLimitMiddleware:
@@ -44,10 +133,15 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", ()))
         # Bulk loads (Arrow IPC streams to a collection's points) have their own, larger limit.
-        bulk = is_bulk(scope["method"], scope["path"], headers.get(b"content-type", b""))
+        try:
+            bulk = is_bulk(scope["method"], scope["path"], scope.get("headers", []))
+        except ProblemError as exc:  # a repeated Content-Type (express refuses it before this)
+            await problem_response(exc.status, exc.slug, exc.title, exc.detail, instance=scope.get("path"),
+                                   field=exc.field)(scope, receive, send)
+            return
         limit = self.max_bulk_bytes if bulk else self.max_body_bytes
+        headers = dict(scope.get("headers", ()))
         try:
             declared = int(headers.get(b"content-length", b"-1"))
         except ValueError:

@@ -6,8 +6,10 @@ on the port. A front parses and checks searches and JSON upserts itself (the cos
 floats, validation) and sends them to an engine over service/process/link.py; the engine answers from its one copy
 of each index, micro-batching the searches of every front together. Everything else, and any hot request that
 fails, is passed through unchanged to an engine's full app over HTTP on its unix socket, so every route, error,
-header and status is the engine's own. With several engines each request goes to the one with the least in
-flight; /metrics gathers them all and /readyz asks them all.
+header and status is the engine's own. A request refused before it is run (no key, a bad header, a body too slow or
+too large) is answered by the front itself, with the problem the engine would give, and never reaches an engine.
+With several engines each request goes to the one with the least in flight; /metrics gathers them all and /readyz
+asks them all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.errors import problem_response
 from service.http import access_log
-from service.http.express import CLIENT_HEADER, Express, deadline_and_principal
+from service.http.express import CLIENT_HEADER, Express, deadline_and_principal, problem_of
 from service.pipeline import reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
@@ -191,8 +193,8 @@ class InEngineProcess:
             reply = await self.pick(self.engines, IN_FLIGHT).call(call, deadline, principal, spent_s)
         except EngineGone as exc:
             return reply_of(_unavailable(scope, exc))
-        if not reply.body:  # the engine's handler itself failed
-            return reply_of(_unavailable(scope, RuntimeError("the engine failed to answer")))
+        if not reply.body:  # the engine's handler itself failed (a bug): a 500 problem with an error id, logged here
+            return problem_of(RuntimeError(f"the engine process's handler failed: {reply.value}"), scope)
         return reply
 
     def run_inline(self, call: SearchCall, respond: Callable[[bytes], None]) -> bool:

@@ -118,8 +118,10 @@ def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *op
 
 
 def _start_fronts(settings: Settings, fronts: int, folder: Path, links: ProcessLinks) -> subprocess.Popen:
+    # The express protocol in fronts too: it answers nothing inline there, but bounds how long headers take to arrive.
+    protocol = ("--http", EXPRESS_PROTOCOL) if settings.vectors.express_protocol else ()
     command = _uvicorn_child("service.process.front:create_front", "front", settings, folder,
-                             "--host", settings.server.host,
+                             "--host", settings.server.host, *protocol,
                              "--port", str(settings.server.port), "--workers", str(fronts))
     return subprocess.Popen(command, env={**os.environ, **links.environment()}, preexec_fn=_exit_with_parent)
 

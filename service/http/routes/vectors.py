@@ -22,6 +22,7 @@ from indexes.vectors import (
 )
 from service.http.deps import RuntimeDep, domain, v1_router
 from service.http.jsonnum import Float, Int, IntList
+from service.http.media import media_type
 from service.http.vector_requests import (
     RAW_VECTORS,
     REQUEST_ERRORS,
@@ -198,7 +199,7 @@ async def delete_collection(name: CollectionName, runtime: RuntimeDep) -> Respon
 )
 async def upsert_points(name: CollectionName, request: Request, runtime: RuntimeDep,
                         pgvector: FallbackBuild = "background") -> Any:
-    if request.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
+    if media_type(request.headers.raw) == ARROW_STREAM.encode():  # the one parse express and the limits use
         job = await start_bulk_load(runtime, name, request, pgvector)
         location = f"/v1/jobs/{job.id}"
         return Response(JobAccepted(job=job.id, state=job.state, location=location).model_dump_json(), status_code=202,
@@ -305,7 +306,7 @@ def search_inline(runtime: Any, call: SearchCall, respond: Callable[[bytes], Non
 )
 async def search(name: CollectionName, request: Request) -> Response:
     # The body is parsed by pydantic-core straight from bytes (or not at all) and the answer written with orjson.
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    content_type = media_type(request.headers.raw, b"application/json").decode("latin-1")
     call = parse_call(True, name, await request.body(), content_type, request.url.query)
     return _answered(await pipeline_of(request.app.state.switchyard).run(call))
 
