@@ -73,8 +73,9 @@ class Attack:
 
 
 ATTACKS = [
-    Attack("slow-bodies", "1", attacks.slow_bodies, {"extra": 16, "max_sockets": 1024, "hold_s": 20, "keyed": 2},
-           {"extra": 8, "max_sockets": 512, "hold_s": 3, "keyed": 0}, budget_s=60),
+    Attack("slow-bodies", "1", attacks.slow_bodies,
+           {"extra": 16, "min_sockets": 128, "max_sockets": 1024, "hold_s": 20, "keyed": 2},
+           {"extra": 8, "min_sockets": 16, "max_sockets": 512, "hold_s": 3, "keyed": 0}, budget_s=60),
     Attack("payload-keys", "2", attacks.payload_keys, {"variants": [[8, 50_000], [20_000, 2_000]]},
            {"variants": [[8, 2_000], [2_000, 200]]}),
     Attack("recall-matrix", "3", attacks.recall_matrix, {"rows": 20_000, "sample": 10_000, "timeout_s": 120},
@@ -145,7 +146,7 @@ class Services:
             http.put(f"/v1/collections/{HONEST_COLLECTION}/points", json={
                 "ids": list(range(HONEST_ROWS)), "vectors": rng.standard_normal((HONEST_ROWS, HONEST_DIM)).round(4)
                 .tolist()}).raise_for_status()
-        HonestClient(target, spec.get("pace_s", 0.01)).measure(1.0)  # warm-up
+        HonestClient(target, spec.get("pace_s", 0.01)).measure(min(1.0, self.unloaded_s))  # warm-up
         unloaded = HonestClient(target, spec.get("pace_s", 0.01)).measure(self.unloaded_s)
         print(f"  honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
         return service, target, unloaded
@@ -189,6 +190,8 @@ def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded:
     time.sleep(max(1.0, min_window_s - seconds))
     honest_result = honest.stop() if honest is not None else None
     watch.stop()
+    if not target.alive():
+        ctx.expect("the service still runs", False, "the service process is gone (killed, or it died)")
     if not finished:
         ctx.expect("attack finished within its budget", False, f"still running after {attack.budget_s + 30:.0f} s")
     if failure:
@@ -229,8 +232,10 @@ def table(records: list[dict[str, Any]], criteria: Criteria) -> str:
             rows.append(f"| {r['attack']} | {r['item']} | skipped | | | | | | | {r['skipped']} |")
             continue
         h, u, rss, inflight = r["honest"], r["honest_unloaded"], r["rss"], r["inflight"]
-        failed = [c["check"] + (f" ({c['detail']})" if c["detail"] else "") for c in r["checks"] if not c["ok"]]
-        failed += [f"criterion {k}" for k, ok in r["verdict"].items() if not ok and k != "answers"]
+        bad = [c["check"] + (f" ({c['detail']})" if c["detail"] else "") for c in r["checks"] if not c["ok"]]
+        failed = [f"criterion {k}" for k, ok in r["verdict"].items() if not ok and k != "answers"]
+        if bad:
+            failed.append(f"{len(bad)} of {len(r['checks'])} checks: " + "; ".join(bad))
         honest = f"{h['p50_ms']} / {h['p99_ms']} ({u['p99_ms']})" if h else "n/a"
         refused = (f"{h['refused']} of {h['calls']}" + (f" {h['statuses']}" if h["refused"] else "")) if h else "n/a"
         statuses = ", ".join(f"{s}x{n}" for s, n in sorted(r["statuses"].items()))

@@ -49,7 +49,7 @@ def slow_bodies(ctx: Ctx) -> None:
         limit = int(metrics_gauges(t.url, t.headers()).get("switchyard_inflight_limit", 128))
     except httpx.HTTPError:
         limit = 128
-    n = min(ctx.params["max_sockets"], limit + ctx.params["extra"])
+    n = min(ctx.params["max_sockets"], max(ctx.params["min_sockets"], limit + ctx.params["extra"]))
     ctx.note(f"{n} keyless sockets (in-flight limit {limit}), 1 keyless and {ctx.params['keyed']} keyed half-sent "
              f"searches, held {ctx.params['hold_s']} s")
     heads = [b"POST /v1/collections HTTP/1.1\r\nHost: hostile\r\nContent-Type: application/json\r\n"

@@ -48,6 +48,12 @@ class Target:
         except psutil.Error:
             return []
 
+    def alive(self) -> bool:
+        try:
+            return psutil.Process(self.root_pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def postgres_processes(self) -> list[psutil.Process]:
         if self.pgdata is None:
             return []
@@ -222,12 +228,16 @@ class Ctx:
         return httpx.Client(base_url=self.target.url, headers={**self.target.headers(key), **(headers or {})},
                             timeout=min(timeout_s, max(1.0, self.left())))
 
-    def send(self, http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
-        """One request of the attack; its status counted (a transport failure counted by its name, None back)."""
+    def send(self, http: httpx.Client, method: str, path: str, retry: bool = False,
+             **kwargs: Any) -> httpx.Response | None:
+        """One request of the attack; its status counted (a transport failure counted by its name, None back).
+        retry: once more after a transport failure (a connection the service dropped after its last answer)."""
         try:
             response = http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             self.statuses[type(exc).__name__] += 1
+            if retry and not isinstance(exc, httpx.TimeoutException):
+                return self.send(http, method, path, **kwargs)
             return None
         self.statuses[str(response.status_code)] += 1
         return response
