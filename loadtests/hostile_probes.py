@@ -25,14 +25,18 @@ def _sql(ctx: Ctx, http: httpx.Client, sql: str, engine: str, timeout_s: float =
 
 # -- 5: SQL string blowups ------------------------------------------------------------------------------------
 
-def blowup_queries(depth: int, repeat_n: int, agg_pad: int) -> dict[str, str]:
-    nested = "replace(" * depth + "'a'" + ", 'a', 'aaaaaaaaaa')" * depth
-    return {f"{depth} nested replace (10^{depth} bytes)": f"SELECT length({nested}) AS n",
+def _grown(depth: int) -> str:
+    """A string of 10^depth bytes grown from one character by nested replace (the issue's probe)."""
+    return "replace(" * depth + "'a'" + ", 'a', 'aaaaaaaaaa')" * depth
+
+
+def blowup_queries(depth: int, repeat_n: int, agg_depth: int) -> dict[str, str]:
+    return {f"{depth} nested replace (10^{depth} bytes)": f"SELECT length({_grown(depth)}) AS n",
             f"repeat {repeat_n:,}": f"SELECT length(repeat('x', {repeat_n})) AS n",
-            f"concat of two repeats of {repeat_n // 2:,}":
-                f"SELECT length(concat(repeat('x', {repeat_n // 2}), repeat('y', {repeat_n // 2}))) AS n",
-            f"string_agg of lineorder padded by {agg_pad:,}":
-                f"SELECT length(string_agg(lo_orderpriority || repeat('x', {agg_pad}), ',')) AS n FROM lineorder"}
+            f"concat of ten 10^{depth - 1}-byte strings":
+                f"SELECT length(concat({', '.join([_grown(depth - 1)] * 10)})) AS n",
+            f"string_agg of lineorder padded by 10^{agg_depth} bytes a row":
+                f"SELECT length(string_agg(lo_orderpriority || {_grown(agg_depth)}, ',')) AS n FROM lineorder"}
 
 
 def sql_blowup(ctx: Ctx) -> None:
@@ -41,7 +45,7 @@ def sql_blowup(ctx: Ctx) -> None:
     p = ctx.params
     with ctx.client(timeout_s=p["timeout_s"] + 60) as http:
         for engine in SQL_ENGINES:
-            for label, sql in blowup_queries(p["depth"], p["repeat_n"], p["agg_pad"]).items():
+            for label, sql in blowup_queries(p["depth"], p["repeat_n"], p["agg_depth"]).items():
                 if ctx.left() < p["timeout_s"] + 5:
                     ctx.note(f"out of time before {engine}: {label}")
                     continue
@@ -117,7 +121,7 @@ def bad_input(ctx: Ctx) -> None:
     """Each input the issue found answered 500, on a keep-alive connection followed by GET /healthz on it.
     Demanded: a 4xx problem+json (or, where the input is valid, an answer), and the connection kept."""
     seed_collection(ctx, "hostile_probe", 20)
-    big = "1" + "0" * 308
+    big = "9" * 309  # past float64's range
     point = '{"ids": [1], "vectors": [[1, 0, 0, 0]], "payloads": [%s]}'
     probes: list[tuple[str, str, str, bytes, str]] = [
         ("payload int beyond 64 bits", "PUT", "/v1/collections/hostile_probe/points",
