@@ -23,7 +23,7 @@ class QueryParamError(ClientError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field  # type: ignore[misc]
+        self.field = field
         self.message = message
 
 
