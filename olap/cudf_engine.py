@@ -67,7 +67,7 @@ class CudfEngine:
             log.debug("ad-hoc SQL through cudf-polars (not run on the resident tables: %s)", exc)
         else:
             self.resident_sql += 1
-            return from_arrow(to_arrow(frame), max_rows)
+            return from_arrow(to_arrow(frame), max_rows, "cuDF")
         import polars as pl
 
         assert self.dataset is not None  # run_sql checked
@@ -77,7 +77,7 @@ class CudfEngine:
             lazy = lazy.limit(max_rows + 1)
         # cudf-polars: GPUEngine(executor="in-memory", raise_on_fail=True) raises instead of running on the CPU.
         return from_arrow(lazy.collect(engine=pl.GPUEngine(executor="in-memory", raise_on_fail=True)).to_arrow(),
-                          max_rows)
+                          max_rows, "cuDF")
 
     def close(self) -> None:
         self.tables = {}

@@ -75,7 +75,7 @@ class DuckDBEngine:
             timer.start()
         try:
             reader = cursor.sql(sql).to_arrow_reader(65_536)  # streamed: a huge result is read only to the limit
-            return from_arrow_batches(reader, max_rows)
+            return from_arrow_batches(reader, max_rows, "DuckDB")
         except duckdb.InterruptException:
             raise TimeoutError(f"the query ran longer than {timeout_s} s") from None
         except duckdb.OutOfMemoryException:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import sqlguard
+from .errors import ClientError, UnrepresentableResult
 from .queries import QUERIES
-from .results import QueryFailed, Result
+from .results import Result
 from .schema import dataset_dir
 
 log = logging.getLogger("switchyard.olap")
@@ -193,10 +194,13 @@ class OlapManager:
         return await asyncio.get_running_loop().run_in_executor(self.executors[kind], getattr(engine, method), *args)
 
     async def _route(self, engine: str, method: str, operation: str, *args: Any, timeout_s: float | None = None,
-                     user_errors: tuple[type[Exception], ...] = ()) -> Answer:
+                     client_errors: tuple[type[Exception], ...] = ()) -> Answer:
+        """Run on the engine asked for, or under `auto` down ORDER. `client_errors` are the request's own fault for
+        this operation: raised as they are, with no fallback and never counted against the engine (a client
+        must not be able to put an engine into cool-down); any other exception is the engine failing."""
         order = self._order(engine)
         fallback = None
-        expected: tuple[type[Exception], ...] = (TimeoutError, *user_errors)
+        expected: tuple[type[Exception], ...] = (TimeoutError, *client_errors)
         for position, kind in enumerate(order):
             name = ENGINE_NAMES[kind]
             last = position + 1 == len(order)
@@ -236,10 +240,11 @@ class OlapManager:
         if query_id not in QUERIES:
             raise KeyError(query_id)
         render_sql(query_id, params or {})  # validate parameters once, before any engine runs
+        # The named queries' SQL is ours: an engine refusing it is the engine failing, bad parameters are not.
         return await self._route(engine, "run_query", "ssb_query", query_id, params or {},
-                                 user_errors=(QueryParamError,))
+                                 client_errors=(QueryParamError, UnrepresentableResult))
 
     async def run_sql(self, sql: str, engine: str, max_rows: int, timeout_s: float) -> Answer:
         checked = sqlguard.check(sql)
         return await self._route(engine, "run_sql", "sql", checked, max_rows, timeout_s, timeout_s=timeout_s,
-                                 user_errors=(QueryFailed, sqlguard.SqlRejected))
+                                 client_errors=(ClientError,))

@@ -8,6 +8,7 @@ search path.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -18,8 +19,9 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from .errors import QueryFailed, UnrepresentableResult
 from .queries import render_sql
-from .results import QueryFailed, Result, from_records
+from .results import Result, from_records
 from .schema import TABLES
 
 PG_TYPES = {pa.int32(): "integer", pa.int64(): "bigint", pa.string(): "text"}
@@ -42,13 +44,15 @@ class PostgresEngine:
         return self.dataset is not None
 
     async def load(self, dataset_dir: Path, progress=None) -> dict[str, Any]:
-        """COPY the Parquet files into ssb.* unless this dataset is already there."""
+        """COPY the Parquet files into ssb.* unless these very files are already there: the key is the dataset's
+        path and a fingerprint of its files, so data imported again under the same name is loaded again."""
         started = time.perf_counter()
-        key = str(dataset_dir.resolve())
+        path = str(dataset_dir.resolve())
+        key = f"{path}#{await asyncio.to_thread(fingerprint, dataset_dir)}"
         self.version = await self.pool.fetchval("SHOW server_version")
         row = await self.pool.fetchrow("SELECT rows FROM ssb_datasets WHERE dataset = $1", key)
         if row is not None and await self._tables_match(orjson.loads(row["rows"])):
-            self.dataset, self.rows = key, orjson.loads(row["rows"])
+            self.dataset, self.rows = path, orjson.loads(row["rows"])
             return {"rows": self.rows, "load_s": 0.0, "reused": True}
         rows: dict[str, int] = {}
         async with self.pool.acquire() as conn, conn.transaction():
@@ -68,7 +72,7 @@ class PostgresEngine:
         async with self.pool.acquire() as conn:
             for table in TABLES:
                 await conn.execute(f"ANALYZE ssb.{table}")
-        self.dataset, self.rows = key, rows
+        self.dataset, self.rows = path, rows
         return {"rows": rows, "load_s": round(time.perf_counter() - started, 3), "reused": False}
 
     async def _tables_match(self, rows: dict[str, int]) -> bool:
@@ -102,12 +106,19 @@ class PostgresEngine:
                 await conn.execute(f"SET LOCAL ROLE {READER_ROLE}")
             try:
                 stmt = await conn.prepare(sql)
+                if stmt.get_parameters():  # asyncpg would raise InterfaceError at fetch (no values are sent)
+                    raise QueryFailed("PostgreSQL: parameters ($1, ...) are not allowed; write the values into the SQL")
                 columns = [a.name for a in stmt.get_attributes()]
                 if max_rows is None:
                     records = await stmt.fetch()
                 else:
                     cursor = await stmt.cursor()
                     records = await cursor.fetch(max_rows + 1)
+            except (OverflowError, ValueError) as exc:
+                if isinstance(exc, QueryFailed):
+                    raise
+                # asyncpg decodes as it reads: a date past 9999 or before year 1 fails in Python's date type.
+                raise UnrepresentableResult("PostgreSQL", exc) from None
             except asyncpg.QueryCanceledError:
                 raise TimeoutError(f"the query ran longer than {timeout_s} s") from None
             except (asyncpg.OperatorInterventionError, asyncpg.PostgresConnectionError):
@@ -115,6 +126,16 @@ class PostgresEngine:
             except asyncpg.PostgresError as exc:
                 raise QueryFailed(f"PostgreSQL: {exc}") from None
         return from_records(columns, records, max_rows)
+
+
+def fingerprint(dataset_dir: Path) -> str:
+    """What changes whenever the dataset's data does: meta.json's text and each table file's size, modification
+    time and inode (a generation or an import writes a new directory and renames it into place)."""
+    digest = hashlib.sha256((dataset_dir / "meta.json").read_bytes())
+    for table in TABLES:
+        st = (dataset_dir / f"{table}.parquet").stat()
+        digest.update(f"|{table}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
+    return digest.hexdigest()[:32]
 
 
 async def _csv_chunks(path: Path) -> AsyncIterator[bytes]:

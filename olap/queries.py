@@ -15,8 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ClientError
 
-class QueryParamError(ValueError):
+
+class QueryParamError(ClientError):
     """A query parameter is unknown, of the wrong type or outside its domain. `.field` names the parameter."""
 
     def __init__(self, field: str, message: str):

@@ -8,11 +8,9 @@ from typing import Any, Iterable
 
 import pyarrow as pa
 
+from .errors import QueryFailed, UnrepresentableResult
 
-class QueryFailed(ValueError):
-    """The engine refused the statement as written (unknown column, type error, division by zero...)."""
-
-    field = "sql"
+__all__ = ["QueryFailed", "Result", "from_arrow", "from_arrow_batches", "from_records", "plain"]
 
 
 @dataclass
@@ -32,7 +30,15 @@ def plain(value: Any) -> Any:
     return value
 
 
-def from_arrow(table: pa.Table, max_rows: int | None = None) -> Result:
+def from_arrow(table: pa.Table, max_rows: int | None = None, engine: str = "the engine") -> Result:
+    """Plain rows from an Arrow table; a value Python cannot hold (a date past 9999) is the query's fault."""
+    try:
+        return _from_arrow(table, max_rows)
+    except (OverflowError, ValueError) as exc:
+        raise UnrepresentableResult(engine, exc) from None
+
+
+def _from_arrow(table: pa.Table, max_rows: int | None) -> Result:
     truncated = max_rows is not None and table.num_rows > max_rows
     if truncated:
         table = table.slice(0, max_rows)
@@ -44,7 +50,7 @@ def from_arrow(table: pa.Table, max_rows: int | None = None) -> Result:
     return Result(columns, [list(r) for r in zip(*data)] if data else [], truncated)
 
 
-def from_arrow_batches(reader: pa.RecordBatchReader, max_rows: int | None) -> Result:
+def from_arrow_batches(reader: pa.RecordBatchReader, max_rows: int | None, engine: str = "the engine") -> Result:
     """Read batches only until the row limit is passed: a huge result is never fully materialised."""
     batches = []
     seen = 0
@@ -54,7 +60,7 @@ def from_arrow_batches(reader: pa.RecordBatchReader, max_rows: int | None) -> Re
         if max_rows is not None and seen > max_rows:
             break
     table = pa.Table.from_batches(batches, schema=reader.schema)
-    return from_arrow(table, max_rows)
+    return from_arrow(table, max_rows, engine)
 
 
 def from_records(columns: list[str], records: Iterable[Iterable[Any]], max_rows: int | None = None) -> Result:

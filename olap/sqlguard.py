@@ -1,57 +1,79 @@
-"""The guard in front of ad-hoc SQL: one read-only SELECT over the SSB tables, nothing else.
+"""The guard in front of ad-hoc SQL: an allowlist over the syntax tree of one read-only SELECT on the SSB tables.
 
-DuckDB's parser (a PostgreSQL dialect) gives the syntax tree, which must hold exactly one SELECT reading only
-unqualified SSB tables or the query's own earlier CTEs (no WITH RECURSIVE), no table functions, functions from an
-allowlist only, and casts to plain built-in types only. This is the first of two walls: the engines also run ad-hoc
-SQL with file and network access off (DuckDB) or as an unprivileged role in a read-only transaction (PostgreSQL).
-The rules in full: docs/design/olap.md#the-sql-guard.
+DuckDB's parser (a PostgreSQL dialect), set to fold unquoted identifiers to lower case and keep quoted ones exact
+as PostgreSQL does, gives the tree. Everything in it must be on a list: statement and table-reference kinds,
+expression kinds, functions and operators, cast types. Tables are the SSB tables or the query's own earlier CTEs,
+by exact name (`WITH "PG_ROLES" ... FROM pg_roles` reads the catalog in PostgreSQL, so it is refused). A
+qualified column `t.c` must name a column `t` is known to have (or an SSB column, which no PostgreSQL function is
+named after): PostgreSQL reads `t.f` on a table without a column f as the call f(t). Functions that make strings
+larger than their input (repeat, lpad, replace, concat, ||, string_agg...) are not on the list: nested, they build
+gigabytes from one character. The query's own parameters ($1, ?) are refused: no values are sent.
+
+This is the first of two walls: the engines also run ad-hoc SQL with file and network access off (DuckDB) or as
+an unprivileged role in a read-only transaction (PostgreSQL). The rules in full: docs/design/olap.md#the-sql-guard.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import threading
 from typing import Any
 
 import duckdb
 
+from .errors import ClientError
 from .schema import TABLES
+from .sqlscope import Scope
 
 MAX_SQL_CHARS = 20_000
+MAX_STRING_TYPE_LENGTH = 1_000  # CHAR(n) pads every value to n characters (DuckDB's tree shows it as VARCHAR(n))
 
 AGGREGATES = {
     "sum", "count", "count_star", "avg", "mean", "min", "max", "stddev", "stddev_samp", "stddev_pop", "variance",
     "var_samp", "var_pop", "median", "any_value", "first", "last", "bool_and", "bool_or", "arg_min", "arg_max",
-    "approx_count_distinct", "quantile_cont", "quantile_disc", "mode", "string_agg", "group_concat", "corr",
-    "covar_pop", "covar_samp",
+    "approx_count_distinct", "quantile_cont", "quantile_disc", "mode", "corr", "covar_pop", "covar_samp",
 }
 WINDOWS = {"row_number", "rank", "dense_rank", "ntile", "lag", "lead", "percent_rank", "cume_dist", "first_value",
            "last_value", "nth_value"}
+# No function here answers a string longer than a constant times its input (upper/lower keep the characters).
 SCALARS = {
     "abs", "round", "floor", "ceil", "ceiling", "sqrt", "power", "pow", "ln", "log", "log10", "log2", "exp", "sign",
     "mod", "greatest", "least", "coalesce", "nullif", "ifnull", "lower", "upper", "length", "char_length",
-    "substring", "substr", "trim", "ltrim", "rtrim", "concat", "concat_ws", "replace", "left", "right",
-    "position", "strpos", "starts_with", "ends_with", "contains", "reverse",  # no repeat/lpad/rpad: gigabytes
-    "date_part", "year", "month", "day", "trunc", "div", "split_part", "regexp_matches", "regexp_replace",
-    "regexp_extract", "initcap", "md5", "hash", "least_common_multiple", "gcd", "lcm", "isnan", "isinf",
+    "substring", "substr", "trim", "ltrim", "rtrim", "left", "right", "position", "strpos", "starts_with",
+    "ends_with", "contains", "reverse", "split_part", "regexp_matches", "regexp_full_match", "regexp_extract",
+    "initcap", "md5", "hash", "date_part", "date_trunc", "year", "month", "day", "trunc", "div", "gcd", "lcm",
+    "least_common_multiple", "isnan", "isinf", "to_days", "to_months", "to_years", "to_weeks",
 }
 ALLOWED_FUNCTIONS = AGGREGATES | WINDOWS | SCALARS
-OPERATOR = re.compile(r"^[-+*/%<>=!~|&^#@]+$")  # arithmetic, comparison, concatenation, LIKE (~~) ...
+# Named in the refusal: each grows strings (or lists) without a bound a query could be held to.
+GROWING = {"repeat", "lpad", "rpad", "replace", "regexp_replace", "concat", "concat_ws", "||", "string_agg",
+           "group_concat", "listagg", "array_agg", "list", "json_agg", "jsonb_agg", "format", "translate", "overlay",
+           "array_to_string", "list_aggr", "string_split", "unnest", "generate_series", "range"}
+OPERATORS = {"+", "-", "*", "/", "%", "//", "^", "**", "~~", "!~~", "~~*", "!~~*", "~~~", "<", ">", "<=", ">=", "=",
+             "==", "<>", "!=", "&", "|", "#", "<<", ">>", "~", "@"}
 ALLOWED_TYPES = {
     "BOOLEAN", "BOOL", "TINYINT", "SMALLINT", "INTEGER", "INT", "INT4", "INT8", "INT2", "BIGINT", "HUGEINT",
     "REAL", "FLOAT", "FLOAT4", "FLOAT8", "DOUBLE", "DECIMAL", "NUMERIC", "VARCHAR", "TEXT", "STRING", "CHAR",
-    "BPCHAR", "DATE", "UBIGINT", "UINTEGER",
+    "BPCHAR", "DATE", "UBIGINT", "UINTEGER", "INTERVAL", "TIMESTAMP",
 }
+STRING_TYPES = {"VARCHAR", "TEXT", "STRING", "CHAR", "BPCHAR"}
+# Expression kinds of DuckDB's tree that may appear (FUNCTION, WINDOW and TYPE are checked further).
+EXPRESSIONS = {"COLUMN_REF", "CONSTANT", "FUNCTION", "WINDOW", "CAST", "OPERATOR", "COMPARISON", "CONJUNCTION",
+               "CASE", "BETWEEN", "SUBQUERY", "STAR", "TYPE"}
+OPERATOR_KINDS = {"OPERATOR_NOT", "OPERATOR_IS_NULL", "OPERATOR_IS_NOT_NULL", "COMPARE_IN", "COMPARE_NOT_IN",
+                  "OPERATOR_COALESCE"}
+QUERY_NODES = {"SELECT_NODE", "SET_OPERATION_NODE"}
+TABLE_REFS = {"BASE_TABLE", "JOIN", "SUBQUERY", "EMPTY", "EXPRESSION_LIST"}
+# Keywords PostgreSQL evaluates as functions of the session although they read like column names.
+SESSION_NAMES = {"current_user", "session_user", "user", "current_role", "current_catalog", "current_schema",
+                 "system_user"}
 TABLE_NAMES = set(TABLES)
-_parser = threading.local()  # parse_tree's DuckDB connection, one per thread (a connection is not thread-safe)
+_parser = threading.local()  # parse_tree's DuckDB connections, one per thread (a connection is not thread-safe)
 
 
-class SqlRejected(ValueError):
+class SqlRejected(ClientError):
     """Why an ad-hoc query is not allowed; `field` is always 'sql'."""
-
-    field = "sql"
 
 
 def check(sql: str) -> str:
@@ -67,8 +89,11 @@ def check(sql: str) -> str:
     if statements[0].type != duckdb.StatementType.SELECT:
         raise SqlRejected(f"only SELECT is allowed, not {statements[0].type.name}")
     text = statements[0].query.strip().rstrip(";")
-    tree = parse_tree(text)
-    _walk(tree["statements"][0]["node"], ctes=set())
+    tree = parse_tree(text, fold=True)
+    scope = Scope(TABLES)
+    _Walk(scope).node(tree["statements"][0]["node"], ctes={})
+    if refused := scope.unresolved():
+        raise SqlRejected(refused)
     return text
 
 
@@ -77,13 +102,18 @@ def _first_line(exc: Exception) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def parse_tree(sql: str) -> dict[str, Any]:
-    """DuckDB's syntax tree of the statement (json_serialize_sql parses; it runs nothing). One parsing connection
-    per thread: opening one took 14 ms, the parse itself 0.6 ms. Remembered by text, so the GPU engine's
-    frame_sql does not parse again what check() just parsed; callers only read the tree."""
-    con = getattr(_parser, "con", None)
+def parse_tree(sql: str, fold: bool = False) -> dict[str, Any]:
+    """DuckDB's syntax tree of the statement (json_serialize_sql parses; it runs nothing). `fold`: identifiers as
+    PostgreSQL reads them (unquoted ones in lower case), for the guard; without, DuckDB's own (case kept), for
+    frame_sql. One parsing connection per thread and kind: opening one took 14 ms, the parse itself 0.6 ms.
+    Remembered by text; callers only read the tree."""
+    key = "folding" if fold else "keeping"
+    con = getattr(_parser, key, None)
     if con is None:
-        con = _parser.con = duckdb.connect(":memory:", config={"enable_external_access": False})
+        con = duckdb.connect(":memory:", config={"enable_external_access": False})
+        if fold:
+            con.execute("SET preserve_identifier_case = false")
+        setattr(_parser, key, con)
     try:
         row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
         assert row is not None  # a SELECT of one value: one row
@@ -97,57 +127,119 @@ def parse_tree(sql: str) -> dict[str, Any]:
     return tree
 
 
-def _walk(node: Any, ctes: set[str]) -> None:
-    if isinstance(node, list):
-        for item in node:
-            _walk(item, ctes)
-        return
-    if not isinstance(node, dict):
-        return
-    if node.get("type") == "RECURSIVE_CTE_NODE":
-        raise SqlRejected("recursive queries (WITH RECURSIVE) are not allowed")
-    # CTE names are tables the query defines itself. A CTE's body sees only the CTEs before it: inside
-    # `pg_roles AS (SELECT * FROM pg_roles)` the table read is the catalog's, so a CTE must not vouch for it.
-    cte_map = node.get("cte_map")
-    if isinstance(cte_map, dict):
-        for entry in cte_map.get("map", []):
-            if isinstance(entry, dict) and "key" in entry:
-                _walk(entry.get("value"), ctes)
-                ctes = ctes | {str(entry["key"]).lower()}
-    kind = node.get("type")
-    if kind == "BASE_TABLE":
-        _check_table(node, ctes)
-    elif kind == "TABLE_FUNCTION":
-        raise SqlRejected("table functions (read_csv, read_parquet, glob, ...) are not allowed")
-    if node.get("class") in ("FUNCTION", "WINDOW") and node.get("function_name") is not None:
-        _check_function(node)
-    if node.get("class") == "TYPE":
-        _check_type(node)
-    for key, value in node.items():
-        if key not in ("qualified_name", "cte_map"):  # the CTE bodies were walked above, each in its own scope
-            _walk(value, ctes)
+class _Walk:
+    """One pass over the tree: each node checked against the lists, CTE names scoped as PostgreSQL scopes them,
+    and the FROM items and qualified columns handed to the Scope."""
 
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
 
-def _check_table(node: dict[str, Any], ctes: set[str]) -> None:
-    name = str(node.get("table_name", "")).lower()
-    if node.get("schema_name") or node.get("catalog_name"):
-        raise SqlRejected("qualified table names are not allowed "
-                          f"({node.get('schema_name') or node.get('catalog_name')}.{name}); "
-                          f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
-    if name not in TABLE_NAMES and name not in ctes:
-        raise SqlRejected(f"unknown table {name!r}; the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
+    def node(self, node: Any, ctes: dict[str, Any]) -> None:
+        if isinstance(node, list):
+            for item in node:
+                self.node(item, ctes)
+            return
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "RECURSIVE_CTE_NODE":
+            raise SqlRejected("recursive queries (WITH RECURSIVE) are not allowed")
+        if kind == "TABLE_FUNCTION":
+            raise SqlRejected("table functions (read_csv, read_parquet, glob, ...) are not allowed")
+        if kind is not None and kind.endswith("_NODE") and kind not in QUERY_NODES:
+            raise SqlRejected(f"{kind.removesuffix('_NODE').lower().replace('_', ' ')} queries are not allowed")
+        # CTE names are tables the query defines itself. A CTE's body sees only the CTEs before it: inside
+        # `pg_roles AS (SELECT * FROM pg_roles)` the table read is the catalog's, so a CTE must not vouch for it.
+        cte_map = node.get("cte_map")
+        if isinstance(cte_map, dict):
+            for entry in cte_map.get("map", []):
+                if isinstance(entry, dict) and "key" in entry:
+                    self.node(entry.get("value"), ctes)
+                    ctes = {**ctes, str(entry["key"]): self.scope.cte_columns(entry.get("value"), ctes)}
+        if kind == "SELECT_NODE":
+            self._table_ref(node.get("from_table"), ctes)
+            self.scope.enter_select(node, ctes)
+        if "class" in node:
+            self._expression(node)
+        for key, value in node.items():
+            if key not in ("qualified_name", "cte_map"):  # the CTE bodies were walked above, each in its own scope
+                self.node(value, ctes)
+
+    def _table_ref(self, node: Any, ctes: dict[str, Any]) -> None:
+        """A FROM item (the walk goes on into subqueries and join conditions by itself)."""
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "TABLE_FUNCTION":
+            raise SqlRejected("table functions (read_csv, read_parquet, glob, ...) are not allowed")
+        if kind not in TABLE_REFS:
+            raise SqlRejected(f"{str(kind).lower().replace('_', ' ')} in FROM is not allowed")
+        if kind == "JOIN":
+            self._table_ref(node.get("left"), ctes)
+            self._table_ref(node.get("right"), ctes)
+        if kind != "BASE_TABLE":
+            return
+        name = str(node.get("table_name", ""))
+        if node.get("schema_name") or node.get("catalog_name"):
+            raise SqlRejected("qualified table names are not allowed "
+                              f"({node.get('schema_name') or node.get('catalog_name')}.{name}); "
+                              f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
+        if name not in TABLE_NAMES and name not in ctes:
+            raise SqlRejected(f"unknown table {name!r} (quoted names are exact, unquoted ones fold to lower case); "
+                              f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
+
+    def _expression(self, node: dict[str, Any]) -> None:
+        cls = node.get("class")
+        if cls == "PARAMETER":
+            raise SqlRejected("parameters ($1, ?) are not allowed: write the values into the SQL")
+        if cls not in EXPRESSIONS:
+            raise SqlRejected(f"{str(cls).lower().replace('_', ' ')} expressions are not allowed")
+        if cls == "OPERATOR" and node.get("type") not in OPERATOR_KINDS:
+            raise SqlRejected(f"the {str(node.get('type')).lower().replace('_', ' ')} operator is not allowed")
+        if cls in ("FUNCTION", "WINDOW") and node.get("function_name") is not None:
+            _check_function(node)
+        elif cls == "TYPE":
+            _check_type(node)
+        elif cls == "COLUMN_REF":
+            self._column(node)
+        if node.get("export_state"):
+            raise SqlRejected("EXPORT_STATE is not allowed")
+
+    def _column(self, node: dict[str, Any]) -> None:
+        parts = [str(p) for p in node.get("column_names", [])]
+        if any(p in SESSION_NAMES for p in parts):
+            raise SqlRejected(f"{'.'.join(parts)}: session information ({', '.join(sorted(SESSION_NAMES))}) is not "
+                              "available to ad-hoc queries (quoted or not)")
+        if len(parts) > 2:
+            raise SqlRejected(f"{'.'.join(parts)}: a column is named as column or table.column, no more parts")
+        if len(parts) == 2:
+            self.scope.qualified(parts[0], parts[1])
 
 
 def _check_function(node: dict[str, Any]) -> None:
     name = str(node["function_name"]).lower()
     if node.get("schema") or node.get("catalog"):
-        raise SqlRejected(f"qualified function names are not allowed ({name})")
-    if name in ALLOWED_FUNCTIONS or (node.get("is_operator") and OPERATOR.match(name)):
+        raise SqlRejected(f"qualified function names and method calls are not allowed "
+                          f"({node.get('schema') or node.get('catalog')}.{name})")
+    if node.get("is_operator") and name in OPERATORS:
         return
-    raise SqlRejected(f"function {name}() is not allowed in ad-hoc queries")
+    if name in ALLOWED_FUNCTIONS and not node.get("is_operator"):
+        return
+    if name in GROWING:
+        raise SqlRejected(f"{name if node.get('is_operator') else name + '()'} is not allowed in ad-hoc queries: it "
+                          "makes strings larger than its input, and nested it exhausts memory")
+    what = f"the operator {name}" if node.get("is_operator") else f"function {name}()"
+    raise SqlRejected(f"{what} is not allowed in ad-hoc queries")
 
 
 def _check_type(node: dict[str, Any]) -> None:
     name = str(node.get("type_name", "")).upper()
     if node.get("schema") or node.get("catalog") or name not in ALLOWED_TYPES:
         raise SqlRejected(f"casts to {name or 'this type'} are not allowed")
+    if name in STRING_TYPES:
+        for child in node.get("children") or []:
+            literal = child.get("literal") if isinstance(child, dict) else None
+            text = str(literal.get("text", "")) if isinstance(literal, dict) else ""
+            if not text.isdigit() or int(text) > MAX_STRING_TYPE_LENGTH:
+                raise SqlRejected(f"casts to {name}({text or '...'}) are not allowed: string types take a length of "
+                                  f"at most {MAX_STRING_TYPE_LENGTH}")

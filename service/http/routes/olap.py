@@ -119,13 +119,19 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
 
     manager = domain(runtime, "olap")
     root = runtime.settings.ssb_imports.resolve()
-    source = Path(body.path).expanduser().resolve()
-    if source != root and root not in source.parents:
-        raise Forbidden(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
-    missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
-    if missing:
-        raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
-    tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
+    if "\x00" in body.path:  # no file system takes it; os calls raise ValueError (a 500 if it got that far)
+        raise Unprocessable("the path contains a NUL character", field="path")
+    try:
+        source = Path(body.path).expanduser().resolve()
+        if source != root and root not in source.parents:
+            raise Forbidden(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
+        missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
+        if missing:
+            raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
+        tbl_bytes = sum((source / name).stat().st_size for name in TBL_FILES.values())
+    except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop, a file that vanished
+        raise Unprocessable(f"the path cannot be read: {exc.strerror if isinstance(exc, OSError) else exc}",
+                            field="path") from None
     await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
     job = await domain(runtime, "jobs").start("ssb_import", body.name, lambda progress: manager.import_tbl(
         source, body.name, body.expected_rows, progress))

@@ -1,0 +1,122 @@
+"""The SQL guard on its own: an allowlist over the tree that reads identifiers as PostgreSQL does, refuses calls in
+attribute notation, session keywords, parameters and string-growth functions, and lets analytic SQL through.
+(tests/test_olap_hostile.py sends the same probes through the service to each engine.)"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from olap.queries import QUERIES, render_sql
+from olap.results import from_arrow
+from olap.sqlguard import SqlRejected, check
+
+# (probe, a fragment the refusal must carry)
+REFUSED = [
+    # item 9: a quoted CTE name is exact; the catalog stays out of reach
+    ('WITH "PG_ROLES" AS (SELECT 1 AS x) SELECT rolname, rolsuper FROM pg_roles', "'pg_roles'"),
+    ('WITH "PG_SETTINGS" AS (SELECT 1 AS x) SELECT name, setting FROM pg_settings', "'pg_settings'"),
+    ('WITH "Pg_Class" AS (SELECT 1 AS x) SELECT relname FROM pg_class', "'pg_class'"),
+    ('WITH "PG_STAT_ACTIVITY" AS (SELECT 1 AS x) SELECT query FROM pg_stat_activity', "'pg_stat_activity'"),
+    ('WITH "PG_DATABASE" AS (SELECT 1 AS x) SELECT datname FROM pg_database', "'pg_database'"),
+    ('SELECT * FROM "LINEORDER"', "'LINEORDER'"),
+    ("SELECT * FROM information_schema.tables", "qualified table names"),
+    ("SELECT * FROM duckdb_settings", "unknown table"),
+    ("SELECT * FROM sqlite_master", "unknown table"),
+    # attribute notation is a function call in PostgreSQL
+    ("SELECT d.to_json FROM ddate d", "to_json(d)"),
+    ("SELECT ddate.row_to_json FROM ddate", "row_to_json(ddate)"),
+    ("WITH t AS (SELECT 1 AS to_json) SELECT d.to_json FROM ddate d, t", "to_json(d)"),
+    ("SELECT s.to_json FROM (SELECT * EXCLUDE (d_year) FROM ddate) s", "to_json(s)"),
+    ("SELECT (d).to_json FROM ddate d", "struct extract"),
+    ("SELECT d.to_json() FROM ddate d", "method calls"),
+    ("SELECT x.lo_revenue FROM lineorder", "not a table or alias"),
+    ("SELECT d.d_year.x FROM ddate d", "no more parts"),
+    # the session's identity and settings
+    ("SELECT current_user", "session information"),
+    ("SELECT session_user", "session information"),
+    ('SELECT "current_user" FROM ddate', "session information"),
+    ("SELECT current_role", "session information"),
+    ("SELECT current_setting('data_directory')", "current_setting()"),
+    ("SELECT version()", "version()"),
+    ("SELECT pg_catalog.version()", "qualified function"),
+    # item 5: strings (or lists) grown without a bound
+    ("SELECT length(" + "replace(" * 9 + "'x'" + ", 'x', 'xxxxxxxxxx')" * 9 + ")", "replace()"),
+    ("SELECT max(length(repeat(c_name, 100000000))) FROM customer", "repeat()"),
+    ("SELECT lpad(c_name, 1000000000, 'x') FROM customer", "lpad()"),
+    ("SELECT rpad('x', 1000000000)", "rpad()"),
+    ("SELECT length(string_agg(c_name, ',')) FROM customer", "string_agg()"),
+    ("SELECT concat(c_name, c_name) FROM customer", "concat()"),
+    ("SELECT c_name || c_name FROM customer", "||"),
+    ("WITH a AS (SELECT c_name || c_name AS s FROM customer) SELECT s FROM a", "||"),
+    ("SELECT regexp_replace(c_name, '.', 'xxxxxxxxxx', 'g') FROM customer", "regexp_replace()"),
+    ("SELECT array_agg(c_name) FROM customer", "array_agg()"),
+    ("SELECT list(c_name) FROM customer", "list()"),
+    ("SELECT CAST(c_name AS CHAR(10000000)) FROM customer", "at most"),
+    ("SELECT CAST(c_name AS BPCHAR(10000000)) FROM customer", "at most"),
+    # item 11: no parameters (none are sent)
+    ("SELECT $1", "parameters"),
+    ("SELECT lo_revenue FROM lineorder WHERE lo_orderkey = ?", "parameters"),
+    # DuckDB-only forms that reach outside the allowlist
+    ("SELECT #1 FROM ddate", "positional reference"),
+    ("SELECT abs(x -> x) FROM ddate", "lambda"),
+    ("SELECT ARRAY[1, 2]", "array constructor"),
+]
+
+
+@pytest.mark.parametrize(("sql", "fragment"), REFUSED)
+def test_probes_are_refused_saying_what(sql, fragment):
+    with pytest.raises(SqlRejected) as refused:
+        check(sql)
+    assert fragment in str(refused.value), str(refused.value)
+    assert refused.value.field == "sql"
+
+
+def test_every_client_error_is_one_class():
+    """The breaker tells client errors from engine failures by this class (olap/manager.py)."""
+    from olap.errors import ClientError, QueryFailed, UnrepresentableResult
+    from olap.queries import QueryParamError
+
+    for kind in (SqlRejected, QueryFailed, UnrepresentableResult, QueryParamError):
+        assert issubclass(kind, ClientError), kind
+
+
+ALLOWED = [
+    "WITH pg_roles AS (SELECT 1 AS x) SELECT x FROM pg_roles",  # the CTE is what the name means here
+    'WITH "Totals" AS (SELECT sum(lo_revenue) AS r FROM lineorder) SELECT r FROM "Totals"',
+    "SELECT L.lo_revenue FROM LINEORDER l",  # unquoted names fold on both sides
+    "SELECT d.d_year, count(*) FROM ddate d GROUP BY d.d_year",
+    "SELECT lineorder.lo_revenue FROM lineorder",
+    "SELECT s.revenue, s.d_year FROM (SELECT d_year, sum(lo_revenue) AS revenue FROM lineorder "
+    "JOIN ddate ON lo_orderdate = d_datekey GROUP BY d_year) s ORDER BY s.revenue DESC",
+    "SELECT s.y FROM (SELECT * FROM ddate) s(y)",
+    "SELECT t.c FROM (SELECT 1 AS c UNION ALL SELECT 2) t",
+    "WITH t(a) AS (SELECT d_year FROM ddate) SELECT t.a FROM t",
+    "SELECT v.x FROM (VALUES (1), (2)) v(x)",
+    "SELECT upper(c_name), lower(c_city), substring(c_phone, 1, 3), round(avg(lo_revenue), 2), abs(-1), "
+    "coalesce(min(lo_tax), 0), CASE WHEN count(*) > 1 THEN 'many' ELSE 'one' END, "
+    "EXTRACT(year FROM DATE '1992-01-01'), CAST(c_custkey AS VARCHAR(20)) "
+    "FROM customer JOIN lineorder ON lo_custkey = c_custkey GROUP BY c_name, c_city, c_phone, c_custkey",
+    "SELECT d_year, rank() OVER (ORDER BY sum(lo_revenue) DESC) FROM lineorder, ddate "
+    "WHERE lo_orderdate = d_datekey AND d_month LIKE 'J%' GROUP BY d_year",
+    "SELECT DATE '1998-12-31' + 1",
+]
+
+
+@pytest.mark.parametrize("sql", ALLOWED)
+def test_analytic_sql_passes(sql):
+    assert check(sql) == sql
+
+
+@pytest.mark.parametrize("query_id", list(QUERIES))
+def test_every_named_query_passes_the_guard(query_id):
+    check(render_sql(query_id, {}))
+
+
+def test_a_value_no_answer_can_hold_is_the_querys_fault():
+    from olap.errors import ClientError, UnrepresentableResult
+
+    table = pa.table({"d": pa.array([3_000_000], pa.date32())})  # 10183-11-26
+    with pytest.raises(UnrepresentableResult) as caught:
+        from_arrow(table, engine="DuckDB")
+    assert "cannot be represented" in str(caught.value) and isinstance(caught.value, ClientError)
