@@ -27,6 +27,7 @@ from .schema import TABLES
 from .sqlscope import Scope
 
 MAX_SQL_CHARS = 20_000
+CACHED_SQL_CHARS = 4_096  # longer texts are parsed each time (parse_tree)
 MAX_STRING_TYPE_LENGTH = 1_000  # CHAR(n) pads every value to n characters (DuckDB's tree shows it as VARCHAR(n))
 
 AGGREGATES = {
@@ -101,12 +102,16 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0][:300]
 
 
-@functools.lru_cache(maxsize=256)
 def parse_tree(sql: str, fold: bool = False) -> dict[str, Any]:
     """DuckDB's syntax tree of the statement (json_serialize_sql parses; it runs nothing). `fold`: identifiers as
     PostgreSQL reads them (unquoted ones in lower case), for the guard; without, DuckDB's own (case kept), for
-    frame_sql. One parsing connection per thread and kind: opening one took 14 ms, the parse itself 0.6 ms.
-    Remembered by text; callers only read the tree."""
+    frame_sql. Remembered by text up to CACHED_SQL_CHARS (a tree holds about 50 bytes per character of its text:
+    distinct long queries would fill the cache with megabytes each); callers only read the tree."""
+    return _cached_tree(sql, fold) if len(sql) <= CACHED_SQL_CHARS else _parse_tree(sql, fold)
+
+
+def _parse_tree(sql: str, fold: bool) -> dict[str, Any]:
+    """One parsing connection per thread and kind: opening one took 14 ms, the parse itself 0.6 ms."""
     key = "folding" if fold else "keeping"
     con = getattr(_parser, key, None)
     if con is None:
@@ -125,6 +130,9 @@ def parse_tree(sql: str, fold: bool = False) -> dict[str, Any]:
     if len(tree.get("statements", [])) != 1:
         raise SqlRejected("exactly one statement is allowed")
     return tree
+
+
+_cached_tree = functools.lru_cache(maxsize=256)(_parse_tree)
 
 
 class _Walk:

@@ -120,3 +120,18 @@ def test_a_value_no_answer_can_hold_is_the_querys_fault():
     with pytest.raises(UnrepresentableResult) as caught:
         from_arrow(table, engine="DuckDB")
     assert "cannot be represented" in str(caught.value) and isinstance(caught.value, ClientError)
+
+
+def test_only_short_texts_are_remembered():
+    """A syntax tree takes about 50 bytes per character: distinct long queries must not fill the parse cache."""
+    from olap.sqlguard import CACHED_SQL_CHARS, _cached_tree
+
+    columns = ", ".join(["lo_revenue"] * (CACHED_SQL_CHARS // 10))
+    long_sql = f"SELECT {columns} FROM lineorder"
+    short_sql = "SELECT count(*) AS n FROM lineorder -- remembered"
+    before = _cached_tree.cache_info().currsize
+    check(long_sql)
+    check(long_sql + " ")
+    assert _cached_tree.cache_info().currsize == before
+    check(short_sql)
+    assert _cached_tree.cache_info().currsize == before + 1

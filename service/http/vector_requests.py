@@ -139,12 +139,22 @@ def parse_json(model: type[BaseModel], raw: bytes) -> Any:
 OPTION_FIELDS = tuple(SearchOptions.model_fields)
 
 
-@functools.lru_cache(maxsize=1024)
 def raw_search_fields(query_string: str) -> tuple[dict[str, Any], bool]:
-    """raw_search_options as a SearchCall's fields, remembered per query string (a client sends the same one with
-    every vector); callers must not change them. Errors are not remembered: a bad query string is refused each time."""
+    """raw_search_options as a SearchCall's fields, remembered per query string up to CACHED_QUERY_CHARS (a client
+    sends the same one with every vector; longer ones, which only a filter makes, are parsed each time so the cache
+    stays small); callers must not change them. Errors are not remembered: a bad query string is refused each time."""
+    if len(query_string) > CACHED_QUERY_CHARS:
+        return _raw_search_fields(query_string)
+    return _cached_search_fields(query_string)
+
+
+def _raw_search_fields(query_string: str) -> tuple[dict[str, Any], bool]:
     options, batch = raw_search_options(query_string)
     return checked_fields(options), batch
+
+
+CACHED_QUERY_CHARS = 1_024
+_cached_search_fields = functools.lru_cache(maxsize=1024)(_raw_search_fields)
 
 
 def checked_fields(options: SearchOptions) -> dict[str, Any]:
