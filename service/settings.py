@@ -72,7 +72,7 @@ class ServerSettings(Group):
         "Larger request bodies get 413 before they are parsed."))
     max_bulk_bytes: int = setting(4 * 1024**3, ge=1024, description=(
         "Limit for bulk loads sent as an Arrow IPC stream (spooled to <data_dir>/spool, loaded as a job)."))
-    read_timeout_s: float = setting(20.0, gt=0, le=3600, description=(
+    read_timeout_s: float = setting(10.0, gt=0, le=3600, description=(
         "How long a request's headers may take to arrive, and then its body (plus a second per MiB received): past "
         "it the request is answered 408 and its connection closed. The body is read before the request takes an "
         "in-flight slot, so a slow client holds a socket, nothing more."))
