@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import io
 import os
-import time
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from helpers import assert_problem, wait_ready
+from helpers import assert_problem, wait_job, wait_ready
 from indexes.errors import InvalidInput
 from indexes.vectors import arrow_chunks, check_arrow
 from service.jobs import spool
@@ -86,15 +85,6 @@ def test_spool_clear_removes_only_the_files_of_processes_that_are_gone(tmp_path)
     dead.write_bytes(b"x")
     spool.clear(tmp_path)
     assert mine.exists() and not dead.exists()
-
-
-def wait_job(client, location):
-    for _ in range(400):
-        job = client.get(location).json()
-        if job["state"] not in ("queued", "running"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {location} did not end")
 
 
 def test_a_chunked_bulk_load_is_spooled_loaded_and_its_file_removed(make_client, tmp_path):

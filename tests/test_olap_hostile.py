@@ -4,7 +4,6 @@ closed, bad import paths and parameters are 422s, and data imported again under 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -12,23 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import fresh_database, run
-from helpers import assert_problem, wait_ready
+from helpers import assert_problem, wait_job, wait_ready
 from olap.schema import TABLES, TBL_FILES
 from service.http.app import create_app
 from service.settings import Settings
 from test_sqlguard import REFUSED
 
 ENGINES = ["duckdb", "postgres"]
-
-
-def wait_job(client: TestClient, location: str, timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(location).json()
-        if job["state"] in ("succeeded", "failed"):
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job still running: {job}")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ checked, bad input is a 4xx naming the reason."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import duckdb
@@ -14,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import fresh_database, run
-from helpers import assert_problem, cudf_missing, wait_ready
+from helpers import assert_problem, cudf_missing, wait_job, wait_ready
 from olap.plans import run_plan
 from olap.queries import QUERIES, render_sql
 from olap.schema import TABLES, TBL_FILES
@@ -30,16 +29,6 @@ NON_DEFAULT = {  # one other parameter set per flight, so templates are exercise
 
 ENGINES = [pytest.param("cudf", marks=pytest.mark.skipif(bool(cudf_missing()), reason=f"gpu engine: {cudf_missing()}")),
            "duckdb", "postgres"]
-
-
-def wait_job(client: TestClient, location: str, timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(location).json()
-        if job["state"] in ("succeeded", "failed"):
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job still running: {job}")
 
 
 @pytest.fixture(scope="module")
