@@ -10,6 +10,7 @@ match points without the key. A bad filter is an InvalidInput naming the path in
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ def instant(text: str) -> float | None:
 
 
 PARSED_ENTRIES = 1024  # filters remembered by their JSON text (a client sends the same one with many searches)
+PARSED_TEXT_BYTES = 4096  # ... when their text is at most this long: caches hold entries, not megabytes of filters
+KEY_CHARS = 256  # a longer filter is keyed by a digest of its repr, so no cache keeps the filter itself
 _parsed: dict[bytes, Node] = {}
 
 
@@ -94,6 +97,8 @@ def parse(raw: Any, path: str = "filter") -> Node | None:
     try:
         text: bytes | None = orjson.dumps(raw)  # 1, 1.0 and true stay apart, as they must
     except TypeError:  # not JSON (a Python caller's own objects): parsed every time
+        text = None
+    if text is not None and len(text) > PARSED_TEXT_BYTES:  # parsed each time: the work is in proportion anyway
         text = None
     node = _parsed.get(text) if text is not None else None
     if node is None:
@@ -127,10 +132,12 @@ def _floats(value: Any) -> Any:
 
 def key(node: Node) -> str:
     """What identifies a filter's meaning in caches: its repr, not the tree (True == 1.0 in Python, but
-    {"f": true} is no {"f": 1}); computed once per tree."""
+    {"f": true} is no {"f": 1}), or past KEY_CHARS a 128-bit digest of it; computed once per tree."""
     found = node.__dict__.get("_key")
     if found is None:
         found = repr(node)
+        if len(found) > KEY_CHARS:
+            found = "blake2b:" + hashlib.blake2b(found.encode(), digest_size=16).hexdigest()
         object.__setattr__(node, "_key", found)  # frozen, and not a field: equality and hashing ignore it
     return found
 

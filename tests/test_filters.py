@@ -280,6 +280,18 @@ def test_a_repeated_filter_is_parsed_once_and_lookalikes_stay_apart():
             filters.parse({"flag": {"$gt": True}})
 
 
+def test_large_filters_are_neither_remembered_nor_kept_as_keys():
+    """Distinct large filters (a long $in) must not grow the parse cache, and what other caches (the filter rows,
+    the micro-batcher's learnt costs) key them by stays small: a digest, which still tells filters apart."""
+    before = len(filters._parsed)
+    trees = [filters.parse({"tag": {"$in": [f"{i}-{j:04d}".ljust(48, "x") for j in range(100)]}}) for i in range(3)]
+    assert len(filters._parsed) == before
+    keys = {filters.key(tree) for tree in trees}
+    assert len(keys) == 3 and all(len(key) <= filters.KEY_CHARS for key in keys)
+    again = filters.parse({"tag": {"$in": [f"0-{j:04d}".ljust(48, "x") for j in range(100)]}})
+    assert again is not trees[0] and filters.key(again) == filters.key(trees[0])
+
+
 def test_a_filtered_search_on_the_resident_path_asks_postgresql_nothing(app, monkeypatch):
     name = collection_for(app, "cpu-hnsw")
     vectors = app.app.state.switchyard.vectors
