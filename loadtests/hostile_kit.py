@@ -5,6 +5,7 @@ records its answers in: the service's memory (its own processes and its PostgreS
 from __future__ import annotations
 
 import http.client
+import multiprocessing
 import statistics
 import threading
 import time
@@ -144,61 +145,75 @@ class Watch:
 
 class HonestClient:
     """One well-behaved client over TCP: single-vector JSON searches with the key on one keep-alive connection,
-    paced, recording each latency and status (a transport failure as its exception's name)."""
+    paced, recording each latency and status (a transport failure as its exception's name). It runs in a process
+    of its own: in the attacker's, the attack's own work (building megabyte bodies under the GIL) would show up as
+    the service's latency."""
 
     def __init__(self, target: Target, pace_s: float = 0.01, timeout_s: float = 10) -> None:
         self.target, self.pace_s, self.timeout_s = target, pace_s, timeout_s
-        self.latencies: list[float] = []
-        self.statuses: Counter[str] = Counter()
-        self.stop_event = threading.Event()
-        self._thread: threading.Thread | None = None
         import numpy as np
 
         rng = np.random.default_rng(11)
         self.bodies = [orjson.dumps({"vector": rng.standard_normal(HONEST_DIM).tolist(), "k": 10}) for _ in range(64)]
-
-    def _loop(self) -> None:
-        headers = {"Content-Type": "application/json", **self.target.headers()}
-        conn: http.client.HTTPConnection | None = None
-        i = 0
-        while not self.stop_event.is_set():
-            if conn is None:
-                conn = http.client.HTTPConnection("127.0.0.1", self.target.port, timeout=self.timeout_s)
-            started = time.perf_counter()
-            try:
-                conn.request("POST", f"/v1/collections/{HONEST_COLLECTION}/search", self.bodies[i % 64], headers)
-                response = conn.getresponse()
-                response.read()
-                status = str(response.status)
-                if response.getheader("connection", "").lower() == "close":
-                    conn.close()
-                    conn = None
-            except (OSError, http.client.HTTPException) as exc:
-                status = type(exc).__name__
-                conn.close()
-                conn = None
-            self.latencies.append(time.perf_counter() - started)
-            self.statuses[status] += 1
-            i += 1
-            self.stop_event.wait(self.pace_s)
-        if conn is not None:
-            conn.close()
+        spawn = multiprocessing.get_context("spawn")
+        self._stop = spawn.Event()
+        self._results, self._sender = spawn.Pipe(duplex=False)
+        self._process = spawn.Process(target=_honest_loop, daemon=True, name="hostile-honest", args=(
+            self.target.port, self.target.headers(), self.bodies, pace_s, timeout_s, self._stop, self._sender))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="hostile-honest")
-        self._thread.start()
+        self._process.start()
 
     def stop(self) -> dict[str, Any]:
-        self.stop_event.set()
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + 2)
-        return summary(self.latencies, self.statuses)
+        self._stop.set()
+        latencies: list[float] = []
+        statuses: Counter[str] = Counter()
+        if self._results.poll(self.timeout_s + 10):
+            latencies, counted = self._results.recv()
+            statuses.update(counted)
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+        return summary(latencies, statuses)
 
     def measure(self, seconds: float) -> dict[str, Any]:
         """Alone for `seconds`: the unloaded reference."""
         self.start()
         time.sleep(seconds)
         return self.stop()
+
+
+def _honest_loop(port: int, key_headers: dict[str, str], bodies: list[bytes], pace_s: float, timeout_s: float,
+                 stop: Any, results: Any) -> None:
+    """HonestClient's process: search until `stop` is set, then send back the latencies and statuses."""
+    headers = {"Content-Type": "application/json", **key_headers}
+    latencies: list[float] = []
+    statuses: Counter[str] = Counter()
+    conn: http.client.HTTPConnection | None = None
+    i = 0
+    while not stop.is_set():
+        if conn is None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+        started = time.perf_counter()
+        try:
+            conn.request("POST", f"/v1/collections/{HONEST_COLLECTION}/search", bodies[i % len(bodies)], headers)
+            response = conn.getresponse()
+            response.read()
+            status = str(response.status)
+            if response.getheader("connection", "").lower() == "close":
+                conn.close()
+                conn = None
+        except (OSError, http.client.HTTPException) as exc:
+            status = type(exc).__name__
+            conn.close()
+            conn = None
+        latencies.append(time.perf_counter() - started)
+        statuses[status] += 1
+        i += 1
+        stop.wait(pace_s)
+    if conn is not None:
+        conn.close()
+    results.send((latencies, dict(statuses)))
 
 
 def summary(latencies: list[float], statuses: Counter[str]) -> dict[str, Any]:
