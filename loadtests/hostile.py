@@ -4,13 +4,14 @@
     python loadtests/hostile.py --scale cheap            # small sizes, a few seconds each (what CI runs)
     python loadtests/hostile.py --only slow-bodies --only sql-guard --param payload-keys.variants='[[8, 50000]]'
 
-For each attack, a service of the attack's profile (fresh data directory, embedded PostgreSQL, an API key; the
-quota attacks add a small request quota, the frame attack front processes) with an honest collection; an honest
-client's unloaded p99 first, then during the attack: the RSS of the service's processes (summed) and of its
-largest PostgreSQL process (baseline and peak), the in-flight gauges of /metrics, the honest client's p50/p99
+For each attack, a service of the attack's profile (fresh data directory, embedded PostgreSQL, an API key; the quota
+attacks add a small request quota, the frame attack front processes) with an honest collection. Before each attack,
+once the service has settled (no background work), the honest client's p99 alone; then, from the end of the attack's
+setup (its seeded collections, once settled again) to its end: the RSS of the service's processes (summed) and of
+its largest PostgreSQL process (baseline and peak), the in-flight gauges of /metrics, the honest client's p50/p99
 and refusals, and every status the attack got back. An attack passes when the service answered it as the issue
-demands, nothing answered 5xx, the honest client was never refused and kept p99 under 3x its unloaded p99, and
-RSS stayed within 200 MB of its baseline. Prints a markdown table; JSON and the table go to
+demands, nothing answered 5xx, the honest client was never refused and kept p99 under 3x its unloaded p99, and RSS
+stayed within 200 MB of its baseline. Prints a markdown table; JSON and the table go to
 results_dir("hostile") (loadtests/processes.py). Exits 1 when an attack fails (0 with --report-only).
 """
 
@@ -45,6 +46,7 @@ from loadtests.hostile_kit import (  # noqa: E402
     Target,
     Watch,
     bounded,
+    settle,
     wait_job,
 )
 
@@ -108,12 +110,12 @@ class Criteria:
 class Services:
     """One running service per profile, started on first use (and again if an attack killed it)."""
 
-    def __init__(self, workdir: Path, extra_env: dict[str, str], ssb_sf: float, unloaded_s: float) -> None:
-        self.workdir, self.extra_env, self.ssb_sf, self.unloaded_s = workdir, extra_env, ssb_sf, unloaded_s
-        self.running: dict[str, tuple[Service, Target, dict[str, Any]]] = {}
+    def __init__(self, workdir: Path, extra_env: dict[str, str], ssb_sf: float) -> None:
+        self.workdir, self.extra_env, self.ssb_sf = workdir, extra_env, ssb_sf
+        self.running: dict[str, tuple[Service, Target]] = {}
         self.with_ssb: set[str] = set()
 
-    def get(self, profile: str, ssb: bool) -> tuple[Target, dict[str, Any]]:
+    def get(self, profile: str, ssb: bool) -> Target:
         entry = self.running.get(profile)
         if entry is not None and entry[0].proc is not None and entry[0].proc.poll() is not None:
             print(f"  the {profile} service is gone (exit {entry[0].proc.returncode}): starting a new one",
@@ -127,9 +129,9 @@ class Services:
         if ssb and profile not in self.with_ssb:
             self._load_ssb(entry[1])
             self.with_ssb.add(profile)
-        return entry[1], entry[2]
+        return entry[1]
 
-    def _start(self, profile: str) -> tuple[Service, Target, dict[str, Any]]:
+    def _start(self, profile: str) -> tuple[Service, Target]:
         spec = PROFILES[profile]
         key = secrets.token_urlsafe(16) if spec["key"] else None
         env = {**spec["env"], **self.extra_env, **({"SWITCHYARD_API_KEY": key} if key else {})}
@@ -146,10 +148,8 @@ class Services:
             http.put(f"/v1/collections/{HONEST_COLLECTION}/points", json={
                 "ids": list(range(HONEST_ROWS)), "vectors": rng.standard_normal((HONEST_ROWS, HONEST_DIM)).round(4)
                 .tolist()}).raise_for_status()
-        HonestClient(target, spec.get("pace_s", 0.01)).measure(min(1.0, self.unloaded_s))  # warm-up
-        unloaded = HonestClient(target, spec.get("pace_s", 0.01)).measure(self.unloaded_s)
-        print(f"  honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
-        return service, target, unloaded
+        HonestClient(target, spec.get("pace_s", 0.01)).measure(1.0)  # warm-up
+        return service, target
 
     def _load_ssb(self, target: Target) -> None:
         print(f"  generating SSB scale factor {self.ssb_sf} ...", file=sys.stderr)
@@ -161,20 +161,33 @@ class Services:
                 raise RuntimeError(f"SSB generation ended {state}")
 
     def close(self) -> None:
-        for service, _, _ in self.running.values():
+        for service, _ in self.running.values():
             service.stop()
 
 
-def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded: dict[str, Any],
-               criteria: Criteria, min_window_s: float = 3.0) -> dict[str, Any]:
-    """One attack with its watch and its honest client; the record of what happened and whether it passed."""
+def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded_s: float,
+               criteria: Criteria, min_window_s: float = 3.0, settle_s: float = 60.0) -> dict[str, Any]:
+    """One attack with its watch and its honest client; the record of what happened and whether it passed. The
+    honest client's reference is measured just before, with the service settled (settle); the attack's window
+    (honest latencies, memory baseline) starts when its setup is done (Ctx.begin)."""
     print(f"== {attack.name} (item {attack.item}) on {target.profile}", file=sys.stderr)
+    pace_s = PROFILES[target.profile].get("pace_s", 0.01)
+    settle(target, max_s=settle_s)
+    unloaded = HonestClient(target, pace_s).measure(unloaded_s)
+    print(f"   honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
     ctx = Ctx(target, params, attack.budget_s)
     watch = Watch(target)
     base = watch.start()
-    honest = HonestClient(target, PROFILES[target.profile].get("pace_s", 0.01)) if attack.honest else None
+    honest = HonestClient(target, pace_s) if attack.honest else None
     if honest is not None:
         honest.start()
+
+    def begin() -> None:  # the attack's setup is done: the window starts once the service has settled
+        nonlocal base
+        settle(target, max_s=settle_s)
+        base = watch.rebase()
+
+    ctx.on_begin = begin
     started = time.monotonic()
     failure: list[str] = []
 
@@ -188,7 +201,7 @@ def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded:
     seconds = time.monotonic() - started
     # Memory that grows just after the attack counts too; the honest client gets enough calls for a p99.
     time.sleep(max(1.0, min_window_s - seconds))
-    honest_result = honest.stop() if honest is not None else None
+    honest_result = honest.stop(since=ctx.began) if honest is not None else None
     watch.stop()
     if not target.alive():
         ctx.expect("the service still runs", False, "the service process is gone (killed, or it died)")
@@ -260,14 +273,15 @@ def run_suite(names: list[str] | None = None, scale: str = "full", overrides: di
     if scale == "cheap":
         env.setdefault("SWITCHYARD_MAX_BODY_BYTES", str(2**20))  # the content-type attack's body stays small
     workdir = workdir or Path(tempfile.mkdtemp(prefix="switchyard-hostile-"))
-    services = Services(workdir, env, 0.01, unloaded_s or (2.0 if scale == "cheap" else 5.0))
+    services = Services(workdir, env, 0.01)
     records = []
     try:
         for attack in sorted(chosen, key=lambda a: list(PROFILES).index(a.profile)):
             params = {**(attack.cheap if scale == "cheap" else attack.full), **(overrides or {}).get(attack.name, {})}
-            target, unloaded = services.get(attack.profile, attack.ssb)
-            records.append(run_attack(attack, params, target, unloaded, criteria,
-                                      min_window_s or (3.0 if scale == "cheap" else 5.0)))
+            target = services.get(attack.profile, attack.ssb)
+            records.append(run_attack(attack, params, target, unloaded_s or (2.0 if scale == "cheap" else 5.0),
+                                      criteria, min_window_s or (3.0 if scale == "cheap" else 5.0),
+                                      settle_s=15.0 if scale == "cheap" else 60.0))
     finally:
         services.close()
     records.sort(key=lambda r: ATTACKS.index(BY_NAME[r["attack"]]))

@@ -100,9 +100,11 @@ def slow_bodies(ctx: Ctx) -> None:
 def payload_keys(ctx: Ctx) -> None:
     """One point with `keys` distinct top-level payload keys into a collection of `rows` rows, for each variant.
     Demanded: memory bounded by the data present, or a clear 422 for too many keys (the runner checks RSS)."""
+    for i, (rows, _) in enumerate(ctx.params["variants"]):
+        seed_collection(ctx, f"hostile_keys{i}", rows)
+    ctx.begin()
     for i, (rows, keys) in enumerate(ctx.params["variants"]):
         name = f"hostile_keys{i}"
-        seed_collection(ctx, name, rows)
         payload = {f"key_{j}": j for j in range(keys)}
         with ctx.client() as http:
             r = ctx.send(http, "PUT", f"/v1/collections/{name}/points",
@@ -121,6 +123,7 @@ def recall_matrix(ctx: Ctx) -> None:
     """`POST .../recall {"sample": S, "k": 10}` on a collection of `rows` rows. Demanded: recall batched, memory
     bounded whatever the rows (the runner checks RSS); answered 200 or refused with a 4xx."""
     seed_collection(ctx, "hostile_recall", ctx.params["rows"])
+    ctx.begin()
     with ctx.client(timeout_s=ctx.params["timeout_s"]) as http:
         r = ctx.send(http, "POST", "/v1/collections/hostile_recall/recall",
                      json={"sample": ctx.params["sample"], "k": 10})
@@ -134,6 +137,7 @@ def filter_cache(ctx: Ctx) -> None:
     """Rounds of distinct large filters (about `filter_kb` KB each, an `$in` of long strings). Demanded: caches
     and learnt-cost tables bounded, so RSS stops growing (the runner checks it); every search answered."""
     seed_collection(ctx, "hostile_filters", 2000, payload={"tag": "a"})
+    ctx.begin()
     values = max(1, min(1024, ctx.params["filter_kb"] * 1024 // 52))
     bad = 0
     with ctx.client() as http:
@@ -160,6 +164,7 @@ def content_type(ctx: Ctx) -> None:
     limit = int(ctx.target.env.get("SWITCHYARD_MAX_BODY_BYTES", 64 * 2**20))
     size = int(limit * 1.1)
     seed_collection(ctx, "hostile_ctype", 4)
+    ctx.begin()
     head = b'{"ids": [100], "vectors": [[1, 0, 0, 0]], "payloads": [{"pad": "'
     body = head + b"x" * (size - len(head) - 4) + b'"}]}'
     ctx.note(f"{len(body) / 2**20:.1f} MiB JSON bodies against a {limit / 2**20:.1f} MiB limit")

@@ -118,6 +118,14 @@ class Watch:
         self._thread.start()
         return {"rss": own, "pg_rss": pg}
 
+    def rebase(self) -> dict[str, float]:
+        """A new baseline once the attack's setup is done (its collections hold memory of their own): what was
+        sampled before is forgotten."""
+        self._pg = self.target.postgres_processes()
+        own, pg = self.sample_memory()
+        self.rss, self.pg_rss = [], []
+        return {"rss": own, "pg_rss": pg}
+
     def _run(self) -> None:
         next_scrape, n = 0.0, 0
         while not self.stop_event.is_set():
@@ -164,17 +172,17 @@ class HonestClient:
     def start(self) -> None:
         self._process.start()
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, since: float = 0.0) -> dict[str, Any]:
+        """Stop it; the summary of the calls it started at or after `since` (time.monotonic)."""
         self._stop.set()
-        latencies: list[float] = []
-        statuses: Counter[str] = Counter()
+        calls: list[tuple[float, float, str]] = []
         if self._results.poll(self.timeout_s + 10):
-            latencies, counted = self._results.recv()
-            statuses.update(counted)
+            calls = self._results.recv()
         self._process.join(5)
         if self._process.is_alive():
             self._process.kill()
-        return summary(latencies, statuses)
+        window = [(latency, status) for started, latency, status in calls if started >= since]
+        return summary([latency for latency, _ in window], Counter(status for _, status in window))
 
     def measure(self, seconds: float) -> dict[str, Any]:
         """Alone for `seconds`: the unloaded reference."""
@@ -187,14 +195,13 @@ def _honest_loop(port: int, key_headers: dict[str, str], bodies: list[bytes], pa
                  stop: Any, results: Any) -> None:
     """HonestClient's process: search until `stop` is set, then send back the latencies and statuses."""
     headers = {"Content-Type": "application/json", **key_headers}
-    latencies: list[float] = []
-    statuses: Counter[str] = Counter()
+    calls: list[tuple[float, float, str]] = []  # (started, seconds, status); time.monotonic is one clock for all
     conn: http.client.HTTPConnection | None = None
     i = 0
     while not stop.is_set():
         if conn is None:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-        started = time.perf_counter()
+        began, started = time.monotonic(), time.perf_counter()
         try:
             conn.request("POST", f"/v1/collections/{HONEST_COLLECTION}/search", bodies[i % len(bodies)], headers)
             response = conn.getresponse()
@@ -207,13 +214,12 @@ def _honest_loop(port: int, key_headers: dict[str, str], bodies: list[bytes], pa
             status = type(exc).__name__
             conn.close()
             conn = None
-        latencies.append(time.perf_counter() - started)
-        statuses[status] += 1
+        calls.append((began, time.perf_counter() - started, status))
         i += 1
         stop.wait(pace_s)
     if conn is not None:
         conn.close()
-    results.send((latencies, dict(statuses)))
+    results.send(calls)
 
 
 def summary(latencies: list[float], statuses: Counter[str]) -> dict[str, Any]:
@@ -235,6 +241,14 @@ class Ctx:
         self.checks: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.skipped: str | None = None
+        self.began = time.monotonic()  # the attack proper's start: its setup (begin) comes before
+        self.on_begin: Callable[[], None] = lambda: None
+
+    def begin(self) -> None:
+        """The attack's setup is done (collections seeded): the runner waits for the service to settle, then the
+        attack's window starts here, for the honest client's latencies and the memory baseline."""
+        self.on_begin()
+        self.began = time.monotonic()
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -316,6 +330,30 @@ def keepalive_probe(port: int, method: str, path: str, body: bytes, headers: dic
         survived = False
     conn.close()
     return status, payload, ctype, survived
+
+
+def settle(target: Target, quiet_cores: float = 0.15, max_s: float = 60.0) -> float:
+    """Wait until the service and its PostgreSQL use under `quiet_cores` of a core over half a second (background
+    index builds, an SSB dataset copied into PostgreSQL): the seconds waited. An honest client's reference and an
+    attack's window then measure the service, not the work its setup left running."""
+    started = time.monotonic()
+    while time.monotonic() - started < max_s:
+        processes = target.service_processes() + target.postgres_processes()
+        for p in processes:
+            try:
+                p.cpu_percent(None)
+            except psutil.Error:
+                pass
+        time.sleep(0.5)
+        used = 0.0
+        for p in processes:
+            try:
+                used += p.cpu_percent(None) / 100
+            except psutil.Error:
+                pass
+        if used < quiet_cores:
+            break
+    return time.monotonic() - started
 
 
 def bounded(fn: Callable[[], None], seconds: float) -> bool:

@@ -121,6 +121,7 @@ def bad_input(ctx: Ctx) -> None:
     """Each input the issue found answered 500, on a keep-alive connection followed by GET /healthz on it.
     Demanded: a 4xx problem+json (or, where the input is valid, an answer), and the connection kept."""
     seed_collection(ctx, "hostile_probe", 20)
+    ctx.begin()
     big = "9" * 309  # past float64's range
     point = '{"ids": [1], "vectors": [[1, 0, 0, 0]], "payloads": [%s]}'
     probes: list[tuple[str, str, str, bytes, str]] = [
@@ -166,6 +167,7 @@ def zero_cosine(ctx: Ctx) -> None:
     """A zero vector in a cosine collection, searched on the resident engine and on pgvector. Demanded: one
     definition on every engine: refused with a 422 everywhere, or the same distance (never null) and order."""
     seed_collection(ctx, "hostile_zero", 0, metric="cosine")
+    ctx.begin()
     with ctx.client() as http:
         r = ctx.send(http, "PUT", "/v1/collections/hostile_zero/points",
                      json={"ids": [0, 1, 2, 3], "vectors": [[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]})
