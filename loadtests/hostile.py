@@ -165,16 +165,18 @@ class Services:
             service.stop()
 
 
-def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded_s: float,
+def run_attack(attack: Attack, params: dict[str, Any], target: Target, latency_s: float,
                criteria: Criteria, min_window_s: float = 3.0, settle_s: float = 60.0) -> dict[str, Any]:
     """One attack with its watch and its honest client; the record of what happened and whether it passed. The
     honest client's reference is measured just before, with the service settled (settle); the attack's window
     (honest latencies, memory baseline) starts when its setup is done (Ctx.begin)."""
     print(f"== {attack.name} (item {attack.item}) on {target.profile}", file=sys.stderr)
     pace_s = PROFILES[target.profile].get("pace_s", 0.01)
-    settle(target, max_s=settle_s)
-    unloaded = HonestClient(target, pace_s).measure(unloaded_s)
-    print(f"   honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
+    unloaded: dict[str, Any] | None = None  # latency_s 0: no reference, no latency criterion (CI)
+    if latency_s > 0:
+        settle(target, max_s=settle_s)
+        unloaded = HonestClient(target, pace_s).measure(latency_s)
+        print(f"   honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
     ctx = Ctx(target, params, attack.budget_s)
     watch = Watch(target)
     base = watch.start()
@@ -184,7 +186,8 @@ def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded_
 
     def begin() -> None:  # the attack's setup is done: the window starts once the service has settled
         nonlocal base
-        settle(target, max_s=settle_s)
+        if latency_s > 0:
+            settle(target, max_s=settle_s)
         base = watch.rebase()
 
     ctx.on_begin = begin
@@ -222,6 +225,7 @@ def run_attack(attack: Attack, params: dict[str, Any], target: Target, unloaded_
     }
     if honest_result is not None:
         verdict["honest_not_refused"] = honest_result["refused"] == 0 and honest_result["calls"] > 0
+    if honest_result is not None and unloaded is not None:
         limit = criteria.p99_factor * (unloaded["p99_ms"] or 0)
         verdict["honest_p99"] = honest_result["p99_ms"] is not None and honest_result["p99_ms"] < limit
     record = {"attack": attack.name, "item": attack.item, "profile": target.profile, "params": params,
@@ -249,7 +253,7 @@ def table(records: list[dict[str, Any]], criteria: Criteria) -> str:
         failed = [f"criterion {k}" for k, ok in r["verdict"].items() if not ok and k != "answers"]
         if bad:
             failed.append(f"{len(bad)} of {len(r['checks'])} checks: " + "; ".join(bad))
-        honest = f"{h['p50_ms']} / {h['p99_ms']} ({u['p99_ms']})" if h else "n/a"
+        honest = f"{h['p50_ms']} / {h['p99_ms']} ({u['p99_ms'] if u else 'n/a'})" if h else "n/a"
         refused = (f"{h['refused']} of {h['calls']}" + (f" {h['statuses']}" if h["refused"] else "")) if h else "n/a"
         statuses = ", ".join(f"{s}x{n}" for s, n in sorted(r["statuses"].items()))
         rows.append(f"| {r['attack']} | {r['item']} | {'pass' if r['passed'] else '**FAIL**'} | "
@@ -264,7 +268,7 @@ def table(records: list[dict[str, Any]], criteria: Criteria) -> str:
 
 def run_suite(names: list[str] | None = None, scale: str = "full", overrides: dict[str, dict[str, Any]] | None = None,
               extra_env: dict[str, str] | None = None, criteria: Criteria | None = None,
-              workdir: Path | None = None, unloaded_s: float | None = None,
+              workdir: Path | None = None, latency_s: float | None = None,
               min_window_s: float | None = None) -> dict[str, Any]:
     """Every named attack (all by default) against services started here; the report (records and table)."""
     criteria = criteria or Criteria()
@@ -279,7 +283,8 @@ def run_suite(names: list[str] | None = None, scale: str = "full", overrides: di
         for attack in sorted(chosen, key=lambda a: list(PROFILES).index(a.profile)):
             params = {**(attack.cheap if scale == "cheap" else attack.full), **(overrides or {}).get(attack.name, {})}
             target = services.get(attack.profile, attack.ssb)
-            records.append(run_attack(attack, params, target, unloaded_s or (2.0 if scale == "cheap" else 5.0),
+            records.append(run_attack(attack, params, target, (2.0 if scale == "cheap" else 5.0)
+                                      if latency_s is None else latency_s,
                                       criteria, min_window_s or (3.0 if scale == "cheap" else 5.0),
                                       settle_s=15.0 if scale == "cheap" else 60.0))
     finally:
