@@ -33,7 +33,10 @@ SEARCH_ROUTE = 'route="/v1/collections/{name}/search"'
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("express-protocol")
     data = clustered(600, DIM, seed=31)
-    env = {"SWITCHYARD_API_KEY": KEY, "SWITCHYARD_UDS": str(folder / "sy.sock")}
+    # Whether a search is answered inline depends on its learnt engine time against these two: pinned high, so a
+    # busy machine (a search preempted reads as many times its cost) cannot move the counts asserted below.
+    env = {"SWITCHYARD_API_KEY": KEY, "SWITCHYARD_UDS": str(folder / "sy.sock"),
+           "SWITCHYARD_INLINE_SEARCH_US": "100000", "SWITCHYARD_INLINE_TURN_US": "100000"}
     with local_service(1, folder / "data", folder / "serve.log", env=env) as url:
         with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
             assert client.post("/v1/collections", json={"name": "s1", "dim": DIM}).status_code == 201
