@@ -63,6 +63,29 @@ def service_client(server_dsn: str, database: str, data_dir) -> Iterator[TestCli
             yield client
 
 
+@contextmanager
+def ssb_service_client(server_dsn: str, database: str, data_dir, scale_factor: float) -> Iterator[TestClient]:
+    """A ready service (server errors answered, not raised) with a generated SSB dataset: `dataset` is its folder,
+    `dsn` its database."""
+    from pathlib import Path
+
+    from conftest import fresh_database
+    from service.http.app import create_app
+    from service.settings import Settings
+
+    with fresh_database(server_dsn, database) as dsn:
+        client = TestClient(create_app(Settings(database_url=dsn, data_dir=data_dir)), raise_server_exceptions=False)
+        with client:
+            wait_ready(client)
+            r = client.post("/v1/olap/ssb/generate", json={"scale_factor": scale_factor})
+            assert r.status_code == 202, r.text
+            job = wait_job(client, r.headers["location"])
+            assert job["state"] == "succeeded", job
+            client.dataset = Path(job["result"]["dataset"])
+            client.dsn = dsn
+            yield client
+
+
 def gpu_library_missing(module: str, label: str) -> str | None:
     """Why a GPU library cannot run here (no device, or `module` not importable), or None."""
     from service.process.devices import probe_cuda

@@ -10,11 +10,9 @@ import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import fresh_database, run
-from helpers import assert_problem, wait_job, wait_ready
+from conftest import run
+from helpers import assert_problem, ssb_service_client, wait_job
 from olap.schema import TABLES, TBL_FILES
-from service.http.app import create_app
-from service.settings import Settings
 from test_sqlguard import REFUSED
 
 ENGINES = ["duckdb", "postgres"]
@@ -22,17 +20,8 @@ ENGINES = ["duckdb", "postgres"]
 
 @pytest.fixture(scope="module")
 def app(server_dsn, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("ssb-hostile")
-    with fresh_database(server_dsn, "olap_hostile") as dsn:
-        client = TestClient(create_app(Settings(database_url=dsn, data_dir=data_dir)), raise_server_exceptions=False)
-        with client:
-            wait_ready(client)
-            r = client.post("/v1/olap/ssb/generate", json={"scale_factor": 0.01})
-            job = wait_job(client, r.headers["location"])
-            assert job["state"] == "succeeded", job
-            client.dataset = Path(job["result"]["dataset"])
-            client.dsn = dsn
-            yield client
+    with ssb_service_client(server_dsn, "olap_hostile", tmp_path_factory.mktemp("ssb-hostile"), 0.01) as client:
+        yield client
 
 
 def sql(app: TestClient, text: str, engine: str):

@@ -10,15 +10,12 @@ import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from fastapi.testclient import TestClient
 
-from conftest import fresh_database, run
-from helpers import assert_problem, cudf_missing, wait_job, wait_ready
+from conftest import run
+from helpers import assert_problem, cudf_missing, ssb_service_client, wait_job
 from olap.plans import run_plan
 from olap.queries import QUERIES, render_sql
 from olap.schema import TABLES, TBL_FILES
-from service.http.app import create_app
-from service.settings import Settings
 
 SF = 0.01
 NON_DEFAULT = {  # one other parameter set per flight, so templates are exercised beyond the published values
@@ -33,18 +30,8 @@ ENGINES = [pytest.param("cudf", marks=pytest.mark.skipif(bool(cudf_missing()), r
 
 @pytest.fixture(scope="module")
 def app(server_dsn, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("ssb")
-    with fresh_database(server_dsn, "ssb_service") as dsn:
-        client = TestClient(create_app(Settings(database_url=dsn, data_dir=data_dir)), raise_server_exceptions=False)
-        with client:
-            wait_ready(client)
-            r = client.post("/v1/olap/ssb/generate", json={"scale_factor": SF})
-            assert r.status_code == 202, r.text
-            job = wait_job(client, r.headers["location"])
-            assert job["state"] == "succeeded", job
-            client.dataset = Path(job["result"]["dataset"])
-            client.dsn = dsn
-            yield client
+    with ssb_service_client(server_dsn, "ssb_service", tmp_path_factory.mktemp("ssb"), SF) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
