@@ -190,6 +190,24 @@ def _out_of_memory_problem(request: Request, exc: Exception) -> Response | None:
                             headers={"Retry-After": str(max(1, math.ceil(cooldown)))}, error_id=error_id)
 
 
+def problem_of(exc: ProblemError, instance: str | None) -> Response:
+    """A ProblemError as its problem response: the app's handler, and express where no handler runs."""
+    return problem_response(exc.status, exc.slug, exc.title, exc.detail, instance=instance, field=exc.field,
+                            headers=exc.headers, **exc.extra)
+
+
+def internal_problem(method: str | None, path: str | None, exc: Exception) -> Response:
+    """500 for an unexpected failure: logged with its traceback under an id the client can quote; its text is never
+    sent (it can leak internals)."""
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s on %s %s", error_id, method, path, exc_info=exc)
+    return problem_response(
+        500, "internal-error", "Internal server error",
+        f"the server failed to handle this request; quote error id {error_id} when reporting it",
+        instance=path, error_id=error_id,
+    )
+
+
 def _log_failure(request: Request, exc: Exception, what: str = "engine failure") -> str:
     error_id = uuid.uuid4().hex[:16]
     log.error("%s %s on %s %s", what, error_id, request.method, request.url.path, exc_info=exc)
@@ -294,10 +312,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ProblemError)
     async def _problem(request: Request, exc: ProblemError) -> Response:
-        return problem_response(
-            exc.status, exc.slug, exc.title, exc.detail,
-            instance=request.url.path, field=exc.field, headers=exc.headers, **exc.extra,
-        )
+        return problem_of(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -334,10 +349,4 @@ def install_error_handlers(app: FastAPI) -> None:
             return full
         if oom := _out_of_memory_problem(request, exc):
             return oom
-        # Never echo exception text: it can leak internals. Log it under an id the client can quote.
-        error_id = _log_failure(request, exc, "internal error")
-        return problem_response(
-            500, "internal-error", "Internal server error",
-            f"the server failed to handle this request; quote error id {error_id} when reporting it",
-            instance=request.url.path, error_id=error_id,
-        )
+        return internal_problem(request.method, request.url.path, exc)

@@ -16,11 +16,9 @@ log is on.
 
 from __future__ import annotations
 
-import logging
 import random
 import re
 import time
-import uuid
 from typing import Awaitable, Callable, NamedTuple, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -28,7 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, parse_timeout, principal_of
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
-from service.errors import ProblemError, problem_response
+from service.errors import ProblemError, internal_problem
+from service.errors import problem_of as problem_of_error
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
@@ -39,7 +38,6 @@ from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call, reply_of
 from service.process.messages import Call, Reply, SearchCall
 from service.settings import Settings
 
-log = logging.getLogger("switchyard.errors")
 JSON = b"application/json"
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 # A front process's client address, to its engine process (quotas): trusted only by an engine process behind fronts
@@ -293,17 +291,10 @@ class Express:
 
 
 def problem_of(exc: Exception, scope: Scope) -> Reply:
-    """`exc` as a problem without the app's handlers: a ProblemError's own; anything else 500 with an error id,
-    logged with its traceback (its text may hold internals: never sent)."""
+    """`exc` as a problem without the app's handlers: a ProblemError's own; anything else 500 with an error id."""
     if isinstance(exc, ProblemError):
-        return reply_of(problem_response(exc.status, exc.slug, exc.title, exc.detail, instance=scope["path"],
-                                         field=exc.field, headers=exc.headers, **exc.extra))
-    error_id = uuid.uuid4().hex[:16]
-    log.error("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"), exc_info=exc)
-    return reply_of(problem_response(
-        500, "internal-error", "Internal server error",
-        f"the server failed to handle this request; quote error id {error_id} when reporting it",
-        instance=scope.get("path"), error_id=error_id))
+        return reply_of(problem_of_error(exc, scope["path"]))
+    return reply_of(internal_problem(scope.get("method"), scope.get("path"), exc))
 
 
 def deadline_and_principal() -> tuple[float | None, str]:

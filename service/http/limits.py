@@ -54,16 +54,11 @@ class BodyGone(Exception):
 async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
     """The whole body, read under its arrival deadline: RequestTimeout past it, PayloadTooLarge past `limit` bytes
     (bodies of undeclared length), BodyGone when the client disconnects."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    timed = timed_receive(receive, timeout_s)
     chunks: list[bytes] = []
     received = 0
     while True:
-        try:
-            async with asyncio.timeout_at(start + timeout_s + received / BODY_MIN_RATE):
-                message: Message = await receive()
-        except TimeoutError:
-            raise RequestTimeout(timeout_s, received) from None
+        message = await timed()
         if message["type"] != "http.request":
             raise BodyGone()
         chunk = message.get("body", b"")
@@ -91,8 +86,8 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 def timed_receive(receive: Receive, timeout_s: float) -> Receive:
-    """`receive` under the body's arrival deadline, for a body streamed to the app (a bulk load): RequestTimeout
-    (answered 408 by the app) once the deadline passes."""
+    """`receive` under the body's arrival deadline (read_body's, and a bulk load's streamed to the app):
+    RequestTimeout (answered 408) once the deadline passes."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     received = 0
