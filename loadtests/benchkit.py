@@ -199,13 +199,35 @@ class MachineLoad:
             out["busy_flag"] = other > 0.2
 
 
-def wait_for_quiet(max_wait_s: float = 30, threshold_cores: float = 0.2) -> float:
-    """Wait until the machine is quiet (other processes use < threshold cores), or give up."""
+def wait_for_quiet(max_wait_s: float = 30, threshold_cores: float = 0.2,
+                   processes: Callable[[], list[psutil.Process]] | None = None) -> float:
+    """Wait until the machine is quiet (other processes use < threshold cores), or give up; with `processes`,
+    until those processes are (a service and its PostgreSQL, while other clients run beside them). The load seen."""
     deadline = time.monotonic() + max_wait_s
     while True:
-        load = psutil.cpu_percent(interval=1.0) / 100 * psutil.cpu_count()
+        if processes is None:
+            load = psutil.cpu_percent(interval=1.0) / 100 * psutil.cpu_count()
+        else:
+            load = _process_cores(processes(), 1.0)
         if load < threshold_cores or time.monotonic() > deadline:
             return load
+
+
+def _process_cores(processes: list[psutil.Process], interval_s: float) -> float:
+    """Cores these processes used over the next `interval_s` (those that end meanwhile count as idle)."""
+    for p in processes:
+        try:
+            p.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(interval_s)
+    used = 0.0
+    for p in processes:
+        try:
+            used += p.cpu_percent(None) / 100
+        except psutil.Error:
+            pass
+    return used
 
 
 def run_clients(n_clients: int, duration_s: float,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from loadtests import hostile_attacks as attacks  # noqa: E402
 from loadtests import hostile_probes as probes  # noqa: E402
-from loadtests.benchkit import Service, results_dir, save_json, versions  # noqa: E402
+from loadtests.benchkit import Service, results_dir, save_json, versions, wait_for_quiet  # noqa: E402
 from loadtests.hostile_kit import (  # noqa: E402
     HONEST_COLLECTION,
     HONEST_DIM,
@@ -46,7 +46,6 @@ from loadtests.hostile_kit import (  # noqa: E402
     Target,
     Watch,
     bounded,
-    settle,
     wait_job,
 )
 
@@ -163,6 +162,12 @@ class Services:
     def close(self) -> None:
         for service, _ in self.running.values():
             service.stop()
+
+
+def settle(target: Target, max_s: float) -> None:
+    """Wait until the service and its PostgreSQL use under 0.15 of a core (background index builds, an SSB
+    dataset's copy into PostgreSQL), so the honest client measures the service, not the work setup left running."""
+    wait_for_quiet(max_s, 0.15, lambda: target.service_processes() + target.postgres_processes())
 
 
 def run_attack(attack: Attack, params: dict[str, Any], target: Target, latency_s: float,

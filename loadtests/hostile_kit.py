@@ -332,30 +332,6 @@ def keepalive_probe(port: int, method: str, path: str, body: bytes, headers: dic
     return status, payload, ctype, survived
 
 
-def settle(target: Target, quiet_cores: float = 0.15, max_s: float = 60.0) -> float:
-    """Wait until the service and its PostgreSQL use under `quiet_cores` of a core over half a second (background
-    index builds, an SSB dataset copied into PostgreSQL): the seconds waited. An honest client's reference and an
-    attack's window then measure the service, not the work its setup left running."""
-    started = time.monotonic()
-    while time.monotonic() - started < max_s:
-        processes = target.service_processes() + target.postgres_processes()
-        for p in processes:
-            try:
-                p.cpu_percent(None)
-            except psutil.Error:
-                pass
-        time.sleep(0.5)
-        used = 0.0
-        for p in processes:
-            try:
-                used += p.cpu_percent(None) / 100
-            except psutil.Error:
-                pass
-        if used < quiet_cores:
-            break
-    return time.monotonic() - started
-
-
 def bounded(fn: Callable[[], None], seconds: float) -> bool:
     """Run fn in a daemon thread for at most `seconds`; whether it finished."""
     thread = threading.Thread(target=fn, daemon=True)
