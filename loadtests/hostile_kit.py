@@ -79,16 +79,25 @@ def _rss(processes: list[psutil.Process]) -> list[int]:
 
 
 def metrics_gauges(url: str, headers: dict[str, str], timeout_s: float = 2) -> dict[str, float]:
-    """The unlabelled gauges of one /metrics scrape (switchyard_inflight, switchyard_inflight_limit, ...)."""
+    """The unlabelled gauges of one /metrics scrape, with `switchyard_inflight` summed over the work classes and
+    `switchyard_inflight_limit` that of light work (searches)."""
     text = httpx.get(url + "/metrics", headers=headers, timeout=timeout_s).text
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("switchyard_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
+        if not line.startswith("switchyard_"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if not labels:
+            out[name] = number
+        elif name == "switchyard_inflight":
+            out[name] = out.get(name, 0.0) + number
+        elif name == "switchyard_inflight_limit" and 'work="light"' in labels:
+            out[name] = number
     return out
 
 

@@ -222,7 +222,8 @@ class Sampler(threading.Thread):
 
     def limit(self) -> float | None:
         try:
-            found = re.search(r"^switchyard_inflight_limit (\S+)$", self.api.http.get("/metrics").text, re.M)
+            text = self.api.http.get("/metrics").text
+            found = re.search(r'^switchyard_inflight_limit\{work="light"\} (\S+)$', text, re.M)
         except Exception:  # noqa: BLE001 - a sample missed under overload is no reason to stop sampling
             return None
         return float(found.group(1)) if found else None

@@ -146,10 +146,10 @@ class Metrics:
     def shed(self, engine: str, reason: str) -> None:
         self.shed_total.labels(engine, reason).inc()
 
-    def watch_gates(self, gates: Callable[[], dict[str, Any]], pressure: Any = None) -> None:
+    def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None) -> None:
         """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
-        (service/admission/pressure.py), at every scrape."""
-        self.registry.register(_GateCollector(gates, pressure))
+        (service/admission/pressure.py: work class -> its limit), at every scrape."""
+        self.registry.register(_GateCollector(gates, classes))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -201,8 +201,8 @@ class _Fold(Collector):
 
 
 class _GateCollector(Collector):
-    def __init__(self, gates: Callable[[], dict[str, Any]], pressure: Any) -> None:
-        self.gates, self.pressure = gates, pressure
+    def __init__(self, gates: Callable[[], dict[str, Any]], classes: Any) -> None:
+        self.gates, self.classes = gates, classes
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         queued = GaugeMetricFamily("switchyard_engine_queue_depth", "Requests waiting for an engine slot.",
@@ -215,13 +215,19 @@ class _GateCollector(Collector):
             running.add_metric([name], gate.active)
             limit.add_metric([name], gate.limit)
         yield from (queued, running, limit)
-        if self.pressure is not None:
-            yield GaugeMetricFamily("switchyard_inflight", "/v1 requests being served.", value=self.pressure.inflight)
-            yield GaugeMetricFamily("switchyard_inflight_limit", "The in-flight limit in force (it follows the "
-                                    "latency of admitted requests).", value=self.pressure.limit)
-            yield GaugeMetricFamily("switchyard_admitted_slowdown", "Latency of successful /v1 requests over their "
-                                    "unqueued latency, in the last interval of the in-flight limit.",
-                                    value=self.pressure.slowdown)
+        if self.classes is not None:
+            inflight = GaugeMetricFamily("switchyard_inflight", "/v1 requests being served, by work class.",
+                                         labels=["work"])
+            limit = GaugeMetricFamily("switchyard_inflight_limit", "The in-flight limit in force per work class (it "
+                                      "follows the latency of admitted requests).", labels=["work"])
+            slowdown = GaugeMetricFamily("switchyard_admitted_slowdown", "Latency of successful /v1 requests over "
+                                         "their unqueued latency, in the last interval of the class's in-flight "
+                                         "limit.", labels=["work"])
+            for name, work in self.classes.items():
+                limit.add_metric([name], work.current())
+                inflight.add_metric([name], work.inflight)
+                slowdown.add_metric([name], work.slowdown)
+            yield from (inflight, limit, slowdown)
 
 
 class ReplicationTrace:

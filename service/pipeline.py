@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 JSON_HEADERS = [("content-type", "application/json")]
 HOT = re.compile(r"^/v1/collections/([A-Za-z0-9][A-Za-z0-9_-]{0,62})/(search|points)$")  # the paths of hot calls
 ROUTES = {True: ("POST", "/v1/collections/{name}/search"), False: ("PUT", "/v1/collections/{name}/points")}
-# A hot call's kind under the in-flight limit (Admission.enter): the route it stands for.
-HOT_KINDS = {True: ("POST", "search"), False: ("PUT", "points")}
+# A hot call's kind under the in-flight limit (Admission.enter), as http/work.kind_of names it.
+HOT_KINDS = {True: ("POST", "/v1/collections/*/search"), False: ("PUT", "/v1/collections/*/points")}
 Handlers = Mapping[Any, Callable[..., Any]]  # the app's exception handlers, by exception class
 
 

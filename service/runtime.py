@@ -62,7 +62,7 @@ class Runtime:
         self.pool: asyncpg.Pool | None = None
         self.sql_pool: asyncpg.Pool | None = None  # OLAP reads on PostgreSQL, apart from writes and readiness
         self.admission = Admission(settings, self.metrics)
-        self.metrics.watch_gates(lambda: self.admission.gates, self.admission.pressure)
+        self.metrics.watch_gates(lambda: self.admission.gates, self.admission.classes)
         self.database: DatabaseSupervisor | None = None
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None

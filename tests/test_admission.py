@@ -88,142 +88,6 @@ def test_a_queued_request_gives_up_after_the_queue_wait_or_its_deadline():
     run(go())
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def answer(limit, kind, seconds, times=1, hot=True):
-    for _ in range(times):
-        assert limit.admit(hot)
-        limit.leave(hot, kind, seconds)
-
-
-def test_the_inflight_limit_falls_while_requests_queue_and_grows_back_when_they_do_not(monkeypatch):
-    from service.admission import pressure
-
-    clock = Clock()
-    monkeypatch.setattr(pressure.time, "monotonic", clock)
-    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
-    limit.limit = start = 16
-    answer(limit, "search", 0.001, times=4)  # unqueued: a search takes 1 ms ...
-    answer(limit, "ssb", 0.020, times=4)  # ... an SSB query 20 ms
-    clock.now += 0.2
-    answer(limit, "search", 0.005, times=8)  # searches take five times as long: they queue
-    cut = int(start * 2.0 / 5.0)  # in proportion to the excess
-    assert limit.limit == cut and limit.slowdown == pytest.approx(5.0)
-    clock.now += 0.2
-    fill_and_empty(limit)  # a full limit turns a request away ...
-    answer(limit, "search", 0.001, times=6)
-    answer(limit, "ssb", 0.020, times=2)  # ... and a mix of slow and fast kinds at their unqueued latency
-    assert limit.limit == cut + 1 and limit.slowdown == pytest.approx(1.0)  # is no queueing
-    clock.now += 0.2
-    answer(limit, "search", 0.001, times=8)
-    assert limit.limit == cut + 1  # nothing had to wait: no reason to grow
-    clock.now += 0.2
-    answer(limit, "search", 0.0025, times=8)  # a small excess: cut by a quarter
-    assert limit.limit == int((cut + 1) * 0.75)
-    for _ in range(20):
-        clock.now += 0.2
-        answer(limit, "ssb", 0.1, times=8)
-    assert limit.limit == 4  # never below the floor
-    for _ in range(100):
-        clock.now += 0.2
-        fill_and_empty(limit)
-        answer(limit, "search", 0.001, times=8)
-    assert limit.limit == 64  # never above the ceiling
-
-
-def fill_and_empty(limit):
-    """Admit requests until one is turned away, then let them all go unanswered."""
-    while limit.admit(True):
-        pass
-    for _ in range(limit.inflight):
-        limit.leave(True)
-
-
-def test_failures_and_unmeasured_kinds_do_not_move_the_inflight_limit(monkeypatch):
-    from service.admission import pressure
-
-    clock = Clock()
-    monkeypatch.setattr(pressure.time, "monotonic", clock)
-    limit = pressure.InflightLimit(ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
-    answer(limit, "search", 0.001, times=4)
-    clock.now += 0.2
-    answer(limit, None, 5.0, times=20)  # failures (a 404, a refusal) say nothing of queueing
-    answer(limit, "recall", 5.0, times=3)  # a kind seen fewer than four times has no unqueued latency yet
-    assert limit.limit == 64 and limit.inflight == 0
-    fixed = pressure.InflightLimit(ceiling=8, floor=4, tolerance=0, max_wait_s=0.1)  # tolerance 0: a fixed limit
-    assert fixed.limit == 8
-    answer(fixed, "search", 0.001, times=4)
-    clock.now += 0.2
-    answer(fixed, "search", 1.0, times=8)
-    assert fixed.limit == 8
-
-
-def test_heavy_work_gets_half_the_inflight_limit():
-    from service.admission.pressure import InflightLimit
-
-    limit = InflightLimit(ceiling=8, floor=8, tolerance=2.0, max_wait_s=0.1)
-    assert limit.limit == 8
-    assert [limit.admit(light=False) for _ in range(6)] == [True] * 4 + [False] * 2  # SSB, spatial, SQL: half
-    assert [limit.admit(light=True) for _ in range(5)] == [True] * 4 + [False]  # searches: the rest
-    limit.leave(light=True)
-    assert limit.inflight == 7 and not limit.admit(light=False)  # heavy work still has its half
-    limit.leave(light=False)
-    assert limit.admit(light=False) and limit.heavy == 4
-
-
-def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
-    from service.admission.pressure import InflightLimit
-
-    async def go():
-        limit = InflightLimit(ceiling=2, floor=2, tolerance=0, max_wait_s=0.05)
-        assert await limit.enter(True) and await limit.enter(True)
-        waiting = []
-        for _ in range(4):
-            waiting.append(asyncio.create_task(limit.enter(True)))
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.01)
-        assert len(limit.waiters) == 4
-        newest = asyncio.create_task(limit.enter(True))  # two waiters per slot: the queue is full ...
-        assert not await asyncio.wait_for(waiting[0], 0.025)  # ... so the oldest makes way, refused at once
-        limit.leave(True)  # a slot frees: handed to the first in line
-        assert await waiting[1] and limit.inflight == 2
-        assert not any(await asyncio.gather(*waiting[2:], newest))  # no slot in their 50 ms: refused
-        assert limit.inflight == 2 and not limit.waiters
-
-    run(go())
-
-
-def test_a_heavy_waiter_does_not_hold_up_a_search_and_a_gone_waiter_gives_its_slot_back():
-    from service.admission.pressure import InflightLimit
-
-    async def go():
-        limit = InflightLimit(ceiling=4, floor=4, tolerance=0, max_wait_s=5.0)
-        assert await limit.enter(False) and await limit.enter(False)  # heavy work's half is used
-        assert await limit.enter(True) and await limit.enter(True)
-        heavy = asyncio.create_task(limit.enter(False))
-        search = asyncio.create_task(limit.enter(True))
-        await asyncio.sleep(0.001)
-        limit.leave(True)  # a search's slot frees: the heavy waiter ahead may not have it, the search may
-        assert await asyncio.wait_for(search, 1.0) and not heavy.done()
-        limit.leave(False)  # a heavy slot frees: the heavy waiter's turn
-        assert await heavy
-        gone = asyncio.create_task(limit.enter(True))
-        await asyncio.sleep(0.001)
-        limit.leave(True)
-        gone.cancel()  # handed a slot, then its client went away before it ran
-        with pytest.raises(asyncio.CancelledError):
-            await gone
-        assert limit.inflight == 3 and limit.heavy == 2 and not limit.waiters
-
-    run(go())
-
-
 def test_a_cancelled_waiter_returns_a_slot_handed_to_it():
     async def go():
         gate = Gate("cuvs", limit=1, depth=4, max_wait_s=5.0)
@@ -539,8 +403,8 @@ def test_an_engine_out_of_memory_answers_503_and_cools_down_at_once(make_client)
 def test_past_the_inflight_limit_requests_are_refused_before_parsing(make_client):
     client = make_client(raise_server_exceptions=False, max_inflight=4, inflight_latency_tolerance=0)  # fixed
     wait_ready(client)
-    lane = client.app.express.admission.pressure  # express admits, outermost
-    lane.inflight = 4  # four requests being served
+    lane = client.app.express.admission.classes["light"]  # express admits, outermost
+    lane.inflight = 4  # four searches being served
     r = client.post("/v1/collections/none/search", content=b"not even json")
     body = assert_problem(r, 503, "overloaded")
     assert body["reason"] == "inflight" and r.headers["Retry-After"] == "1"

@@ -47,7 +47,7 @@ def test_what_must_be_refused_or_bounded_is_never_claimed():
 def test_a_request_without_the_key_is_refused_before_it_takes_a_slot_or_sends_its_body(tmp_path):
     """Authorize, then admit: N half-sent bodies without the key must not hold the in-flight slots of everyone."""
     app = create_app(Settings(api_key="k", data_dir=tmp_path))
-    pressure = app.express.admission.pressure
+    classes = app.express.admission.classes
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -64,4 +64,4 @@ def test_a_request_without_the_key_is_refused_before_it_takes_a_slot_or_sends_it
         asyncio.run(app(scope, receive, send))
         assert sent[0]["status"] == 401, (path, sent)
         assert (b"www-authenticate", b'Bearer realm="switchyard"') in sent[0]["headers"]
-        assert pressure is not None and pressure.inflight == 0
+        assert classes is not None and not any(work.inflight for work in classes.values())

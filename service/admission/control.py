@@ -17,11 +17,11 @@ import time
 from collections import deque
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
-from service.admission.pressure import InflightLimit
+from service.admission.pressure import ClassLimit, class_limits
 from service.errors import BadRequest, ProblemError
 from service.process.devices import is_out_of_memory
 
@@ -238,8 +238,8 @@ class Admission:
         self.max_wait_s = settings.admission.queue_wait_ms / 1000
         self.limits = engine_limits(settings)
         a = settings.admission
-        self.pressure = (InflightLimit(a.max_inflight, a.min_inflight, a.inflight_latency_tolerance, self.max_wait_s)
-                         if a.enabled and a.max_inflight else None)
+        self.classes = (class_limits(a.max_inflight, a.min_inflight, a.inflight_latency_tolerance, self.max_wait_s)
+                        if a.enabled and a.max_inflight else None)  # work class -> its in-flight limit
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         rate, seconds_rate = a.quota_requests_per_s, a.quota_engine_seconds_per_s
@@ -293,24 +293,25 @@ class Admission:
             PRINCIPAL.set(principal)
             self.check_request(principal)
 
-    def enter_now(self, light: bool) -> Ticket | None:
-        """A slot under the in-flight limit now, or None where enter() would have to wait."""
-        if self.pressure is None:
-            return Ticket(None, light)
-        return Ticket(self.pressure, light) if self.pressure.admit(light) else None
+    def enter_now(self, work: str) -> Ticket | None:
+        """A slot under the work class's in-flight limit now, or None where enter() would have to wait."""
+        if self.classes is None:
+            return Ticket(None)
+        limit = self.classes[work]
+        return Ticket(limit) if limit.admit() else None
 
-    async def enter(self, light: bool) -> Ticket:
-        """A slot under the in-flight limit, now or after a short wait; Shed (503) when none comes. `light`: not
-        heavy work (SSB, SQL, geometry), which may take at most half the limit."""
-        pressure = self.pressure
-        if pressure is None:
-            return Ticket(None, light)
-        if not await pressure.enter(light):
+    async def enter(self, work: str, kind: Hashable = None) -> Ticket:
+        """A slot under the in-flight limit of `work`'s class (service/admission/pressure.py), now or after a short
+        wait (bounded by what `kind` costs); Shed (503) when none comes."""
+        if self.classes is None:
+            return Ticket(None)
+        limit = self.classes[work]
+        if not await limit.enter(kind):
             self.shed("requests", "inflight")
-            raise Shed(f"the service is serving {pressure.inflight} requests, its limit under the present load "
-                       "(SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot came free in "
-                       "time; this one was not run", 1.0, reason="inflight")
-        return Ticket(pressure, light)
+            raise Shed(f"the service is serving {limit.inflight} {work} requests, the limit of that work class under "
+                       "the present load (SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot "
+                       "came free in time; this one was not run", 1.0, reason="inflight", work_class=work)
+        return Ticket(limit)
 
     # -- quotas ----------------------------------------------------------------------------------------
     def check_request(self, principal: str) -> None:
@@ -370,19 +371,19 @@ class Admission:
 
 
 class Ticket:
-    """One request's slot under the in-flight limit, given back once with how it went."""
+    """One request's slot under its work class's in-flight limit, given back once with how it went."""
 
-    __slots__ = ("light", "pressure", "started")
+    __slots__ = ("limit", "started")
 
-    def __init__(self, pressure: InflightLimit | None, light: bool) -> None:
-        self.pressure, self.light, self.started = pressure, light, time.perf_counter()
+    def __init__(self, limit: ClassLimit | None) -> None:
+        self.limit, self.started = limit, time.perf_counter()
 
-    def leave(self, kind: object = None) -> float:
-        """Give the slot back; `kind` (what the request was: its route) when it succeeded, whose latency moves the
-        limit (failures say nothing of queueing). Returns the seconds since entry."""
+    def leave(self, kind: Hashable = None) -> float:
+        """Give the slot back; `kind` (what the request was) when it succeeded, whose latency moves the limit
+        (failures say nothing of queueing). Returns the seconds since entry."""
         seconds = time.perf_counter() - self.started
-        if self.pressure is not None:
-            self.pressure.leave(self.light, kind, seconds)
+        if self.limit is not None:
+            self.limit.leave(kind, seconds)
         return seconds
 
 

@@ -1,17 +1,22 @@
-"""The process's in-flight limit, following the latency of what it admits: serve promptly, refuse the rest.
+"""In-flight limits by work class, following the latency of what each admits: serve promptly, refuse the rest.
 
-As TCP Vegas does: the limit is cut while answered requests take more than `tolerance` times their unqueued latency
-(per kind of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows by a tenth while they do
-not and requests had to wait. A request that finds the limit full waits in a FIFO queue of two waiters per slot for
-at most `max_wait_s`; when the queue is full the oldest waiter is answered 503 (drop from the head, as CoDel does).
-Heavy work (SSB queries, SQL, geometry) may fill at most half the limit. Why: docs/design/serving.md.
+Requests are sorted into work classes (light reads and searches, writes, heavy analytics, jobs: see WORK_SHARES),
+each with its own limit and FIFO queue, so no class ever waits behind another's backlog. As TCP Vegas does, a
+class's limit is cut while its answered requests take more than `tolerance` times their unqueued latency (per kind
+of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows by a tenth while they do not and
+requests had to wait; once a class's load is gone (under half its limit in use, no cut for RECOVER_S) the limit
+doubles every RECOVER_S back to its ceiling. A request that finds its class full waits in the queue (two waiters per
+slot) for at most WAIT_FACTOR times its kind's unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that
+waiting never more than triples what it costs; a free slot goes to the head of the queue at once, and when the queue
+is full the oldest waiter is answered 503 (drop from the head, as CoDel does). Why: docs/design/serving.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
+from time import monotonic
+from typing import Hashable
 
 INTERVAL_S = 0.1  # the limit moves at most this often ...
 MIN_ANSWERS = 8  # ... and only on this many answers
@@ -20,6 +25,14 @@ FOUR = 4  # answers averaged into one sample of a kind's latency
 DECREASE = 0.75
 MAX_DECREASE = 0.25  # the most one interval cuts: to a quarter
 INCREASE = 0.1
+RECOVER_S = 1.0  # with its load gone, a class's limit doubles this often
+WAIT_FACTOR = 2.0  # a waiter waits at most this many times its kind's unqueued latency ...
+MIN_WAIT_S = 0.001  # ... but at least this long
+MAX_KINDS = 1024  # kinds whose latency is remembered, per class
+
+# Work classes and their share of SWITCHYARD_MAX_INFLIGHT (ceiling) and SWITCHYARD_MIN_INFLIGHT (floor).
+LIGHT, WRITE, HEAVY, JOB = "light", "write", "heavy", "job"
+WORK_SHARES = {LIGHT: 1.0, WRITE: 0.5, HEAVY: 0.25, JOB: 0.125}
 
 
 class KindLatency:
@@ -46,91 +59,100 @@ class KindLatency:
         self.least = self.samples[0][1]
 
 
-class InflightLimit:
-    def __init__(self, ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> None:
-        self.ceiling = ceiling
-        self.max_wait_s = max_wait_s
-        self.floor = max(1, min(floor, ceiling))
+class ClassLimit:
+    """One work class's adaptive in-flight limit and its queue (see the module's docstring)."""
+
+    def __init__(self, name: str, ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> None:
+        self.name = name
+        self.ceiling = max(1, ceiling)
+        self.floor = max(1, min(floor, self.ceiling))
         self.tolerance = tolerance  # 0: a fixed limit of `ceiling`
-        self.limit = ceiling  # generous until latency says otherwise
+        self.max_wait_s = max_wait_s
+        self.limit = self.ceiling  # generous until latency says otherwise
         self.inflight = 0
-        self.heavy = 0  # of which heavy work
-        self.waiters: deque[tuple[asyncio.Future, bool]] = deque()  # (True: handed a slot, False: dropped; light)
+        self.waiters: deque[asyncio.Future] = deque()  # result True: handed a slot; False: dropped from the head
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
-        self.kinds: dict[object, KindLatency] = {}
-        self._interval_end = time.monotonic() + INTERVAL_S
+        self.kinds: dict[Hashable, KindLatency] = {}
+        now = monotonic()
+        self._interval_end = now + INTERVAL_S
+        self._steady_since = now  # the last cut or recovery step
         self._latency = self._unqueued = 0.0
         self._answers = 0
         self._constrained = False  # whether a request had to wait or was refused in this interval
 
-    def _room(self, light: bool) -> bool:
-        return self.inflight < self.limit and (light or self.heavy < max(1, self.limit // 2))
+    def current(self) -> int:
+        """The limit in force, recovered first if the class's load is gone."""
+        if self.limit < self.ceiling and self.inflight < self.limit / 2:
+            now = monotonic()
+            if (steps := int((now - self._steady_since) / RECOVER_S)) > 0:
+                self.limit = min(self.ceiling, self.limit << min(steps, 32))
+                self._steady_since = now
+                self._hand_over()
+        return self.limit
 
-    def _take(self, light: bool) -> None:
-        self.inflight += 1
-        self.heavy += not light
-
-    def admit(self, light: bool) -> bool:
-        """A slot now, if one is free and nobody waits for one; `light`: not heavy work (see above)."""
-        if not self.waiters and self._room(light):
-            self._take(light)
+    def admit(self) -> bool:
+        """A slot now, if one is free and nobody waits for one."""
+        if not self.waiters and self.inflight < self.current():
+            self.inflight += 1
             return True
         self._constrained = True
         return False
 
-    async def enter(self, light: bool) -> bool:
+    def wait_s(self, kind: Hashable) -> float:
+        """The longest a request of `kind` waits for a slot: a few times what it costs unqueued, when known."""
+        latency = self.kinds.get(kind)
+        if latency is None or not latency.least:
+            return self.max_wait_s
+        return min(self.max_wait_s, max(MIN_WAIT_S, WAIT_FACTOR * latency.least))
+
+    async def enter(self, kind: Hashable = None) -> bool:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
-        if self.admit(light):
+        if self.admit():
             return True
         if len(self.waiters) >= 2 * self.limit:
-            self.waiters.popleft()[0].set_result(False)  # the oldest makes way
+            self.waiters.popleft().set_result(False)  # the oldest makes way
         handed = asyncio.get_running_loop().create_future()
-        waiter = (handed, light)
-        self.waiters.append(waiter)
+        self.waiters.append(handed)
         try:
-            await asyncio.wait((handed,), timeout=self.max_wait_s)
+            await asyncio.wait((handed,), timeout=self.wait_s(kind))
         except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
-            self._forget(waiter)
+            self._forget(handed)
             raise
         if handed.done():
             return handed.result()  # True: _hand_over counted it in; False: dropped from the head
-        self._forget(waiter)
+        self._forget(handed)
         return False
 
-    def _forget(self, waiter: tuple[asyncio.Future, bool]) -> None:
-        handed, light = waiter
+    def _forget(self, handed: asyncio.Future) -> None:
         if handed.done() and not handed.cancelled():
             if handed.result():
-                self.leave(light)  # handed a slot it will not use
+                self.leave()  # handed a slot it will not use
             return
         handed.cancel()
         try:
-            self.waiters.remove(waiter)
+            self.waiters.remove(handed)
         except ValueError:
             pass
 
     def _hand_over(self) -> None:
-        """Give free slots to waiters, first come first served among those the heavy share lets in."""
+        """Give free slots to the waiters at the head of the queue."""
         while self.waiters and self.inflight < self.limit:
-            waiter = next((w for w in self.waiters if self._room(w[1])), None)
-            if waiter is None:
-                return
-            self.waiters.remove(waiter)
-            self._take(waiter[1])
-            waiter[0].set_result(True)
+            self.inflight += 1
+            self.waiters.popleft().set_result(True)
 
-    def leave(self, light: bool, kind: object = None, seconds: float = 0.0) -> None:
-        """Count one request out; `kind` (its route) and its latency if it succeeded (failures say nothing of
-        queueing: many are refusals that took no time)."""
+    def leave(self, kind: Hashable = None, seconds: float = 0.0) -> None:
+        """Count one request out; `kind` and its latency if it succeeded (failures say nothing of queueing: many
+        are refusals that took no time)."""
         self.inflight -= 1
-        self.heavy -= not light
         if self.waiters:
             self._hand_over()
         if kind is None or self.tolerance <= 0:
             return
-        now = time.monotonic()
+        now = monotonic()
         latency = self.kinds.get(kind)
         if latency is None:
+            if len(self.kinds) >= MAX_KINDS:
+                return
             latency = self.kinds[kind] = KindLatency()
         if latency.least:
             self._latency += seconds
@@ -146,8 +168,16 @@ class InflightLimit:
         if self.slowdown > self.tolerance:  # cut by a quarter, or in proportion to the excess if it is larger
             cut = max(MAX_DECREASE, min(DECREASE, self.tolerance / self.slowdown))
             self.limit = max(self.floor, int(self.limit * cut))
+            self._steady_since = now
         elif self._constrained:
             self.limit = min(self.ceiling, self.limit + max(1, int(self.limit * INCREASE)))
+            self._hand_over()
         self._latency = self._unqueued = 0.0
         self._answers, self._constrained = 0, False
         self._interval_end = now + INTERVAL_S
+
+
+def class_limits(ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> dict[str, ClassLimit]:
+    """One ClassLimit per work class, sized by its share of the process's ceiling and floor."""
+    return {name: ClassLimit(name, max(1, int(ceiling * share)), max(1, int(floor * share)), tolerance, max_wait_s)
+            for name, share in WORK_SHARES.items()}

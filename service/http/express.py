@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, parse_timeout, principal_of
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
+from service.admission.pressure import LIGHT
 from service.errors import ProblemError, internal_problem
 from service.errors import problem_of as problem_of_error
 from service.http.access_log import log_request
@@ -33,6 +34,7 @@ from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
 from service.http.media import media_type
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search
+from service.http.work import work_of
 from service.metrics import StatusSend
 from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call, reply_of
 from service.process.messages import Call, Reply, SearchCall
@@ -43,7 +45,6 @@ RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 # A front process's client address, to its engine process (quotas): trusted only by an engine process behind fronts
 # (whose HTTP socket only the fronts reach; a front drops the header from what its clients send).
 CLIENT_HEADER = b"x-switchyard-client"
-HEAVY_PREFIXES = ("/v1/olap/", "/v1/spatial/")  # SSB, SQL and geometry: at most half the in-flight limit
 INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: a few single-vector searches' worth
 
 
@@ -155,7 +156,7 @@ class Express:
     def answer_inline(self, claim: Claim, raw: bytes, respond: Callable[[bytes], None]) -> bool:
         """The claimed search answered at once, admitted and counted as __call__ would: whether its answer went to
         `respond` (False: nothing was sent, and the request goes through __call__)."""
-        ticket = self.admission.enter_now(True) if self.admission is not None else None
+        ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
         if self.admission is not None and ticket is None:
             return False
         answered = False
@@ -199,19 +200,16 @@ class Express:
         if self.admission is None or not v1:
             await self._guarded(scope, receive, watched, match, h, raw)
             return
+        work, kind = work_of(scope["method"], scope["path"], scope["headers"])
         try:
-            ticket = await self.admission.enter(not scope["path"].startswith(HEAVY_PREFIXES))
+            ticket = await self.admission.enter(work, kind)
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return
         try:
             await self._guarded(scope, receive, watched, match, h, raw)
         finally:  # successes' latency, by kind of request, moves the limit
-            kind = None
-            if 200 <= watched.status < 300:
-                what = match.group(2) if match is not None else getattr(scope.get("route"), "path", None)
-                kind = what and (scope["method"], what)
-            ticket.leave(kind)
+            ticket.leave(kind if 200 <= watched.status < 300 else None)
 
     async def _arrived(self, scope: Scope, receive: Receive, h: Headers) -> tuple[bytes | None, Receive]:
         """The body, read whole under its arrival deadline and the body limit (service/http/limits.py), and the

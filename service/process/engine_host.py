@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.admission.pressure import LIGHT, WRITE
 from service.pipeline import HOT_KINDS, Pipeline, call_scope, is_search
 from service.process.link import EngineServer, frame_limit
 from service.process.messages import Reply, Request, SearchCall, UnparsedCall, UpsertCall
@@ -19,7 +20,7 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
         call, search = request.call, is_search(request.call)
         try:
             admission.begin(request.deadline, request.principal)
-            ticket = await admission.enter(True)
+            ticket = await admission.enter(LIGHT if search else WRITE, HOT_KINDS[search])
         except Exception as exc:  # noqa: BLE001 - over quota, or no slot: answered as the app answers it
             reply = await pipeline.refuse(exc, call_scope(call, search))
         else:

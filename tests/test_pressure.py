@@ -1,0 +1,230 @@
+"""In-flight limits by work class (service/admission/pressure.py): adapting to latency, recovering once load is
+gone, short queues per class, and light work never waiting behind heavy work (through HTTP too)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from service.admission import pressure
+from service.admission.pressure import RECOVER_S, ClassLimit, class_limits
+from tests.conftest import run
+from tests.helpers import assert_problem, wait_ready
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(pressure, "monotonic", clock)
+    return clock
+
+
+def answer(limit, kind, seconds, times=1):
+    for _ in range(times):
+        assert limit.admit()
+        limit.leave(kind, seconds)
+
+
+def fill_and_empty(limit):
+    """Admit requests until one is turned away, then let them all go unanswered."""
+    while limit.admit():
+        pass
+    for _ in range(limit.inflight):
+        limit.leave()
+
+
+def test_the_limit_falls_while_requests_queue_and_grows_back_when_they_do_not(clock):
+    limit = ClassLimit("light", ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
+    limit.limit = start = 16
+    answer(limit, "search", 0.001, times=4)  # unqueued: a search takes 1 ms ...
+    answer(limit, "get", 0.020, times=4)  # ... another kind 20 ms
+    clock.now += 0.2
+    answer(limit, "search", 0.005, times=8)  # searches take five times as long: they queue
+    cut = int(start * 2.0 / 5.0)  # in proportion to the excess
+    assert limit.limit == cut and limit.slowdown == pytest.approx(5.0)
+    clock.now += 0.2
+    fill_and_empty(limit)  # a full limit turns a request away ...
+    answer(limit, "search", 0.001, times=6)
+    answer(limit, "get", 0.020, times=2)  # ... and a mix of slow and fast kinds at their unqueued latency
+    assert limit.limit == cut + 1 and limit.slowdown == pytest.approx(1.0)  # is no queueing
+    clock.now += 0.2
+    answer(limit, "search", 0.0025, times=8)  # a small excess: cut by a quarter
+    assert limit.limit == int((cut + 1) * 0.75)
+    for _ in range(20):
+        clock.now += 0.2
+        answer(limit, "get", 0.1, times=8)
+    assert limit.limit == 4  # never below the floor
+    for _ in range(100):
+        clock.now += 0.2
+        fill_and_empty(limit)
+        answer(limit, "search", 0.001, times=8)
+    assert limit.limit == 64  # never above the ceiling
+
+
+def test_once_load_is_gone_the_limit_doubles_back_to_its_ceiling(clock):
+    limit = ClassLimit("light", ceiling=128, floor=2, tolerance=1.5, max_wait_s=0.1)
+    answer(limit, "search", 0.001, times=4)
+    for _ in range(10):  # everything queues: cut to the floor
+        clock.now += 0.2
+        answer(limit, "search", 0.01, times=8)
+    assert limit.limit == 2
+    clock.now += RECOVER_S * 0.9
+    assert limit.current() == 2  # not yet: the last cut was under RECOVER_S ago
+    clock.now += RECOVER_S * 0.2
+    assert limit.current() == 4
+    clock.now += 6 * RECOVER_S  # 2 -> 128 takes six doublings
+    assert limit.current() == 128
+    limit.limit, limit.inflight = 8, 5  # busy (over half its limit in use): no recovery, Vegas decides
+    clock.now += 5 * RECOVER_S
+    assert limit.current() == 8
+
+
+def test_failures_and_unmeasured_kinds_do_not_move_the_limit(clock):
+    limit = ClassLimit("light", ceiling=64, floor=4, tolerance=2.0, max_wait_s=0.1)
+    answer(limit, "search", 0.001, times=4)
+    clock.now += 0.2
+    answer(limit, None, 5.0, times=20)  # failures (a 404, a refusal) say nothing of queueing
+    answer(limit, "recall", 5.0, times=3)  # a kind seen fewer than four times has no unqueued latency yet
+    assert limit.limit == 64 and limit.inflight == 0
+    fixed = ClassLimit("light", ceiling=8, floor=4, tolerance=0, max_wait_s=0.1)  # tolerance 0: a fixed limit
+    answer(fixed, "search", 0.001, times=4)
+    clock.now += 0.2
+    answer(fixed, "search", 1.0, times=8)
+    assert fixed.limit == 8
+
+
+def test_a_waiter_waits_a_few_times_what_its_kind_costs_unqueued():
+    limit = ClassLimit("light", ceiling=2, floor=2, tolerance=1.5, max_wait_s=0.25)
+    assert limit.wait_s("search") == 0.25  # unknown: the configured wait
+    answer(limit, "search", 0.004, times=4)
+    answer(limit, "tiny", 0.0001, times=4)
+    assert limit.wait_s("search") == pytest.approx(0.008) and limit.wait_s("tiny") == pressure.MIN_WAIT_S
+
+    async def go():
+        assert limit.admit() and limit.admit()
+        started = time.perf_counter()
+        assert not await limit.enter("search")  # no slot within 8 ms: refused, not kept for 250 ms
+        assert time.perf_counter() - started < 0.1
+
+    run(go())
+
+
+def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
+    async def go():
+        limit = ClassLimit("light", ceiling=2, floor=2, tolerance=0, max_wait_s=0.05)
+        assert await limit.enter() and await limit.enter()
+        waiting = []
+        for _ in range(4):
+            waiting.append(asyncio.create_task(limit.enter()))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert len(limit.waiters) == 4
+        newest = asyncio.create_task(limit.enter())  # two waiters per slot: the queue is full ...
+        assert not await asyncio.wait_for(waiting[0], 0.025)  # ... so the oldest makes way, refused at once
+        limit.leave()  # a slot frees: handed to the first in line
+        assert await waiting[1] and limit.inflight == 2
+        assert not any(await asyncio.gather(*waiting[2:], newest))  # no slot in their 50 ms: refused
+        assert limit.inflight == 2 and not limit.waiters
+
+    run(go())
+
+
+def test_a_waiter_handed_a_slot_after_its_client_went_away_gives_it_back():
+    async def go():
+        limit = ClassLimit("light", ceiling=2, floor=1, tolerance=2.0, max_wait_s=5.0)
+        assert await limit.enter() and await limit.enter()
+        gone = asyncio.create_task(limit.enter())
+        await asyncio.sleep(0.001)
+        limit.leave()
+        gone.cancel()  # handed a slot, then its client went away before it ran
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert limit.inflight == 1 and not limit.waiters
+
+    run(go())
+
+
+def test_each_work_class_has_its_own_share_and_queue():
+    classes = class_limits(ceiling=8, floor=2, tolerance=0, max_wait_s=5.0)
+    assert {name: work.ceiling for name, work in classes.items()} == {"light": 8, "write": 4, "heavy": 2, "job": 1}
+
+    async def go():
+        heavy, light = classes["heavy"], classes["light"]
+        assert await heavy.enter() and await heavy.enter()
+        backlog = [asyncio.create_task(heavy.enter()) for _ in range(4)]  # heavy work queues ...
+        await asyncio.sleep(0.001)
+        assert len(heavy.waiters) == 4
+        assert [light.admit() for _ in range(9)] == [True] * 8 + [False]  # ... searches still get every slot
+        heavy.leave()
+        assert await backlog[0]
+        for task in backlog[1:]:
+            task.cancel()
+
+    run(go())
+
+
+def test_a_heavy_backlog_never_refuses_a_light_request_through_http(make_client):
+    """Heavy requests queue past their share; meanwhile every search and listing is answered 200 at once."""
+    client = make_client(raise_server_exceptions=False, max_inflight=8, inflight_latency_tolerance=0)
+    wait_ready(client)
+
+    async def slow_sql(*args, **kwargs):  # heavy work that takes a while (the engine's own work is not the point)
+        await asyncio.sleep(0.8)
+        raise LookupError("no SSB data")
+
+    client.app.state.switchyard.olap.run_sql = slow_sql
+    assert client.post("/v1/collections", json={"name": "lite", "dim": 2}).status_code == 201
+    points = {"ids": [1, 2], "vectors": [[0, 1], [1, 0]]}
+    assert client.put("/v1/collections/lite/points", json=points).status_code == 200
+
+    def heavy(_):
+        return client.post("/v1/olap/sql", json={"sql": "SELECT 1"}).status_code
+
+    def timed(call):
+        started = time.perf_counter()
+        return call().status_code, time.perf_counter() - started
+
+    with ThreadPoolExecutor(8) as pool:
+        backlog = [pool.submit(heavy, i) for i in range(8)]  # more than the whole limit: heavy work queues
+        time.sleep(0.2)
+        light = [timed(lambda: client.post("/v1/collections/lite/search", json={"vector": [0, 1], "k": 1}))
+                 for _ in range(5)] + [timed(lambda: client.get("/v1/collections")) for _ in range(5)]
+        assert [status for status, _ in light] == [200] * 10
+        assert max(seconds for _, seconds in light) < 0.2  # none waited for a heavy request to finish
+        assert 503 in [f.result() for f in backlog]  # past its share and queue, heavy work itself was refused
+
+
+def test_the_limit_returns_to_its_maximum_within_ten_seconds_of_the_load_ending(make_client):
+    client = make_client(raise_server_exceptions=False, max_inflight=64, min_inflight=2,
+                         inflight_latency_tolerance=1.5)
+    wait_ready(client)
+    light = client.app.express.admission.classes["light"]
+    answer(light, "search", 0.001, times=4)
+    for _ in range(12):  # everything queues: the limit collapses to its floor
+        time.sleep(pressure.INTERVAL_S)
+        answer(light, "search", 0.05, times=8)
+    assert light.limit == 2
+
+    def gauge() -> float:
+        text = client.get("/metrics").text
+        return float(re.search(r'^switchyard_inflight_limit\{work="light"\} (\S+)$', text, re.M).group(1))
+
+    ended = time.monotonic()
+    while gauge() < 64:
+        assert time.monotonic() - ended < 10, gauge()
+        time.sleep(0.25)
+    r = client.get("/v1/collections")
+    assert r.status_code == 200 and gauge() == 64
+    assert_problem(client.post("/v1/collections/none/search", json={"vector": [1.0], "k": 1}), 404, "not-found")
