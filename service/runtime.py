@@ -24,6 +24,7 @@ from service.database.postgres import EmbeddedPostgres, connect, connect_kwargs,
 from service.database.supervisor import DatabaseSupervisor
 from service.engines import EngineRegistry
 from service.jobs import spool
+from service.jobs.disk import open_ledger
 from service.jobs.manager import JobRunner
 from service.metrics import Metrics, ReplicationTrace
 from service.process.devices import probe_cuda
@@ -104,7 +105,8 @@ class Runtime:
                 max_restarts=db.max_restarts, other_pools=(self.sql_pool,))
             self.database.start()
             self.registry.probe(self.postgres_version, extensions)
-            self.jobs = JobRunner(self.pool, s.jobs.max_jobs, s.jobs.max_queued_jobs)
+            disk = await open_ledger(s.data_dir, s.jobs.disk_reserve_mb * 2**20, s.jobs.ssb_quota_gb, self.pool)
+            self.jobs = JobRunner(self.pool, disk, s.jobs.max_jobs, s.jobs.max_queued_jobs)
             if interrupted := await self.jobs.recover():
                 log.warning("%d job(s) were interrupted by the last shutdown and are marked failed", interrupted)
             if s.replication.trace_dir is not None:

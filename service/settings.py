@@ -204,9 +204,12 @@ class JobSettings(Group):
         "Jobs that may wait for a slot; past them new jobs get 503 with Retry-After."))
     disk_reserve_mb: int = setting(1024, ge=0, description=(
         "Free disk kept in reserve on the data directory's disk: SSB generation, imports and bulk loads whose "
-        "estimate would eat into it are refused with 507."))
+        "estimate, added to what queued and running jobs will still write, would eat into it are refused with "
+        "507."))
     ssb_quota_gb: float | None = setting(None, gt=0, description=(
-        "Most disk the SSB datasets under <data_dir>/ssb may use (default: no quota, only the reserve)."))
+        "Most disk SSB datasets may use: their Parquet files under <data_dir>/ssb and the PostgreSQL copy of the "
+        "active one, with what queued and running SSB jobs will write (default: half of what is free on the data "
+        "directory's disk when the service starts, plus what SSB datasets use then)."))
     ssb_import_dir: AbsolutePath | None = setting(None, description=(
         "POST /v1/olap/ssb/import reads .tbl files only from inside this directory (default <data_dir>/import)."))
 

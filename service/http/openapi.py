@@ -19,6 +19,13 @@ from fastapi.openapi.utils import get_openapi
 from service.errors import PROBLEM_MEDIA_TYPE
 from service.settings import Settings
 
+DISK_MEMBERS = {
+    "need_bytes": "what the work would write", "free_bytes": "free on the data directory's disk",
+    "claimed_bytes": "what queued and running jobs will still write", "reserve_bytes": "SWITCHYARD_DISK_RESERVE_MB",
+    "ssb_used_bytes": "what SSB datasets use (Parquet and the PostgreSQL copy)",
+    "ssb_claimed_bytes": "what queued and running SSB jobs will still write",
+    "quota_bytes": "the SSB quota (SWITCHYARD_SSB_QUOTA_GB or its default)",
+}
 PROBLEM = {
     "type": "object",
     "title": "Problem",
@@ -35,6 +42,8 @@ PROBLEM = {
                    "items": {"type": "object", "properties": {
                        "field": {"type": "string"}, "in": {"type": "string"}, "reason": {"type": "string"}}}},
         "error_id": {"type": "string", "description": "Quote it when reporting a 500: the log has the cause."},
+        **{name: {"type": "integer", "description": f"507 refusals of work before it starts: {text}."}
+           for name, text in DISK_MEMBERS.items()},
     },
 }
 RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
@@ -52,7 +61,8 @@ ERRORS = {
     500: "An unexpected failure; `error_id` locates it in the service's log.",
     503: "Overloaded (shed), the database is unavailable or busy, or the engine failed; retry after Retry-After.",
     504: "The request's deadline (X-Request-Timeout) passed before it finished.",
-    507: "Not enough disk (SWITCHYARD_DISK_RESERVE_MB) or over the SSB quota for this write.",
+    507: "Not enough disk once queued and running jobs have written theirs (SWITCHYARD_DISK_RESERVE_MB), or over "
+         "the SSB quota, for this write; the members *_bytes give the numbers.",
 }
 WRITES = {"put", "post", "delete"}
 READ_ONLY_POSTS = ("/search", "/recall", "/joins/", "/olap/sql", "/olap/ssb/queries/")

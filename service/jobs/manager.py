@@ -3,9 +3,11 @@
 A job's state lives in memory while it runs and in the `jobs` table, so GET /v1/jobs/{id} answers after
 the fact and after a restart; a job that was running when the process died is marked failed at start-up.
 At most `max_running` jobs run at once (they are heavy: disk, memory, every core); up to `max_queued` more wait,
-and past that a new job is refused with 503 and Retry-After. DELETE /v1/jobs/{id} cancels a job: its next
-progress report raises JobCancelled inside the work (worker threads included), which then cleans up as on
-any failure (SSB generation leaves no partial dataset; a bulk load keeps the chunks it committed).
+and past that a new job is refused with 503 and Retry-After. A job that writes to disk is admitted through the
+process's disk ledger (service/jobs/disk.py), which holds its estimate until the job ends.
+DELETE /v1/jobs/{id} cancels a job: its next progress report raises JobCancelled inside the work (worker threads
+included), which then cleans up as on any failure (SSB generation leaves no partial dataset; a bulk load keeps
+the chunks it committed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncpg
 import orjson
 
 from service.admission.control import Shed
+from service.jobs.disk import Claim, DiskLedger, DiskNeed
 
 log = logging.getLogger("switchyard.jobs")
 
@@ -78,8 +81,9 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self, pool: asyncpg.Pool, max_running: int = 2, max_queued: int = 16) -> None:
+    def __init__(self, pool: asyncpg.Pool, disk: DiskLedger, max_running: int = 2, max_queued: int = 16) -> None:
         self.pool = pool
+        self.disk = disk
         self.running: dict[str, Job] = {}  # queued or running in this process
         self.tasks: set[asyncio.Task] = set()
         self.max_queued = max_queued
@@ -94,21 +98,31 @@ class JobRunner:
         return int(status.split()[-1])
 
     async def start(self, kind: str, subject: str | None, work: Callable[[Progress], Awaitable[dict[str, Any]]],
-                    cleanup: Callable[[], None] | None = None) -> Job:
-        """Queue `work`; `cleanup` runs when the job ends, however it ends (cancelled while queued too)."""
+                    cleanup: Callable[[], None] | None = None, disk: DiskNeed | None = None) -> Job:
+        """Queue `work`; `cleanup` runs when the job ends, however it ends (cancelled while queued too). `disk`:
+        what the job will write, claimed in the ledger (507 if it does not fit) until the job ends."""
         queued = sum(1 for job in self.running.values() if job.state == "queued")
         if queued >= self.max_queued:
             raise Shed(f"{queued} jobs are already waiting for a slot (SWITCHYARD_MAX_QUEUED_JOBS); the job was not "
                        "started", 10.0, reason="jobs_queued")
-        job = Job(str(uuid.uuid4()), kind, subject)
-        await self.pool.execute(
-            "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind,
-            subject
-        )
-        self.running[job.id] = job
-        job.task = asyncio.create_task(self._run(job, work, cleanup), name=f"job-{kind}-{job.id}")
+        claim = self.disk.claim(disk) if disk is not None else None
+        try:
+            job = Job(str(uuid.uuid4()), kind, subject)
+            await self.pool.execute(
+                "INSERT INTO jobs (id, kind, subject, state) VALUES ($1, $2, $3, 'queued')", uuid.UUID(job.id), kind,
+                subject
+            )
+            self.running[job.id] = job
+            job.task = asyncio.create_task(self._run(job, work, cleanup), name=f"job-{kind}-{job.id}")
+        except BaseException:
+            if claim is not None:
+                self.disk.release(claim)
+            raise
         self.tasks.add(job.task)
         job.task.add_done_callback(self.tasks.discard)
+        if claim is not None:  # a done callback: it runs even for a task cancelled before its first step
+            held: Claim = claim
+            job.task.add_done_callback(lambda _task: self.disk.release(held))
         return job
 
     async def cancel(self, job_id: str) -> dict[str, Any] | None:

@@ -2,8 +2,9 @@
 
 A body is written in FLUSH_BYTES pieces by a worker thread (the event loop never waits on the disk), with the
 disk's free space checked before the first byte (against the declared length) and after every piece (a chunked
-body declares none). The file lives under <data dir>/spool until the job that reads it ends; what a crashed
-process left there is removed at the next start.
+body declares none), less the reserve and what admitted jobs claimed (service/jobs/disk.py). The file lives
+under <data dir>/spool until the job that reads it ends; what a crashed process left there is removed at the
+next start.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from starlette.requests import Request
 
 from indexes.build_process import pid_alive
-from service.jobs.disk import ensure_room
+from service.jobs.disk import DiskLedger
 
 FLUSH_BYTES = 8 * 2**20
 
@@ -34,13 +35,13 @@ def clear(data_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-async def spool(request: Request, data_dir: Path, reserve_bytes: float, what: str) -> Path:
+async def spool(request: Request, ledger: DiskLedger, what: str) -> Path:
     """Write the request's body to a new file under the spool directory and return its path. On any failure
     (a client gone mid-body, a full disk, the body limit) the file is removed."""
-    directory = spool_dir(data_dir)
+    directory = spool_dir(ledger.data_dir)
     directory.mkdir(parents=True, exist_ok=True)
     declared = request.headers.get("content-length", "")
-    ensure_room(directory, int(declared) if declared.isdigit() else 0, reserve_bytes, what)
+    ledger.check_room(int(declared) if declared.isdigit() else 0, what)
     path = directory / f"{os.getpid()}-{uuid.uuid4().hex}.arrows"
     file = open(path, "wb")  # noqa: SIM115 - closed below, on every path
     try:
@@ -50,7 +51,7 @@ async def spool(request: Request, data_dir: Path, reserve_bytes: float, what: st
             if len(buffer) >= FLUSH_BYTES:
                 await asyncio.to_thread(file.write, buffer)
                 buffer = bytearray()
-                ensure_room(directory, 0, reserve_bytes, what)
+                ledger.check_room(0, what)
         await asyncio.to_thread(file.write, buffer)
         file.close()
     except BaseException:

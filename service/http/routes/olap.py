@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +16,7 @@ from service.http.deps import RuntimeDep, domain, v1_router
 from service.http.jsonnum import Float, Int
 from service.http.routes.vectors import JobAccepted
 from service.http.vector_requests import parse_json
-from service.jobs.disk import PARQUET_BYTES_PER_SF, SSB_BYTES_PER_SF, ensure_quota, ensure_room, tree_bytes
+from service.jobs.disk import SSB_BYTES_PER_SF, DiskNeed, ssb_import_bytes
 
 router = v1_router(tags=["olap"])
 
@@ -76,13 +75,11 @@ def _job(job: Any, response: Response) -> JobAccepted:
     return JobAccepted(job=job.id, state=job.state, location=location)
 
 
-async def _ensure_disk(runtime: Any, manager: Any, need: float, parquet: float, what: str, field: str) -> None:
-    """Refuse a dataset that would eat into the disk reserve or pass the SSB quota (507), before any job starts."""
-    s = runtime.settings
-    ensure_room(s.data_dir, need, s.jobs.disk_reserve_mb * 2**20, what, field)
-    if s.jobs.ssb_quota_gb is not None:
-        used = await asyncio.to_thread(tree_bytes, manager.root)
-        ensure_quota(used, parquet, s.jobs.ssb_quota_gb * 1e9, what, field)
+async def _ssb_need(runtime: Any, manager: Any, need: float, what: str, field: str) -> DiskNeed:
+    """What a new dataset asks of the disk (its Parquet files and PostgreSQL copy), with what SSB uses now: the job
+    runner admits it against free disk, the reserve, the SSB quota and every claim of jobs admitted before it."""
+    usage = await domain(runtime, "jobs").disk.ssb_usage(runtime.pool, manager.root)
+    return DiskNeed(need, what, field, ssb=usage)
 
 
 @router.get("/olap/ssb/datasets", summary="SSB datasets on disk, and which one the engines hold")
@@ -106,10 +103,11 @@ async def delete_dataset(runtime: RuntimeDep, name: str = PathParam(
 @router.post("/olap/ssb/generate", status_code=202, summary="Generate an SSB dataset and load it (a job)")
 async def generate(body: GenerateRequest, runtime: RuntimeDep, response: Response) -> JobAccepted:
     manager = domain(runtime, "olap")
-    await _ensure_disk(runtime, manager, SSB_BYTES_PER_SF * body.scale_factor, PARQUET_BYTES_PER_SF * body.scale_factor,
-                       f"an SSB dataset of scale factor {body.scale_factor:g}", "scale_factor")
+    need = await _ssb_need(runtime, manager, SSB_BYTES_PER_SF * body.scale_factor,
+                           f"an SSB dataset of scale factor {body.scale_factor:g}", "scale_factor")
     job = await domain(runtime, "jobs").start("ssb_generate", f"sf{body.scale_factor:g}",
-                                              lambda progress: manager.generate(body.scale_factor, body.seed, progress))
+                                              lambda progress: manager.generate(body.scale_factor, body.seed, progress),
+                                              disk=need)
     return _job(job, response)
 
 
@@ -132,9 +130,9 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
     except (OSError, RuntimeError) as exc:  # a name too long, a symlink loop, a file that vanished
         raise Unprocessable(f"the path cannot be read: {exc.strerror if isinstance(exc, OSError) else exc}",
                             field="path") from None
-    await _ensure_disk(runtime, manager, 1.4 * tbl_bytes, 0.35 * tbl_bytes, f"importing {source}", "path")
+    need = await _ssb_need(runtime, manager, ssb_import_bytes(tbl_bytes), f"importing {source}", "path")
     job = await domain(runtime, "jobs").start("ssb_import", body.name, lambda progress: manager.import_tbl(
-        source, body.name, body.expected_rows, progress))
+        source, body.name, body.expected_rows, progress), disk=need)
     return _job(job, response)
 
 

@@ -30,7 +30,7 @@ from service.http.vector_requests import (
     UpsertPoints,
     matrix_of,
 )
-from service.jobs.disk import BULK_BYTES_PER_BYTE, ensure_room
+from service.jobs.disk import BULK_BYTES_PER_BYTE, DiskNeed
 from service.jobs.spool import spool
 from service.pipeline import Pipeline, parse_call
 from service.process.messages import Reply, SearchCall, UpsertCall
@@ -212,17 +212,16 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     load it as a job that reads it a chunk at a time and removes the file when it ends."""
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
-    s = runtime.settings
-    reserve = s.jobs.disk_reserve_mb * 2**20
-    path = await spool(request, s.data_dir, reserve, "the bulk load's body")
+    jobs = domain(runtime, "jobs")
+    path = await spool(request, jobs.disk, "the bulk load's body")
     try:
         rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric)
         await vectors.store.check_keys(c, keys)
-        ensure_room(s.data_dir, BULK_BYTES_PER_BYTE * rows * (4 * c.dim + 8), reserve, f"loading {rows} points")
-        return await runtime.jobs.start(
+        return await jobs.start(
             "bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, arrow_chunks(path, c.dim, metric=c.metric),
                                                                       rows, progress, fallback=fallback),
-            cleanup=lambda: path.unlink(missing_ok=True))
+            cleanup=lambda: path.unlink(missing_ok=True),
+            disk=DiskNeed(BULK_BYTES_PER_BYTE * rows * (4 * c.dim + 8), f"loading {rows} points"))
     except BaseException:
         path.unlink(missing_ok=True)
         raise
