@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import asyncpg
+
 from . import pgvector_search
 from .build_process import DetachedBuilder
+from .errors import CollectionNotFound
 from .manager_state import ManagerState
 from .planner import CALIBRATION_QUERIES
 from .replica import Replica
@@ -61,8 +64,33 @@ class Builds(ManagerState):
 
         While a resident index serves, pgvector's is only the fallback: with `fallback="background"` it is built
         after this returns, CONCURRENTLY (writes go on), and describe() says "building" meanwhile; "wait" builds
-        it before returning, as it always is when pgvector is the serving engine."""
+        it before returning, as it always is when pgvector is the serving engine.
+
+        A collection dropped while its build runs (here or by another process) fails the build with
+        CollectionNotFound, whatever the engine or PostgreSQL raised when its table went away."""
         c = await self.collection(name)
+        try:
+            return await self._build(c, progress, fallback)
+        except CollectionNotFound:
+            raise
+        except Exception as exc:
+            if await self._dropped(c):
+                raise CollectionNotFound(f"collection {name!r} was deleted while it was being built",
+                                         field="collection") from exc
+            raise
+
+    async def _dropped(self, c: Collection) -> bool:
+        """Whether the collection is gone from PostgreSQL (dropped, perhaps re-created under a new id)."""
+        try:
+            await self.store.head(c)
+        except CollectionNotFound:
+            return True
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            return False  # the database is unreachable: the failure itself says more
+        return False
+
+    async def _build(self, c: Collection, progress: Progress | None, fallback: str) -> dict[str, Any]:
+        name = c.name
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
         out = await self.rebuild_resident(name, lambda message: say(0, None, message))
@@ -95,6 +123,10 @@ class Builds(ManagerState):
             await pgvector_search.build_index(self.pool, c, await self.store.count(c), concurrently=True)
             log.info("collection %s: pgvector index built in the background in %.1f s", c.name,
                      time.perf_counter() - started)
+        except Exception:
+            if not await self._dropped(c):
+                raise
+            log.info("collection %s was deleted while its pgvector index was being built", c.name)
         finally:
             self.fallback_builds.discard(c.name)
 

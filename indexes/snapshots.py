@@ -106,6 +106,7 @@ class Snapshots:
 
     def __init__(self, directory: Path, store: "CollectionStore") -> None:
         self.directory, self.store = directory, store
+        self.removed: set[int] = set()  # collections dropped while this process ran: never snapshot them again
 
     def _path(self, r: "Replica") -> Path:
         return path_for(self.directory, r.collection.id, r.index.backend.name)
@@ -135,15 +136,28 @@ class Snapshots:
         return state
 
     async def save(self, r: "Replica") -> None:
-        """Write the replica's state, unless it is what the last snapshot already holds."""
+        """Write the replica's state, unless it is what the last snapshot already holds. A collection dropped
+        while its snapshot is written leaves no file: remove() may take the temp file before its rename (which
+        then finds nothing to rename), or come before it was made (the file written is then removed here)."""
+        cid = r.collection.id
+        if cid in self.removed:
+            return
         state = await r.run(r.index.state)
         mark = (state["watermark"], state["digest"], state["index_type"])
         if mark == r.saved:
             return
         state["token"] = await self.store.commit_token(r.collection, state["watermark"]) if state["watermark"] else None
-        await asyncio.to_thread(save, self._path(r), state, self._meta(r))
+        try:
+            await asyncio.to_thread(save, self._path(r), state, self._meta(r))
+        except FileNotFoundError:
+            if cid not in self.removed:
+                raise
+        if cid in self.removed:  # checked on the event loop, as remove() runs: one of the two removes the file
+            remove(self._path(r))
+            return
         r.saved = mark
 
     def remove(self, collection_id: int) -> None:
+        self.removed.add(collection_id)
         for engine in ENGINES:
             remove(path_for(self.directory, collection_id, engine))

@@ -2,13 +2,15 @@
 
 Tables are loaded once from the Parquet files; after that the connection runs with external access off and its
 configuration locked, so no query (ad-hoc or not) can read or write a file, attach a database or load an
-extension. A new dataset means a new in-memory database, swapped in when loaded.
+extension. A new dataset means a new in-memory database, swapped in when loaded; the old one is closed once the
+queries that run on it have finished (DuckDB refuses to close a connection whose cursors are busy).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +21,29 @@ from .results import QueryFailed, Result, from_arrow_batches
 from .schema import TABLES
 
 
+@dataclass
+class _Database:
+    """One loaded dataset's connection and the queries running on it."""
+
+    con: duckdb.DuckDBPyConnection
+    users: int = 0
+    retired: bool = False  # swapped out (or the engine closed): closed when its last query ends
+
+
 class DuckDBEngine:
     name = "duckdb"
     kind = "cpu"
 
     def __init__(self, threads: int | None = None, memory_limit: str | None = None) -> None:
         self.threads, self.memory_limit = threads, memory_limit
-        self._con: duckdb.DuckDBPyConnection | None = None
+        self._db: _Database | None = None
+        self._lock = threading.Lock()  # the current database, and every database's users and retirement
         self.dataset: str | None = None
         self.rows: dict[str, int] = {}
 
     @property
     def ready(self) -> bool:
-        return self._con is not None
+        return self._db is not None
 
     @property
     def version(self) -> str:
@@ -54,22 +66,43 @@ class DuckDBEngine:
             rows[table] = count[0]
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
-        old, self._con = self._con, con
-        self.dataset, self.rows = str(dataset_dir), rows
+        with self._lock:
+            old, self._db = self._db, _Database(con)
+            self.dataset, self.rows = str(dataset_dir), rows
         if old is not None:
-            old.close()
+            self._retire(old)
         return {"rows": rows, "load_s": round(time.perf_counter() - started, 3)}
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
-        if self._con is None:
-            raise RuntimeError("no SSB dataset is loaded in DuckDB")
-        return self._con.cursor()  # one cursor per query: cursors may run concurrently
+    def _open(self) -> tuple[_Database, duckdb.DuckDBPyConnection]:
+        """The current database and a cursor on it (one per query: cursors may run concurrently); the database
+        counts the query as its user until _release."""
+        with self._lock:
+            db = self._db
+            if db is None:
+                raise RuntimeError("no SSB dataset is loaded in DuckDB")
+            cursor = db.con.cursor()
+            db.users += 1
+        return db, cursor
+
+    def _release(self, db: _Database) -> None:
+        with self._lock:
+            db.users -= 1
+            last = db.retired and db.users == 0
+        if last:
+            db.con.close()
+
+    def _retire(self, db: _Database) -> None:
+        with self._lock:
+            db.retired = True
+            idle = db.users == 0
+        if idle:
+            db.con.close()
 
     def run_query(self, query_id: str, params: dict[str, Any] | None) -> Result:
         return self.run_sql(render_sql(query_id, params or {}), max_rows=None, timeout_s=None)
 
     def run_sql(self, sql: str, max_rows: int | None, timeout_s: float | None) -> Result:
-        cursor = self._cursor()
+        db, cursor = self._open()
         timer = threading.Timer(timeout_s, cursor.interrupt) if timeout_s else None
         if timer:
             timer.start()
@@ -88,8 +121,10 @@ class DuckDBEngine:
             if timer:
                 timer.cancel()
             cursor.close()
+            self._release(db)
 
     def close(self) -> None:
-        if self._con is not None:
-            self._con.close()
-            self._con = None
+        with self._lock:
+            db, self._db = self._db, None
+        if db is not None:
+            self._retire(db)

@@ -62,8 +62,11 @@ class _Int:
         self.low, self.high = low, high
 
     def check(self, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"expected an integer, got {type(value).__name__}")
+        # 1997.0 is an integer to JSON Schema (and to the service's other integer fields): taken as 1997
+        integral_float = isinstance(value, float) and value.is_integer()
+        if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or integral_float):
+            raise ValueError(f"expected an integer, got {value!r}" if isinstance(value, float)
+                             else f"expected an integer, got {type(value).__name__}")
         value = int(value)
         if not self.low <= value <= self.high:
             raise ValueError(f"must be between {self.low} and {self.high}, got {value}")

@@ -49,3 +49,50 @@ def test_a_failed_job_says_why_without_a_librarys_text(client):
     assert (library["state"] == "failed" and "secret" not in library["message"]
             and "IndexError" not in library["message"])
     assert "error id" in library["message"]
+
+
+def test_a_build_whose_collection_is_deleted_meanwhile_says_so(client, database_url):
+    """Another process drops the collection just as the build reaches pgvector's index: the job fails saying the
+    collection is gone, not with an internal error id."""
+    import threading
+
+    import asyncpg
+
+    from indexes.store import CollectionStore
+    from vector_data import b64, clustered
+
+    wait_ready(client)
+    assert client.post("/v1/collections", json={"name": "doomed", "dim": 8}).status_code == 201
+    assert client.put("/v1/collections/doomed/points",
+                      json={"ids": list(range(50)), "vectors_b64": b64(clustered(50, 8, seed=3))}).status_code == 200
+    runtime = client.app.state.switchyard
+
+    def drop_elsewhere() -> None:  # as another worker would, on its own connection; the build waits for it
+        async def drop() -> None:
+            pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+            try:
+                await CollectionStore(pool).drop("doomed")
+            finally:
+                await pool.close()
+
+        thread = threading.Thread(target=asyncio.run, args=(drop(),))
+        thread.start()
+        thread.join()
+
+    async def scenario() -> dict:
+        async def work(progress):
+            def report(done, total, message):
+                if message == "building the pgvector index":
+                    drop_elsewhere()
+                progress(done, total, message)
+
+            return await runtime.vectors.build("doomed", report, fallback="wait")
+
+        job = await runtime.jobs.start("build", "doomed", work)
+        while job.id in runtime.jobs.running:
+            await asyncio.sleep(0.01)
+        return await runtime.jobs.get(job.id)
+
+    state = client.portal.call(scenario)
+    assert state["state"] == "failed", state
+    assert "error id" not in state["message"] and "deleted" in state["message"] and "doomed" in state["message"]

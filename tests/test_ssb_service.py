@@ -270,8 +270,8 @@ def test_string_blowups_are_refused(app, sql):
 
 def test_duckdb_runs_within_its_memory_limit(app):
     engine = app.app.state.switchyard.olap.engines["cpu"]
-    limit = engine._cursor().execute("SELECT current_setting('memory_limit')").fetchone()[0]
-    threads = engine._cursor().execute("SELECT current_setting('threads')").fetchone()[0]
+    limit = engine.run_sql("SELECT current_setting('memory_limit')", None, None).rows[0][0]
+    threads = engine.run_sql("SELECT current_setting('threads')", None, None).rows[0][0]
     number, unit = limit.split()
     got_mb = float(number) * {"MiB": 1.048576, "GiB": 1073.741824, "MB": 1, "GB": 1000}[unit]
     want_mb = int(app.app.state.switchyard.settings.duckdb_memory.removesuffix("MB"))

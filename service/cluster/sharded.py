@@ -125,9 +125,10 @@ class ShardedCollections(WatchesParts, CollectionManager):
         # Failures come back as values and are dropped: a replica that is down or slow catches up from the log.
         await self.parts.on_every_replica("catch_up", name, seq, shards=owners, timeout_s=NUDGE_WAIT_S)
 
-    async def build(self, name: str, progress: Any = None, fallback: str = "background") -> dict[str, Any]:
-        """Every replica rebuilds its part; pgvector's index (only the fallback here) follows in the background."""
-        c = await self.collection(name)
+    async def _build(self, c: Collection, progress: Any, fallback: str) -> dict[str, Any]:
+        """Every replica rebuilds its part; pgvector's index (only the fallback here) follows in the background.
+        (build() around it says so when the collection is dropped meanwhile.)"""
+        name = c.name
         say = progress or (lambda done, total, message: None)
         say(0, None, f"rebuilding {self.parts.shards} shard(s) on every replica")
         answers = await self.parts.on_every_replica("build", name)

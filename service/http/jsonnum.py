@@ -21,6 +21,11 @@ def _no_bool_items(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_bool)]
+NOT_BOOL = BeforeValidator(_not_bool)
+Int = Annotated[int, NOT_BOOL]
+# A bounded optional integer: Annotated[int, Field(ge=.., le=..), NOT_BOOL] | None, bounds before the validator.
+# (`Int | None = Field(ge=..)`, or the bounds after it, reach the JSON schema as "ge"/"le", no JSON Schema keywords.)
 IntList = Annotated[list[int], BeforeValidator(_no_bool_items)]  # one check per list: ids lists are long
 Float = StrictFloat  # strict float takes ints, and no booleans
+# json_schema_extra of an id list the service refuses duplicates in (indexes/vectors.check_ids, spatial ids)
+UNIQUE_ITEMS: dict[str, Any] = {"uniqueItems": True}

@@ -5,6 +5,9 @@
 - every status an operation can answer is listed, errors as `application/problem+json` (RFC 9457) with the
   problem schema, replacing FastAPI's `application/json` validation-error stub.
 
+- OpenAPI links from the responses that create something (a collection, points, a layer, a job) to the operations
+  on it, so a stateful checker (schemathesis's stateful phase) runs real sequences: create, write, search, delete.
+
 The X-Request-Timeout header is described in the document's description, not declared per operation: a deadline
 short enough is answered 503/504 by design, which contract checkers count as server errors.
 """
@@ -65,6 +68,43 @@ ERRORS = {
          "the SSB quota, for this write; the members *_bytes give the numbers.",
 }
 WRITES = {"put", "post", "delete"}
+
+COLLECTION = "/v1/collections/{name}"
+JOB = "/v1/jobs/{job_id}"
+LAYER = "/v1/spatial/layers/{name}"
+# (path, method, status) -> {link name: (target path, target method, link fields)}: the parameters and body of the
+# target taken from the response (or request) that created the resource. A link body is merged into a generated one.
+_NAME_FROM_BODY = {"parameters": {"path.name": "$response.body#/name"}}
+_NAME_FROM_PATH = {"parameters": {"path.name": "$request.path.name"}}
+_JOB = {"parameters": {"path.job_id": "$response.body#/job"}}
+_JOB_LINKS = {"GetJob": (JOB, "get", _JOB), "CancelJob": (f"{JOB}/cancel", "post", _JOB),
+              "DeleteJob": (JOB, "delete", _JOB)}
+LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, dict[str, Any]]]] = {
+    ("/v1/collections", "post", "201"): {
+        "GetCollection": (COLLECTION, "get", _NAME_FROM_BODY),
+        "UpsertPoints": (f"{COLLECTION}/points", "put", _NAME_FROM_BODY),
+        "SearchCollection": (f"{COLLECTION}/search", "post", _NAME_FROM_BODY),
+        "DeletePoints": (f"{COLLECTION}/points/delete", "post", _NAME_FROM_BODY),
+        "Recall": (f"{COLLECTION}/recall", "post", _NAME_FROM_BODY),
+        "BuildCollection": (f"{COLLECTION}/build", "post", _NAME_FROM_BODY),
+        "DeleteCollection": (COLLECTION, "delete", _NAME_FROM_BODY),
+    },
+    (f"{COLLECTION}/points", "put", "200"): {
+        "GetCollection": (COLLECTION, "get", _NAME_FROM_PATH),
+        "SearchCollection": (f"{COLLECTION}/search", "post", _NAME_FROM_PATH),
+        "DeleteThesePoints": (f"{COLLECTION}/points/delete", "post",
+                              {**_NAME_FROM_PATH, "requestBody": {"ids": "$request.body#/ids"}}),
+        "DeleteCollection": (COLLECTION, "delete", _NAME_FROM_PATH),
+    },
+    (f"{COLLECTION}/points", "put", "202"): _JOB_LINKS,
+    (f"{COLLECTION}/points/delete", "post", "200"): {"GetCollection": (COLLECTION, "get", _NAME_FROM_PATH)},
+    (f"{COLLECTION}/build", "post", "202"): _JOB_LINKS,
+    (COLLECTION, "delete", "204"): {"GetCollection": (COLLECTION, "get", _NAME_FROM_PATH)},
+    ("/v1/spatial/layers", "post", "201"): {"DeleteLayer": (LAYER, "delete", _NAME_FROM_BODY)},
+    ("/v1/olap/ssb/generate", "post", "202"): _JOB_LINKS,
+    ("/v1/olap/ssb/import", "post", "202"): _JOB_LINKS,
+    (f"{JOB}/cancel", "post", "200"): {"GetJob": (JOB, "get", {"parameters": {"path.job_id": "$response.body#/id"}})},
+}
 READ_ONLY_POSTS = ("/search", "/recall", "/joins/", "/olap/sql", "/olap/ssb/queries/")
 
 
@@ -91,7 +131,21 @@ def contract(doc: dict[str, Any], settings: Settings) -> dict[str, Any]:
     for path, operations in doc.get("paths", {}).items():
         for method, op in operations.items():
             _shape(path, method, op, settings)
+    _link(doc)
     return doc
+
+
+def _link(doc: dict[str, Any]) -> None:
+    """Add LINKS to the responses they start from, naming targets by their operationId (FastAPI makes them up)."""
+    paths = doc.get("paths", {})
+    for (path, method, status), links in LINKS.items():
+        response = paths.get(path, {}).get(method, {}).get("responses", {}).get(status)
+        if response is None:  # a route this configuration does not serve
+            continue
+        for name, (target_path, target_method, fields) in links.items():
+            target = paths.get(target_path, {}).get(target_method)
+            if target is not None:
+                response.setdefault("links", {})[name] = {"operationId": target["operationId"], **fields}
 
 
 def _shape(path: str, method: str, op: dict[str, Any], settings: Settings) -> None:

@@ -8,7 +8,7 @@ no engine.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -20,7 +20,7 @@ from indexes import filters
 from indexes.errors import InvalidInput, VectorError
 from indexes.vectors import MAX_ID, MAX_K, decode_base64, encode_payloads, fit_matrix, unshaped_matrix
 from service.errors import ProblemError
-from service.http.jsonnum import Float, Int, IntList
+from service.http.jsonnum import NOT_BOOL, UNIQUE_ITEMS, Float, Int, IntList
 from service.http.openapi import exactly_one_of
 from service.process.messages import SearchCall, UpsertCall, float32_bytes
 
@@ -50,8 +50,8 @@ class SearchOptions(BaseModel):
         "What the resident replica must have applied first: `strong` every commit before this search, `session` "
         "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
         "nothing. pgvector always reads the latest commit."))
-    seq: Int | None = Field(default=None, ge=0, le=MAX_ID,
-                            description="With `session`: the seq a write of yours returned.")
+    seq: Annotated[int, Field(ge=0, le=MAX_ID), NOT_BOOL] | None = Field(
+        default=None, description="With `session`: the seq a write of yours returned.")
 
     @field_validator("params")
     @classmethod
@@ -66,8 +66,9 @@ class SearchOptions(BaseModel):
 class SearchRequest(SearchOptions):
     model_config = ConfigDict(extra="forbid",
                               json_schema_extra=exactly_one_of(("vector",), ("vectors",), ("vectors_b64",)))
-    vector: list[Float] | None = Field(default=None, description="One query vector.")
-    vectors: list[list[Float]] | None = Field(default=None, max_length=10_000, description="A batch of query vectors.")
+    vector: list[Float] | None = Field(default=None, min_length=1, description="One query vector.")
+    vectors: list[list[Float]] | None = Field(default=None, min_length=1, max_length=10_000,
+                                              description="A batch of query vectors.")
     vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
 
     @model_validator(mode="after")
@@ -116,8 +117,8 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
 
 class UpsertPoints(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vectors",), ("vectors_b64",)))
-    ids: IntList = Field(min_length=1, max_length=100_000)
-    vectors: list[list[Float]] | None = Field(default=None, description="One float list per id.")
+    ids: IntList = Field(min_length=1, max_length=100_000, json_schema_extra=UNIQUE_ITEMS)
+    vectors: list[list[Float]] | None = Field(default=None, min_length=1, description="One float list per id.")
     vectors_b64: str | None = Field(default=None,
                                     description="All vectors as base64 of little-endian float32, row after row.")
     payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")

@@ -9,7 +9,7 @@ from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.http.deps import RuntimeDep, domain, v1_router
-from service.http.jsonnum import Float, Int, IntList
+from service.http.jsonnum import UNIQUE_ITEMS, Float, Int, IntList
 from service.http.openapi import exactly_one_of
 from spatial.manager import MAX_PAGE
 
@@ -29,9 +29,10 @@ class LayerIn(BaseModel):
     lon: list[Float] | None = Field(default=None, description="Points: longitudes in degrees (-180..180).")
     lat: list[Float] | None = Field(default=None, description="Points: latitudes in degrees (-90..90).")
     geojson: dict[str, Any] | None = Field(default=None, description="A GeoJSON FeatureCollection.")
-    wkt: list[str] | None = None
-    wkb_b64: list[str] | None = Field(default=None, description="WKB geometries, base64-encoded.")
-    ids: IntList | None = Field(default=None, description="One id per feature (default 0..n-1).")
+    wkt: list[str] | None = Field(default=None, min_length=1, description="WKT geometries.")
+    wkb_b64: list[str] | None = Field(default=None, min_length=1, description="WKB geometries, base64-encoded.")
+    ids: IntList | None = Field(default=None, json_schema_extra=UNIQUE_ITEMS,
+                                description="One id per feature (default 0..n-1).")
 
 
 class LayerOut(BaseModel):

@@ -21,7 +21,7 @@ from indexes.vectors import (
     scan_arrow,
 )
 from service.http.deps import RuntimeDep, domain, v1_router
-from service.http.jsonnum import Float, Int, IntList
+from service.http.jsonnum import NOT_BOOL, UNIQUE_ITEMS, Float, Int, IntList
 from service.http.media import media_type
 from service.http.vector_requests import (
     RAW_VECTORS,
@@ -71,9 +71,10 @@ def _pgvector_index_schema(schema: dict[str, Any]) -> None:
 class PgvectorIndexSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_pgvector_index_schema)
     type: Literal["hnsw", "ivfflat", "none"] | None = None
-    m: Int | None = Field(default=None, ge=2, le=100)
-    ef_construction: Int | None = Field(default=None, ge=4, le=1000)
-    lists: Int | None = Field(default=None, ge=1, le=32768)
+    # bounded optional integers as service/http/jsonnum.py says, so the schema has minimum/maximum
+    m: Annotated[int, Field(ge=2, le=100), NOT_BOOL] | None = None
+    ef_construction: Annotated[int, Field(ge=4, le=1000), NOT_BOOL] | None = None
+    lists: Annotated[int, Field(ge=1, le=32768), NOT_BOOL] | None = None
 
 
 class CreateCollection(BaseModel):
@@ -119,7 +120,7 @@ class WriteOut(BaseModel):
 
 class DeletePoints(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ids: IntList = Field(min_length=1, max_length=100_000)
+    ids: IntList = Field(min_length=1, max_length=100_000, json_schema_extra=UNIQUE_ITEMS)
 
 
 class SearchOut(BaseModel):
@@ -144,7 +145,8 @@ class RecallRequest(BaseModel):
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
     params: dict[str, int | float] | None = None
     sample: Int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
-    queries: list[list[Float]] | None = Field(default=None, max_length=10_000, description="Queries to use instead.")
+    queries: list[list[Float]] | None = Field(default=None, min_length=1, max_length=10_000,
+                                              description="Queries to use instead.")
     seed: Int = Field(default=0, ge=0, description="Seed of the sample's random choice (0 or more).")
     recall_target: float | None = Field(default=None, description="Search as a search with this recall_target would.")
 
