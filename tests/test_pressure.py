@@ -121,21 +121,23 @@ def test_a_waiter_waits_a_few_times_what_its_kind_costs_unqueued():
     run(go())
 
 
-def test_a_request_waits_in_a_short_queue_for_a_slot_and_the_oldest_makes_way_when_it_is_full():
+def test_a_request_waits_in_a_short_queue_for_a_slot_and_is_refused_at_once_when_it_is_full():
     async def go():
         limit = ClassLimit("light", ceiling=2, floor=2, tolerance=0, max_wait_s=0.05)
         assert await limit.enter() and await limit.enter()
         waiting = []
         for _ in range(4):
+            assert not limit.full()
             waiting.append(asyncio.create_task(limit.enter()))
             await asyncio.sleep(0)
         await asyncio.sleep(0.01)
-        assert len(limit.waiters) == 4
-        newest = asyncio.create_task(limit.enter())  # two waiters per slot: the queue is full ...
-        assert not await asyncio.wait_for(waiting[0], 0.025)  # ... so the oldest makes way, refused at once
+        assert len(limit.waiters) == 4 and limit.full()  # two waiters per slot: the queue is full ...
+        started = time.perf_counter()
+        assert not await limit.enter()  # ... so a newcomer is refused at once
+        assert time.perf_counter() - started < 0.01
         limit.leave()  # a slot frees: handed to the first in line
-        assert await waiting[1] and limit.inflight == 2
-        assert not any(await asyncio.gather(*waiting[2:], newest))  # no slot in their 50 ms: refused
+        assert await waiting[0] and limit.inflight == 2
+        assert not any(await asyncio.gather(*waiting[1:]))  # no slot in their 50 ms: refused
         assert limit.inflight == 2 and not limit.waiters
 
     run(go())
@@ -228,3 +230,47 @@ def test_the_limit_returns_to_its_maximum_within_ten_seconds_of_the_load_ending(
     r = client.get("/v1/collections")
     assert r.status_code == 200 and gauge() == 64
     assert_problem(client.post("/v1/collections/none/search", json={"vector": [1.0], "k": 1}), 404, "not-found")
+
+
+def full(work: ClassLimit) -> list[asyncio.Future]:
+    """Every slot taken and the queue full (futures standing for waiters)."""
+    work.limit = work.ceiling
+    work.inflight = work.limit
+    loop = asyncio.new_event_loop()
+    waiters = [loop.create_future() for _ in range(2 * work.limit)]
+    work.waiters.extend(waiters)
+    return waiters
+
+
+def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_path):
+    from service.http.app import create_app
+    from service.http.express import Claim
+    from service.settings import Settings
+
+    app = create_app(Settings(data_dir=tmp_path, max_inflight=4, inflight_latency_tolerance=0))
+    classes = app.express.admission.classes
+    full(classes["heavy"])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        raise AssertionError("express read the body of a request it refuses")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/olap/sql", "raw_path": b"/v1/olap/sql", "root_path": "",
+             "query_string": b"", "headers": [(b"content-length", b"20"), (b"content-type", b"application/json")],
+             "client": ("192.0.2.1", 4000), "server": ("127.0.0.1", 8000), "scheme": "http", "http_version": "1.1"}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert b'"work_class":"heavy"' in sent[1]["body"].replace(b" ", b"")
+    # A search the protocol holds is refused there, with the same problem, when the light class is full.
+    full(classes["light"])
+    answers, refusals = [], []
+    claim = Claim("c1", "application/json", "")
+    assert app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
+    assert not answers and refusals[0].status == 503 and ("retry-after", "1") in refusals[0].headers
+    assert b'"reason":"inflight"' in refusals[0].body.replace(b" ", b"")
+    classes["light"].waiters.clear()  # the queue has room: the search waits on the app's path instead
+    assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
+    assert len(refusals) == 1

@@ -300,6 +300,12 @@ class Admission:
         limit = self.classes[work]
         return Ticket(limit) if limit.admit() else None
 
+    def check_room(self, work: str) -> None:
+        """Refuse (Shed, 503) a request of `work` at once, before its body is read, when its class would: no free
+        slot and a full queue (service/admission/pressure.py)."""
+        if self.classes is not None and self.classes[work].full():
+            raise self._no_slot(work)
+
     async def enter(self, work: str, kind: Hashable = None) -> Ticket:
         """A slot under the in-flight limit of `work`'s class (service/admission/pressure.py), now or after a short
         wait (bounded by what `kind` costs); Shed (503) when none comes."""
@@ -307,11 +313,15 @@ class Admission:
             return Ticket(None)
         limit = self.classes[work]
         if not await limit.enter(kind):
-            self.shed("requests", "inflight")
-            raise Shed(f"the service is serving {limit.inflight} {work} requests, the limit of that work class under "
-                       "the present load (SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), and no slot "
-                       "came free in time; this one was not run", 1.0, reason="inflight", work_class=work)
+            raise self._no_slot(work)
         return Ticket(limit)
+
+    def _no_slot(self, work: str) -> Shed:
+        assert self.classes is not None
+        self.shed("requests", "inflight")
+        return Shed(f"the service is serving {self.classes[work].inflight} {work} requests, the limit of that work "
+                    "class under the present load (SWITCHYARD_MAX_INFLIGHT, SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE), "
+                    "and no slot came free in time; this one was not run", 1.0, reason="inflight", work_class=work)
 
     # -- quotas ----------------------------------------------------------------------------------------
     def check_request(self, principal: str) -> None:

@@ -7,8 +7,9 @@ of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows
 requests had to wait; once a class's load is gone (under half its limit in use, no cut for RECOVER_S) the limit
 doubles every RECOVER_S back to its ceiling. A request that finds its class full waits in the queue (two waiters per
 slot) for at most WAIT_FACTOR times its kind's unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that
-waiting never more than triples what it costs; a free slot goes to the head of the queue at once, and when the queue
-is full the oldest waiter is answered 503 (drop from the head, as CoDel does). Why: docs/design/serving.md.
+waiting never more than triples what it costs; a free slot goes to the head of the queue at once, and a request that
+finds the queue full is refused at once, before its body is read (full(): the cheapest refusal, which keeps a
+process that refuses most of what it is sent serving the rest at its capacity). Why: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class ClassLimit:
         self.max_wait_s = max_wait_s
         self.limit = self.ceiling  # generous until latency says otherwise
         self.inflight = 0
-        self.waiters: deque[asyncio.Future] = deque()  # result True: handed a slot; False: dropped from the head
+        self.waiters: deque[asyncio.Future] = deque()  # result True: handed a slot
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
         self.kinds: dict[Hashable, KindLatency] = {}
         now = monotonic()
@@ -105,12 +106,16 @@ class ClassLimit:
             return self.max_wait_s
         return min(self.max_wait_s, max(MIN_WAIT_S, WAIT_FACTOR * latency.least))
 
+    def full(self) -> bool:
+        """Whether a request arriving now would be refused at once: no free slot and a full queue."""
+        return self.inflight >= self.current() and len(self.waiters) >= 2 * self.limit
+
     async def enter(self, kind: Hashable = None) -> bool:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
         if self.admit():
             return True
         if len(self.waiters) >= 2 * self.limit:
-            self.waiters.popleft().set_result(False)  # the oldest makes way
+            return False
         handed = asyncio.get_running_loop().create_future()
         self.waiters.append(handed)
         try:
@@ -119,14 +124,13 @@ class ClassLimit:
             self._forget(handed)
             raise
         if handed.done():
-            return handed.result()  # True: _hand_over counted it in; False: dropped from the head
+            return True  # _hand_over counted it in
         self._forget(handed)
         return False
 
     def _forget(self, handed: asyncio.Future) -> None:
         if handed.done() and not handed.cancelled():
-            if handed.result():
-                self.leave()  # handed a slot it will not use
+            self.leave()  # handed a slot it will not use
             return
         handed.cancel()
         try:

@@ -153,11 +153,17 @@ class Express:
             return None
         return Claim(match.group(1), h.media.decode(), query.decode("latin-1"))
 
-    def answer_inline(self, claim: Claim, raw: bytes, respond: Callable[[bytes], None]) -> bool:
+    def answer_inline(self, claim: Claim, raw: bytes, respond: Callable[[bytes], None],
+                      refuse: Callable[[Reply], None]) -> bool:
         """The claimed search answered at once, admitted and counted as __call__ would: whether its answer went to
         `respond` (False: nothing was sent, and the request goes through __call__)."""
         ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
         if self.admission is not None and ticket is None:
+            try:  # no slot now: wait for one on the app's path, or, with the queue full, be refused here at once
+                self.admission.check_room(LIGHT)
+            except ProblemError as exc:
+                refuse(problem_of(exc, {"method": "POST", "path": f"/v1/collections/{claim.collection}/search"}))
+                return True
             return False
         answered = False
         try:
@@ -180,12 +186,15 @@ class Express:
             return
         match = HOT.match(scope["path"])
         v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
+        work, kind = work_of(scope["method"], scope["path"], scope["headers"])
         try:
             h = read_headers(scope["headers"])
             if v1:  # authorize first: a client without the key sends no body and takes no slot
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
                     self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
+                if self.admission is not None:
+                    self.admission.check_room(work)  # no slot and a full queue: refused before its body is read
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return
@@ -200,7 +209,6 @@ class Express:
         if self.admission is None or not v1:
             await self._guarded(scope, receive, watched, match, h, raw)
             return
-        work, kind = work_of(scope["method"], scope["path"], scope["headers"])
         try:
             ticket = await self.admission.enter(work, kind)
         except ProblemError as exc:

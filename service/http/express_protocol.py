@@ -26,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from service.errors import problem_response
 from service.http.express import INLINE_MAX_BODY, Claim, Express
 from service.http.limits import BODY_MIN_RATE
+from service.process.messages import Reply
 
 log = logging.getLogger("switchyard")
 # What this protocol reads or sets of HttpToolsProtocol's own state (checked against the installed uvicorn by
@@ -159,7 +160,7 @@ class ExpressProtocol(HttpToolsProtocol):
         self.responded = False
         assert self.express is not None and self.claim is not None  # held: express claimed the request
         try:
-            self.express.answer_inline(self.claim, raw, self._respond)
+            self.express.answer_inline(self.claim, raw, self._respond, self._refuse)
         except Exception:  # noqa: BLE001 - unanswered, the ASGI path runs it again and answers whatever happens there
             log.exception("the inline search answer failed%s", "" if self.responded else
                           "; the request goes through the app")
@@ -172,9 +173,20 @@ class ExpressProtocol(HttpToolsProtocol):
 
     def _respond(self, body: bytes) -> None:
         """What uvicorn's cycle writes for a 200 JSON answer, then what it does once a response is complete."""
+        self._write(_head(self.server_state.default_headers), body)
+
+    def _refuse(self, reply: Reply) -> None:
+        """A refusal (a problem, with its own headers, content type included) answered here, as _respond answers a
+        search."""
+        head = b"".join([STATUS_LINE[reply.status],
+                         *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                         *(f"{name}: {value}\r\n".encode("latin-1") for name, value in reply.headers),
+                         b"content-length: "])
+        self._write(head, reply.body)
+
+    def _write(self, head: bytes, body: bytes) -> None:
         keep_alive = (self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
                       and not self.stopping)
-        head = _head(self.server_state.default_headers)
         tail = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
         self.transport.write(b"".join((head, b"%d\r\n" % len(body), tail, body)))
         self.server_state.total_requests += 1

@@ -1,0 +1,179 @@
+"""An open-loop HTTP load generator that runs in its own processes and reports how late it sent.
+
+Each generator process sends its share of a fixed schedule (request i is due at start + i / rate, the processes
+interleaved) over keep-alive HTTP/1.1 connections on loopback, opening another connection whenever none is idle (a
+capped pool would turn the open loop into a closed one). Latency counts from each request's due time, so a late
+generator shows up in it; the lateness itself (send time minus due time) is reported beside it. Requests are
+pre-encoded bytes, answers are parsed only as far as status, Retry-After and length: the generator spends as little
+of a shared machine as it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+HEAD_END = b"\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class Request:
+    label: str  # what it is, for per-label results
+    raw: bytes  # the whole HTTP/1.1 request
+
+
+def http_request(method: str, path: str, body: bytes, label: str, headers: dict[str, str] | None = None) -> Request:
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"{method} {path} HTTP/1.1\r\nhost: load\r\ncontent-type: application/json\r\n{extra}"
+            f"content-length: {len(body)}\r\n\r\n")
+    return Request(label, head.encode() + body)
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection with at most one request outstanding."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.answer: asyncio.Future | None = None
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, raw: bytes) -> asyncio.Future:
+        self.answer = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(raw)
+        return self.answer
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(HEAD_END)
+        if end < 0:
+            return
+        head = bytes(self.buffer[:end]).lower()
+        at = head.find(b"content-length:")
+        length = int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None]) if at >= 0 else 0
+        if len(self.buffer) < end + 4 + length:
+            return
+        del self.buffer[:end + 4 + length]
+        close = b"connection: close" in head
+        if close:
+            self.closed = True
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result((int(head[9:12]), b"retry-after" in head))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result(("reset" if self.buffer or exc else "closed", False))
+
+
+async def _generate(port: int, requests: list[Request], rate: float, start: float, duration_s: float, index: int,
+                    processes: int, clients: int) -> list[tuple[str, Any, bool, float, float]]:
+    """This process's share: open loop at rate / processes (clients=0), or `clients` closed-loop clients."""
+    loop = asyncio.get_running_loop()
+    idle: list[Connection] = []
+    out: list[tuple[str, Any, bool, float, float]] = []
+
+    async def one(i: int, due: float) -> None:
+        request = requests[i % len(requests)]
+        sent = time.monotonic()
+        try:
+            connection = idle.pop() if idle else (await loop.create_connection(Connection, "127.0.0.1", port))[1]
+            status, retry = await connection.send(request.raw)
+        except OSError as exc:
+            out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due))
+            return
+        out.append((request.label, status, retry, time.monotonic() - due, sent - due))
+        if connection.closed:
+            if connection.transport is not None:
+                connection.transport.close()
+        else:
+            idle.append(connection)
+
+    stop = start + duration_s
+    if clients:  # closed loop: each client sends its next request when the last is answered
+        async def client(c: int) -> None:
+            i = c
+            while (now := time.monotonic()) < stop:
+                await one(i, now)
+                i += clients
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+        await asyncio.gather(*(client(index * clients + c) for c in range(clients)))
+    else:
+        tasks, i = [], index
+        while (due := start + i / rate) < stop:
+            if (delay := due - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, due)))
+            i += processes
+        await asyncio.gather(*tasks)
+    for connection in idle:
+        if connection.transport is not None:
+            connection.transport.close()
+    return out
+
+
+def _worker(conn: Any, args: tuple, cpus: set[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    cpu = time.process_time()
+    results = asyncio.run(_generate(*args))
+    conn.send((results, time.process_time() - cpu))
+    conn.close()
+
+
+def run(port: int, requests: list[Request], duration_s: float, rate: float = 0.0, clients: int = 0,
+        processes: int = 2, cpus: set[int] | None = None) -> dict[str, Any]:
+    """Open loop at `rate` per second (or `clients` closed-loop clients per process) for duration_s, from
+    `processes` generator processes (on `cpus` only, if given); the summary of what came back."""
+    context = multiprocessing.get_context("spawn")
+    start = time.monotonic() + 1.5 + 0.3 * processes  # after the processes have started
+    pipes, workers = [], []
+    for index in range(processes):
+        mine, theirs = context.Pipe(duplex=False)
+        worker = context.Process(target=_worker, args=(theirs, (port, requests, rate, start, duration_s, index,
+                                                                 processes, clients), cpus), daemon=True)
+        worker.start()
+        pipes.append(mine)
+        workers.append(worker)
+    results: list[tuple[str, Any, bool, float, float]] = []
+    cpu = 0.0
+    for pipe, worker in zip(pipes, workers):
+        part, seconds = pipe.recv()
+        results += part
+        cpu += seconds
+        worker.join()
+    elapsed = duration_s  # the schedule's length: answers per second of it
+    summary = summarize(results, elapsed)
+    summary.update(offered_per_s=rate or None, clients=clients * processes or None,
+                   generator={"processes": processes, "cpu_share": round(cpu / elapsed, 2),
+                              "late_p50_ms": ms(sorted(r[4] for r in results), 0.5),
+                              "late_p99_ms": ms(sorted(r[4] for r in results), 0.99)})
+    return summary
+
+
+def ms(ordered: list[float], q: float) -> float | None:
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
+
+
+def summarize(results: list[tuple[str, Any, bool, float, float]], elapsed: float) -> dict[str, Any]:
+    ok = [(label, latency) for label, status, _, latency, _ in results if isinstance(status, int) and status < 300]
+    shed = [(status, retry) for _, status, retry, _, _ in results if status in (429, 503)]
+    other = Counter(str(s) for _, s, _, _, _ in results if not (isinstance(s, int) and (s < 300 or s in (429, 503))))
+    labels = sorted({label for label, _ in ok})
+    by_label = {label: sorted(lat for lab, lat in ok if lab == label) for label in labels}
+    ordered = sorted(lat for _, lat in ok)
+    return {"sent": len(results), "seconds": round(elapsed, 2), "admitted_per_s": round(len(ok) / elapsed, 1),
+            "p50_ms": ms(ordered, 0.5), "p99_ms": ms(ordered, 0.99),
+            "by_label": {label: {"admitted": len(v), "p50_ms": ms(v, 0.5), "p99_ms": ms(v, 0.99)}
+                         for label, v in by_label.items()},
+            "shed_share": round(len(shed) / max(1, len(results)), 4),
+            "shed_without_retry_after": sum(1 for _, retry in shed if not retry), "errors": dict(other)}
