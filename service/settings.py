@@ -168,17 +168,21 @@ class AdmissionSettings(Group):
     enabled: bool = setting(True, env="admission", description=(
         "Admission control (docs/operations.md): per-engine concurrency limits and short queues, 503 past them."))
     max_inflight: int = setting(default_factory=lambda: 64 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
-        "Most /v1 requests a process serves at once (default 64 per core; the limit in force adapts below it); "
-        "past it a request is answered 503 at once, before its body is read (0: no limit)."))
+        "Most light /v1 requests (reads, searches) a process serves at once (default 64 per core); writes may take "
+        "half as many, heavy work (SSB, SQL, joins, recall) a quarter, job submissions an eighth, each class under "
+        "its own limit that adapts below this; past a class's limit and queue a request is answered 503 at once, "
+        "before its body is read (0: no limit)."))
     inflight_latency_tolerance: float = setting(1.5, ge=0, le=1000, description=(
         "The in-flight limit is cut while admitted requests take more than this many times their least recent "
         "mean latency, and raised while they do not; 0: a fixed SWITCHYARD_MAX_INFLIGHT."))
     min_inflight: int = setting(default_factory=lambda: max(2, os.cpu_count() or 1), ge=1, le=1_000_000,
-                                description="The least the adaptive in-flight limit goes down to (default: the "
-                                "cores, at least 2).")
+                                description="The least the adaptive in-flight limit of light work goes down to "
+                                "(default: the cores, at least 2; the other classes' floors are the same shares of "
+                                "it as their limits).")
     queue_wait_ms: float = setting(250.0, ge=0, le=60_000, description=(
-        "The most a request waits in an engine's queue before it is refused with 503 (its deadline may cut it "
-        "shorter)."))
+        "The most a request waits in an engine's queue, or in its work class's queue for an in-flight slot (there "
+        "also at most twice its route's unqueued latency), before it is refused with 503 (its deadline may cut "
+        "it shorter)."))
     queue_depth: int | None = setting(None, ge=0, le=100_000, description=(
         "Requests that may wait per engine (default: twice the engine's concurrency limit)."))
     request_timeout_s: float | None = setting(None, gt=0, le=3600, description=(
