@@ -216,7 +216,7 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     reserve = s.jobs.disk_reserve_mb * 2**20
     path = await spool(request, s.data_dir, reserve, "the bulk load's body")
     try:
-        rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric)
+        rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric, vectors.store.check_payload_sizes)
         await vectors.store.check_keys(c, keys)
         ensure_room(s.data_dir, BULK_BYTES_PER_BYTE * rows * (4 * c.dim + 8), reserve, f"loading {rows} points")
         return await runtime.jobs.start(
