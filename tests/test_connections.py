@@ -7,17 +7,21 @@ loadtests/idle_connections.py (cap 50, 100 idle connections)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
 
 import httpx
 import orjson
 import pytest
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from helpers import raw_socket, read_response
 from loadtests.processes import local_service
 from service.http import connections
+from service.process.launcher import CAPPED_PROTOCOL
 
 CAP = 50
 # Layouts, and whether one process faces the clients (the kernel spreads connections among several unevenly, so
@@ -174,3 +178,48 @@ def test_the_protocol_relies_on_uvicorn_state_that_exists():
     names = set(HttpToolsProtocol.__init__.__code__.co_names) | set(dir(HttpToolsProtocol))
     missing = [name for name in connections.UVICORN_STATE if name not in names]
     assert not missing, f"uvicorn's HttpToolsProtocol no longer has {missing}"
+
+
+@contextmanager
+def capped_server(cap: int) -> Iterator[str]:
+    """A plain ASGI app (200 "ok") served in a thread by the capped protocol with the given cap; its URL."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=CAPPED_PROTOCOL, lifespan="off",
+                                           limit_concurrency=cap, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_past_the_ceiling_a_new_connection_is_closed_at_once():
+    """Refused connections hold descriptors too: past the cap plus half the reserve they are closed unanswered, so
+    the process keeps descriptors of its own."""
+    cap = 16
+    ceiling = connections.Connections(cap).ceiling
+    with capped_server(cap) as url:
+        with ExitStack() as stack:
+            for _ in range(ceiling - 1):
+                sock = stack.enter_context(raw_socket(url))
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n")  # busy: nothing to close for room
+            time.sleep(0.3)
+            last = stack.enter_context(raw_socket(url))  # the last under the ceiling: a clean 503 ...
+            over = stack.enter_context(raw_socket(url))  # ... and one more, closed unanswered
+            time.sleep(0.3)
+            assert dropped(over)
+            last.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_response(last)[0] == 503
+        time.sleep(0.3)
+        with httpx.Client(base_url=url, timeout=5) as client:  # all closed: answered again
+            assert client.get("/").status_code == 200
