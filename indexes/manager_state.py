@@ -28,6 +28,7 @@ from .replica import Applied, Replica
 from .resident import IndexBackend, RebuildPolicy
 from .shards import Shard
 from .store import MAX_PAYLOAD_KEYS, Collection, CollectionStore
+from .vectors import MAX_PAYLOAD_ROW_BYTES, MAX_PAYLOAD_VALUE_BYTES
 
 log = logging.getLogger("switchyard.vectors")
 
@@ -53,8 +54,9 @@ class ManagerState:
                  observe: Callable[[str, str, float, bool], None] | None = None,
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None,
-                 max_payload_keys: int = MAX_PAYLOAD_KEYS) -> None:
-        self.store = CollectionStore(pool, max_payload_keys)
+                 max_payload_keys: int = MAX_PAYLOAD_KEYS, max_payload_value_bytes: int = MAX_PAYLOAD_VALUE_BYTES,
+                 max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES) -> None:
+        self.store = CollectionStore(pool, max_payload_keys, max_payload_value_bytes, max_payload_row_bytes)
         self.pool = pool
         self.data_dir = data_dir
         self.snapshots = snapshots.Snapshots(data_dir / "vectors", self.store)

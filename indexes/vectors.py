@@ -10,7 +10,7 @@ import binascii
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import orjson
@@ -22,6 +22,8 @@ MAX_K = 1000  # most neighbours one search may ask for
 MAX_QUERIES = 10_000  # most query vectors in one search request, whatever their encoding
 MAX_RESULTS = 1_000_000  # most (query, neighbour) pairs one search may answer: queries x k
 MAX_VALUE = 1e15  # largest magnitude of a vector value (squared distances stay finite in float32)
+MAX_PAYLOAD_VALUE_BYTES = 64 * 1024  # the JSON of one top-level payload value (SWITCHYARD_MAX_PAYLOAD_VALUE_BYTES)
+MAX_PAYLOAD_ROW_BYTES = 1 << 20  # the JSON of one point's payload (SWITCHYARD_MAX_PAYLOAD_ROW_BYTES)
 # A NUL character as orjson writes it (\u0000 after an even number of backslashes): PostgreSQL's jsonb and text
 # cannot hold one (asyncpg's UntranslatableCharacterError).
 _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
@@ -167,6 +169,24 @@ def payload_keys(payloads: list[bytes | None] | None) -> set[str]:
     return keys
 
 
+def check_payload_sizes(payloads: list[bytes | None] | None, max_value: int = MAX_PAYLOAD_VALUE_BYTES,
+                        max_row: int = MAX_PAYLOAD_ROW_BYTES, first: int = 0) -> None:
+    """Refuse (InvalidInput naming `payloads[i]`, or `payloads[i].<key>` for one value) a payload whose JSON is over
+    `max_row` bytes, or one with a top-level value whose JSON is over `max_value` bytes: each string value is
+    held in every resident replica's payload index, so one 60 MB string would cost every process 60 MB. `first`:
+    the number of the first row (a bulk load's chunk). Rows within both limits cost a length comparison."""
+    for i, text in enumerate(payloads or (), first):
+        if text is None or len(text) <= min(max_value, max_row):
+            continue
+        if len(text) > max_row:
+            raise InvalidInput(f"is {len(text):,} bytes of JSON; a payload may have at most {max_row:,} "
+                               "(SWITCHYARD_MAX_PAYLOAD_ROW_BYTES)", field=f"payloads[{i}]")
+        for key, value in orjson.loads(text).items():
+            if (size := len(orjson.dumps(value))) > max_value:
+                raise InvalidInput(f"is {size:,} bytes of JSON; a payload value may have at most {max_value:,} "
+                                   "(SWITCHYARD_MAX_PAYLOAD_VALUE_BYTES)", field=f"payloads[{i}].{key}")
+
+
 def make_points(ids: np.ndarray, vectors: np.ndarray, payloads: list[object] | None) -> Points:
     return checked_points(ids, vectors, encode_payloads(payloads, len(ids)))
 
@@ -215,11 +235,17 @@ def check_arrow(path: str | Path, dim: int, metric: str = "l2") -> int:
     return scan_arrow(path, dim, metric)[0]
 
 
-def scan_arrow(path: str | Path, dim: int, metric: str = "l2") -> tuple[int, set[str]]:
+def scan_arrow(path: str | Path, dim: int, metric: str = "l2",
+               check: Callable[[list[bytes | None] | None, int], None] | None = None) -> tuple[int, set[str]]:
     """check_arrow's reading, also giving the distinct top-level payload keys of the stream (the store bounds
-    them per collection, before the first chunk is written)."""
+    them per collection, before the first chunk is written); `check(payloads, first row)` sees each chunk's
+    payloads (the store's size limits)."""
     ids, keys = [], set()
+    rows = 0
     for points in arrow_chunks(path, dim, metric=metric):
+        if check is not None:
+            check(points.payloads, rows)
+        rows += len(points.ids)
         ids.append(points.ids)
         keys |= payload_keys(points.payloads)
     check_ids(np.concatenate(ids) if ids else np.empty(0, np.int64))

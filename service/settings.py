@@ -77,6 +77,16 @@ class ServerSettings(Group):
         "it the request is answered 408 and its connection closed. The body is read before the request takes an "
         "in-flight slot, so a slow client holds a socket, nothing more."))
 
+    max_connections: int | None = setting(None, ge=16, le=10_000_000, description=(
+        "Most connections each HTTP process holds open. Default: its open-file limit (RLIMIT_NOFILE, which `serve` "
+        "raises to the hard limit) less a tenth, at least 256, kept for PostgreSQL, files and its own sockets; a "
+        "larger value is lowered to that. At the cap a new connection closes the connection idle longest (one "
+        "that never sent a byte, or waits between requests); with none idle, its requests are answered 503 "
+        "too-many-connections with Retry-After, and the connection is closed."))
+    keep_alive_s: int = setting(5, ge=1, le=3600, description=(
+        "How long a connection may wait idle between two requests before it is closed (uvicorn's keep-alive "
+        "timeout, in every process that serves HTTP)."))
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _empty_key_is_none(cls, key: object) -> object:
@@ -136,6 +146,13 @@ class VectorSettings(Group):
         "Most distinct top-level payload keys one collection may hold (each is a column of the resident payload "
         "index); a write that would add more is refused with a 422 naming `payloads`, and nothing is stored. Keys "
         "count until the collection is dropped."))
+    max_payload_value_bytes: int = setting(64 * 1024, ge=64, le=1 << 30, description=(
+        "Largest top-level payload value, as bytes of its JSON: each string value is held in every replica's "
+        "resident payload index. A write with a larger one is refused with a 422 naming `payloads[i].<key>`, and "
+        "nothing is stored (JSON upserts and Arrow bulk loads alike)."))
+    max_payload_row_bytes: int = setting(1 << 20, ge=64, le=1 << 30, description=(
+        "Largest payload of one point, as bytes of its JSON; a write with a larger one is refused with a 422 "
+        "naming `payloads[i]`, and nothing is stored."))
     express_protocol: bool = setting(True, description=(
         "Answer plain single-vector searches from the HTTP protocol itself (express's inline answers) when the "
         "resident CPU engine can at once; false: uvicorn's own protocol, every request through the ASGI app."))

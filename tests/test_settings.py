@@ -29,6 +29,8 @@ ray_address ray_namespace shards shard_replicas olap_partitions olap_replicas sp
 shard_cpus shard_gpus shard_call_timeout_s ray_ingress_replicas
 max_payload_keys
 read_timeout_s
+max_payload_value_bytes max_payload_row_bytes
+max_connections keep_alive_s
 """.split()
 
 

@@ -62,3 +62,11 @@ def test_integers_beyond_64_bits_never_break_the_link_to_the_engine(fronted):
     assert r.json()["ids"] == [1]
     r = fronted.post("/v1/collections/fc/search", json={"vector": [1, 0], "filter": {"n": 10**30}})
     assert r.status_code == 200 and r.json()["ids"] == [], r.text
+
+
+def test_the_payload_size_limits_hold_through_a_front(fronted):
+    """The default SWITCHYARD_MAX_PAYLOAD_VALUE_BYTES (64 KiB), checked by the engine's store for a front's call."""
+    r = fronted.put("/v1/collections/fc/points", json={"ids": [9], "vectors": [[1, 1]],
+                                                        "payloads": [{"n": 3, "blob": "b" * 100_000}]})
+    assert_problem(r, 422, "validation-error", "payloads[0].blob")
+    assert fronted.get("/v1/collections/fc").json()["count"] == 2

@@ -21,9 +21,10 @@ import asyncio
 import logging
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from service.errors import problem_response
+from service.http.connections import CappedProtocol
 from service.http.express import INLINE_MAX_BODY, Claim, Express
 from service.http.limits import BODY_MIN_RATE
 from service.process.messages import Reply
@@ -48,7 +49,7 @@ def find_express(app: Any) -> Express | None:
     return None
 
 
-class ExpressProtocol(HttpToolsProtocol):
+class ExpressProtocol(CappedProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.express = find_express(self.app)
@@ -126,7 +127,7 @@ class ExpressProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._read_done()
-        if (self.express is not None and not self.pipeline
+        if (self.express is not None and not self.pipeline and not self.refused
                 and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()
                 and (claim := self.express.claim(self.parser.get_method(), self.url, self.headers)) is not None):
             self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is complete

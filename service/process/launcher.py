@@ -21,8 +21,10 @@ from typing import Any
 from service.process.links import EngineSockets, ProcessLinks
 from service.settings import Settings
 
-# uvicorn's httptools protocol with express's inline answers (SWITCHYARD_EXPRESS_PROTOCOL)
+# uvicorn's httptools protocol with express's inline answers (SWITCHYARD_EXPRESS_PROTOCOL), or without them; both
+# hold connections under the cap (service/http/connections.py)
 EXPRESS_PROTOCOL = "service.http.express_protocol:ExpressProtocol"
+CAPPED_PROTOCOL = "service.http.connections:CappedProtocol"
 UVICORN_FLAGS = ("--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -60,7 +62,7 @@ def _launch(settings: Settings) -> int:
     import uvicorn
 
     common: dict[str, Any] = dict(log_level=settings.server.log_level, timeout_graceful_shutdown=20,
-                                  proxy_headers=False,
+                                  proxy_headers=False, **connection_options(settings),
                                   access_log=False)  # service/http/access_log.py logs off the event loop
     fronts = settings.front_processes
     if fronts == 0:  # one process serving HTTP itself, or full replicas
@@ -84,13 +86,23 @@ def _launch(settings: Settings) -> int:
             from service.http.app import create_app
 
             uvicorn.run(functools.partial(create_app, settings, links.as_engine(0)), factory=True,
-                        uds=str(links.engines[0].http), **common)
+                        uds=str(links.engines[0].http), http=CAPPED_PROTOCOL, **common)
         finally:
             stopping.set()
             _stop([front])
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     return 0
+
+
+def connection_options(settings: Settings) -> dict[str, Any]:
+    """What every uvicorn this process or its children run takes of the connection settings: the cap (which the
+    capped protocols read as `limit_concurrency`; service/http/connections.py) and the keep-alive timeout. The
+    open-file limit is raised first, for this process and the children that inherit it."""
+    from service.http.connections import connection_cap, raise_fd_limit
+
+    return dict(limit_concurrency=connection_cap(settings.server.max_connections, raise_fd_limit()),
+                timeout_keep_alive=settings.server.keep_alive_s)
 
 
 def logging_config(settings: Settings, role: str | None = None) -> dict[str, Any]:
@@ -113,13 +125,16 @@ def _uvicorn_child(target: str, role: str, settings: Settings, folder: Path, *op
     """The command line of a child Uvicorn (fronts, engines) that logs as this process does, its role named."""
     path = folder / f"logging-{role.replace(' ', '-')}.json"
     path.write_text(json.dumps(logging_config(settings, role)))
+    connections = connection_options(settings)
     return [sys.executable, "-m", "uvicorn", target, "--factory", *options, "--log-config", str(path),
-            "--log-level", settings.server.log_level, *UVICORN_FLAGS]
+            "--log-level", settings.server.log_level, *UVICORN_FLAGS,
+            "--limit-concurrency", str(connections["limit_concurrency"]),
+            "--timeout-keep-alive", str(connections["timeout_keep_alive"])]
 
 
 def _start_fronts(settings: Settings, fronts: int, folder: Path, links: ProcessLinks) -> subprocess.Popen:
     # The express protocol in fronts too: it answers nothing inline there, but bounds how long headers take to arrive.
-    protocol = ("--http", EXPRESS_PROTOCOL) if settings.vectors.express_protocol else ()
+    protocol = ("--http", EXPRESS_PROTOCOL if settings.vectors.express_protocol else CAPPED_PROTOCOL)
     command = _uvicorn_child("service.process.front:create_front", "front", settings, folder,
                              "--host", settings.server.host, *protocol,
                              "--port", str(settings.server.port), "--workers", str(fronts))
@@ -141,7 +156,7 @@ def _serve_engines(settings: Settings, fronts: int, folder: Path, links: Process
             env["CUDA_VISIBLE_DEVICES"] = pins[i % len(pins)]
         log.info("engine process %d on %s", i, f"CUDA device {env['CUDA_VISIBLE_DEVICES']}" if pins else "the CPU")
         command = _uvicorn_child("service.http.app:create_app", f"engine {i}", settings, folder,
-                                 "--uds", str(engine.http))
+                                 "--uds", str(engine.http), "--http", CAPPED_PROTOCOL)
         children.append(subprocess.Popen(command, env=env, preexec_fn=_exit_with_parent))
     children.append(_start_fronts(settings, fronts, folder, links))
     stop = threading.Event()
@@ -195,7 +210,7 @@ def _serve_here(settings: Settings, common: dict) -> None:
 
     workers = settings.server.workers
     options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=workers,
-                   http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else "auto",
+                   http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else CAPPED_PROTOCOL,
                    # each worker process sets its logging up from this (spawned, it inherits none)
                    log_config=logging_config(settings, "worker %(process)d" if workers > 1 else None), **common)
     if settings.server.uds is None:

@@ -217,7 +217,7 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     jobs = domain(runtime, "jobs")
     path = await spool(request, jobs.disk, "the bulk load's body")
     try:
-        rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric)
+        rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric, vectors.store.check_payload_sizes)
         await vectors.store.check_keys(c, keys)
         return await jobs.start(
             "bulk_upsert", name, lambda progress: vectors.bulk_upsert(name, arrow_chunks(path, c.dim, metric=c.metric),
