@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 HEAD_END = b"\r\n\r\n"
+ANSWER_TIMEOUT_S = 30.0  # an answer later than this is counted as a TimeoutError
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,16 @@ async def _generate(port: int, requests: list[Request], rate: float, start: floa
     async def one(i: int, due: float) -> None:
         request = requests[i % len(requests)]
         sent = time.monotonic()
+        while idle and idle[-1].closed:  # the service closed it (keep-alive timeout) while it was idle
+            idle.pop()
+        connection = None
         try:
             connection = idle.pop() if idle else (await loop.create_connection(Connection, "127.0.0.1", port))[1]
-            status, retry = await connection.send(request.raw)
-        except OSError as exc:
+            status, retry = await asyncio.wait_for(connection.send(request.raw), ANSWER_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
             out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due))
+            if connection is not None and connection.transport is not None:
+                connection.transport.close()
             return
         out.append((request.label, status, retry, time.monotonic() - due, sent - due))
         if connection.closed:
