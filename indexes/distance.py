@@ -123,6 +123,18 @@ def omp_threads(n: int) -> None:
         _omp.threads = n
 
 
+def blas_threads(n: int) -> None:
+    """At most n threads for numpy's BLAS (pthreads OpenBLAS: one setting for the whole process), whose matrix
+    products (exact search over many queries: recall) otherwise take every core, the event loop's included. A BLAS
+    on OpenMP (FAISS's own) follows the calling thread's OpenMP setting, which omp_threads makes per call."""
+    from threadpoolctl import ThreadpoolController
+
+    for lib in ThreadpoolController().lib_controllers:
+        info = lib.info()
+        if info["user_api"] == "blas" and info.get("threading_layer") != "openmp":
+            lib.set_num_threads(n)
+
+
 def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's exact k-NN for a few queries on the CPU: SIMD distance loops, no n-sized temporaries. numpy's
     matrix product here goes to multithreaded OpenBLAS, which collapses when several threads call it at once

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
+from indexes.distance import blas_threads
 from indexes.manager import CollectionManager, Consistency
 from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
@@ -163,6 +164,7 @@ class Runtime:
                                   gpu_build_process=self.settings.gpu.build_process,
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
+        blas_threads(self.settings.engine_threads)  # after the engines are made: FAISS brings its own BLAS
         if self.vectors is not None:
             await self.vectors.start()
         if self.olap is not None:

@@ -48,7 +48,8 @@ class UpsertCall(msgspec.Struct, tag="upsert", frozen=True):
 
 
 class UnparsedCall(msgspec.Struct, tag="unparsed", frozen=True):
-    """A hot request a front could not parse: the engine parses it again, to answer with the exact problem."""
+    """A hot request a front could not parse (the engine parses it again, to answer with the exact problem), or a
+    large JSON body, which the run parses off the event loop (service/pipeline.py)."""
     search: bool
     collection: str
     body: bytes
