@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from service.errors import ProblemError, problem_of
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search, parse_upsert
 from service.metrics import Metrics
 from service.process.messages import Call, Reply, SearchCall, UnparsedCall, UpsertCall
@@ -136,6 +137,8 @@ class Pipeline:
 
 async def problem_reply(handlers: Handlers, app: Any, exc: Exception, scope: Scope) -> Reply:
     handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
+    if isinstance(exc, ProblemError) and handler is handlers.get(ProblemError):  # what that handler gives, without
+        return reply_of(problem_of(exc, scope["path"]))  # a Request: refusals under overload must cost little
     if handler is None:
         raise exc
     return reply_of(await handler(Request({**scope, "app": app}), exc))

@@ -198,7 +198,7 @@ class AdmissionSettings(Group):
                                 "it as their limits).")
     queue_wait_ms: float = setting(250.0, ge=0, le=60_000, description=(
         "The most a request waits in an engine's queue, or in its work class's queue for an in-flight slot (there "
-        "also at most twice its route's unqueued latency), before it is refused with 503 (its deadline may cut "
+        "also at most its route's unqueued latency), before it is refused with 503 (its deadline may cut "
         "it shorter)."))
     queue_depth: int | None = setting(None, ge=0, le=100_000, description=(
         "Requests that may wait per engine (default: twice the engine's concurrency limit)."))

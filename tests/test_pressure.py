@@ -110,12 +110,12 @@ def test_a_waiter_waits_a_few_times_what_its_kind_costs_unqueued():
     assert limit.wait_s("search") == 0.25  # unknown: the configured wait
     answer(limit, "search", 0.004, times=4)
     answer(limit, "tiny", 0.0001, times=4)
-    assert limit.wait_s("search") == pytest.approx(0.008) and limit.wait_s("tiny") == pressure.MIN_WAIT_S
+    assert limit.wait_s("search") == pytest.approx(0.004) and limit.wait_s("tiny") == pressure.MIN_WAIT_S
 
     async def go():
         assert limit.admit() and limit.admit()
         started = time.perf_counter()
-        assert not await limit.enter("search")  # no slot within 8 ms: refused, not kept for 250 ms
+        assert not await limit.enter("search")  # no slot within 4 ms: refused, not kept for 250 ms
         assert time.perf_counter() - started < 0.1
 
     run(go())

@@ -7,7 +7,7 @@ of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows
 requests had to wait; once a class's load is gone (under half its limit in use, no cut for RECOVER_S) the limit
 doubles every RECOVER_S back to its ceiling. A request that finds its class full waits in the queue (two waiters per
 slot) for at most WAIT_FACTOR times its kind's unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that
-waiting never more than triples what it costs; a free slot goes to the head of the queue at once, and a request that
+waiting at most doubles what it costs; a free slot goes to the head of the queue at once, and a request that
 finds the queue full is refused at once, before its body is read (full(): the cheapest refusal, which keeps a
 process that refuses most of what it is sent serving the rest at its capacity). Why: docs/design/serving.md.
 """
@@ -27,7 +27,7 @@ DECREASE = 0.75
 MAX_DECREASE = 0.25  # the most one interval cuts: to a quarter
 INCREASE = 0.1
 RECOVER_S = 1.0  # with its load gone, a class's limit doubles this often
-WAIT_FACTOR = 2.0  # a waiter waits at most this many times its kind's unqueued latency ...
+WAIT_FACTOR = 1.0  # a waiter waits at most this many times its kind's unqueued latency ...
 MIN_WAIT_S = 0.001  # ... but at least this long
 MAX_KINDS = 1024  # kinds whose latency is remembered, per class
 
