@@ -50,8 +50,8 @@ class DatasetInUse(Exception):
 
 
 class OlapManager:
-    def __init__(self, data_dir: Path, guard: Any,
-                 observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, data_dir: Path, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self.root = data_dir / "ssb"
         self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.engines: dict[str, Any] = {}  # kind -> engine
@@ -61,6 +61,7 @@ class OlapManager:
         # none): it keeps one DuckDB parsing connection, and checks take turns instead of taking every core.
         self.guard_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="olap-sqlguard")
         self.observe = observe or (lambda engine, op, seconds, ok: None)
+        self.thread_init = thread_init  # run by each engine thread as it starts (the service lowers its priority)
         self.active: Path | None = None
         self.loading: asyncio.Task | None = None
         self.load_errors: dict[str, str] = {}
@@ -71,7 +72,7 @@ class OlapManager:
         self.engines[engine.kind] = engine
         if engine.kind != "postgres":  # PostgreSQL is reached asynchronously; the others block a thread
             workers = 1 if engine.kind == "gpu" else 4
-            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers,
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=workers, initializer=self.thread_init,
                                                              thread_name_prefix=f"olap-{engine.kind}")
 
     @property

@@ -20,6 +20,7 @@ from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
 from olap.manager import OlapManager
 from service.admission.control import Admission
+from service.admission.priority import lower_priority
 from service.database.migrate import apply_migrations, load_migrations
 from service.database.postgres import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from service.database.supervisor import DatabaseSupervisor
@@ -133,7 +134,8 @@ class Runtime:
                 self.spatial = PartitionedSpatial(self.pool, self.admission, await spatial_partitions(s, self.dsn),
                                                   observe=observe_spatial)
             else:
-                self.spatial = SpatialManager(self.pool, self.admission, observe=observe_spatial)
+                self.spatial = SpatialManager(self.pool, self.admission, observe=observe_spatial,
+                                              thread_init=lower_priority)
             observe_olap = lambda engine, op, seconds, ok: self.metrics.observe("olap", engine, op, seconds, ok)  # noqa: E731
             if s.cluster.ray_address and s.cluster.olap_partitions:
                 from service.cluster.partitioned_olap import PartitionedOlap
@@ -141,7 +143,7 @@ class Runtime:
 
                 self.olap = PartitionedOlap(s.data_dir, self.admission, await olap_partitions(s), observe=observe_olap)
             else:
-                self.olap = OlapManager(s.data_dir, self.admission, observe=observe_olap)
+                self.olap = OlapManager(s.data_dir, self.admission, observe=observe_olap, thread_init=lower_priority)
             self._engines_task = asyncio.create_task(self._start_engines(), name="switchyard-engines")
             self.phase = "running"
         except BaseException:

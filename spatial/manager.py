@@ -70,19 +70,22 @@ def cut_at_point_boundary(first: np.ndarray, page_size: int, stop: int) -> tuple
 
 
 class SpatialManager:
-    def __init__(self, pool: Any, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None) -> None:
+    def __init__(self, pool: Any, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self.store = SpatialStore(pool)
         self.guard = guard  # admission control: slot(), cooling(), failed(), succeeded() (see indexes/manager.py)
         self.layers: dict[str, Layer] = {}
         self.engines: dict[str, Any] = {}
         self.executors: dict[str, ThreadPoolExecutor] = {}
         self.observe = observe or (lambda engine, op, seconds, ok: None)
+        self.thread_init = thread_init  # run by each engine thread as it starts (the service lowers its priority)
         self.loading: asyncio.Task | None = None
 
     def attach(self, engine: Any) -> None:
         self.engines[engine.kind] = engine
         if engine.kind != "postgis":
-            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"spatial-{engine.kind}")
+            self.executors[engine.kind] = ThreadPoolExecutor(max_workers=1, initializer=self.thread_init,
+                                                             thread_name_prefix=f"spatial-{engine.kind}")
 
     @property
     def ready(self) -> bool:

@@ -274,3 +274,43 @@ def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_pa
     classes["light"].waiters.clear()  # the queue has room: the search waits on the app's path instead
     assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
     assert len(refusals) == 1
+
+
+def test_light_work_slowed_by_heavy_work_cuts_the_heavy_limit_first(clock):
+    classes = class_limits(ceiling=64, floor=8, tolerance=1.5, max_wait_s=0.1)
+    light, heavy = classes["light"], classes["heavy"]
+    answer(light, "search", 0.001, times=4)
+    heavy.inflight = 3  # SSB queries running beside the searches
+    for _ in range(2):
+        clock.now += 0.2
+        answer(light, "search", 0.004, times=8)  # searches take four times as long
+    assert light.limit == 64 and heavy.limit == heavy.floor == 2  # heavy work gave way (16 -> 6 -> 2), to its floor
+    clock.now += 0.2
+    answer(light, "search", 0.004, times=8)
+    assert light.limit < 64  # nothing lower left to cut: light work's own limit
+    heavy.inflight = 0
+    clock.now += 0.2
+    before = light.limit
+    answer(classes["write"], "upsert", 0.001, times=4)
+    answer(light, "search", 0.004, times=8)
+    assert light.limit < before and classes["write"].limit == 32  # idle lower classes are not cut
+
+
+def test_heavy_threads_run_at_a_lower_priority_than_the_event_loop():
+    import os
+    import threading
+
+    from service.admission.priority import HEAVY_NICE, lower_priority
+
+    seen = {}
+
+    def worker():
+        lower_priority()
+        seen["worker"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["worker"] == min(19, mine + HEAVY_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only that thread

@@ -2,14 +2,16 @@
 
 Requests are sorted into work classes (light reads and searches, writes, heavy analytics, jobs: see WORK_SHARES),
 each with its own limit and FIFO queue, so no class ever waits behind another's backlog. As TCP Vegas does, a
-class's limit is cut while its answered requests take more than `tolerance` times their unqueued latency (per kind
-of request: the least mean of FOUR consecutive answers over WINDOW_S), and grows by a tenth while they do not and
-requests had to wait; once a class's load is gone (under half its limit in use, no cut for RECOVER_S) the limit
-doubles every RECOVER_S back to its ceiling. A request that finds its class full waits in the queue (two waiters per
-slot) for at most WAIT_FACTOR times its kind's unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that
-waiting at most doubles what it costs; a free slot goes to the head of the queue at once, and a request that
-finds the queue full is refused at once, before its body is read (full(): the cheapest refusal, which keeps a
-process that refuses most of what it is sent serving the rest at its capacity). Why: docs/design/serving.md.
+limit is cut while a class's answered requests take more than `tolerance` times their unqueued latency (per kind
+of request: the least mean of FOUR consecutive answers over WINDOW_S): the limit of the lowest class running beside
+it, while one is above its floor (what slows light work is the heavy work sharing its cores), else its own. A
+limit grows by a tenth while its class's requests are not slowed and had to wait; once a class's load is gone
+(under half its limit in use, no cut for RECOVER_S) its limit doubles every RECOVER_S back to its ceiling. A request
+that finds its class full waits in the queue (two waiters per slot) for at most WAIT_FACTOR times its kind's
+unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that waiting at most doubles what it costs; a free slot
+goes to the head of the queue at once, and a request that finds the queue full is refused at once, before its body
+is read (full(): the cheapest refusal, which keeps a process that refuses most of what it is sent serving the rest
+at its capacity). Why: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ WAIT_FACTOR = 1.0  # a waiter waits at most this many times its kind's unqueued 
 MIN_WAIT_S = 0.001  # ... but at least this long
 MAX_KINDS = 1024  # kinds whose latency is remembered, per class
 
-# Work classes and their share of SWITCHYARD_MAX_INFLIGHT (ceiling) and SWITCHYARD_MIN_INFLIGHT (floor).
+# Work classes in order of priority, and their share of SWITCHYARD_MAX_INFLIGHT (ceiling) and SWITCHYARD_MIN_INFLIGHT
+# (floor).
 LIGHT, WRITE, HEAVY, JOB = "light", "write", "heavy", "job"
 WORK_SHARES = {LIGHT: 1.0, WRITE: 0.5, HEAVY: 0.25, JOB: 0.125}
 
@@ -74,6 +77,7 @@ class ClassLimit:
         self.waiters: deque[asyncio.Future] = deque()  # result True: handed a slot
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
         self.kinds: dict[Hashable, KindLatency] = {}
+        self.lower: list[ClassLimit] = []  # the classes of lower priority, highest first (class_limits)
         now = monotonic()
         self._interval_end = now + INTERVAL_S
         self._steady_since = now  # the last cut or recovery step
@@ -171,8 +175,10 @@ class ClassLimit:
         self.slowdown = self._latency / self._unqueued
         if self.slowdown > self.tolerance:  # cut by a quarter, or in proportion to the excess if it is larger
             cut = max(MAX_DECREASE, min(DECREASE, self.tolerance / self.slowdown))
-            self.limit = max(self.floor, int(self.limit * cut))
-            self._steady_since = now
+            # Lower classes running beside this one are what slows it, if any is above its floor: cut the lowest.
+            victim = next((c for c in reversed(self.lower) if c.inflight and c.limit > c.floor), self)
+            victim.limit = max(victim.floor, int(victim.limit * cut))
+            victim._steady_since = now
         elif self._constrained:
             self.limit = min(self.ceiling, self.limit + max(1, int(self.limit * INCREASE)))
             self._hand_over()
@@ -182,6 +188,11 @@ class ClassLimit:
 
 
 def class_limits(ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> dict[str, ClassLimit]:
-    """One ClassLimit per work class, sized by its share of the process's ceiling and floor."""
-    return {name: ClassLimit(name, max(1, int(ceiling * share)), max(1, int(floor * share)), tolerance, max_wait_s)
-            for name, share in WORK_SHARES.items()}
+    """One ClassLimit per work class, sized by its share of the process's ceiling and floor; each knows the classes
+    below it (WORK_SHARES is in order of priority)."""
+    classes = {name: ClassLimit(name, max(1, int(ceiling * share)), max(1, int(floor * share)), tolerance,
+                                max_wait_s) for name, share in WORK_SHARES.items()}
+    ordered = list(classes.values())
+    for i, work in enumerate(ordered):
+        work.lower = ordered[i + 1:]
+    return classes
