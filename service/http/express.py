@@ -186,9 +186,9 @@ class Express:
             return
         match = HOT.match(scope["path"])
         v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
-        work, kind = work_of(scope["method"], scope["path"], scope["headers"])
         try:
             h = read_headers(scope["headers"])
+            work, kind = work_of(scope["method"], scope["path"], scope["headers"])
             if v1:  # authorize first: a client without the key sends no body and takes no slot
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
