@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import socket
 import time
@@ -126,3 +127,34 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
         assert chunk, "connection closed inside a response"
         body += chunk
     return int(lines[0].split()[1]), headers, body[:length]
+
+
+def wait_job_state(client, job_id: str, state: str, timeout_s: float = 30) -> dict:
+    """Poll GET /v1/jobs/{id} until the job is in `state` (asserted when the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["state"] == state or time.monotonic() > deadline:
+            assert job["state"] == state, job
+            return job
+        time.sleep(0.05)
+
+
+async def new_event() -> asyncio.Event:
+    """An asyncio.Event made on the loop that calls this (a TestClient's portal: `client.portal.call(new_event)`)."""
+    return asyncio.Event()
+
+
+def closed_by_server(sock: socket.socket, within_s: float | None = None) -> bool:
+    """Whether the server closes the connection (after whatever it still sends) within `within_s` (default: the
+    socket's own timeout)."""
+    if within_s is not None:
+        sock.settimeout(within_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from helpers import raw_socket, read_response
+from helpers import closed_by_server, raw_socket, read_response
 from loadtests.processes import local_service
 from service.http import connections
 from service.process.launcher import CAPPED_PROTOCOL
@@ -62,19 +62,6 @@ def dropped(sock: socket.socket) -> bool:
         return False
     except ConnectionResetError:
         return True
-
-
-def closed_by_server(sock: socket.socket, within_s: float) -> bool:
-    """Whether the server closes the connection (after whatever it sends) within `within_s`."""
-    sock.settimeout(within_s)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def honest(url: str, n: int) -> list[int]:

@@ -8,14 +8,12 @@ job holds the one job slot, so they stay queued, and they are cancelled before t
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_problem, wait_ready
+from tests.helpers import assert_problem, new_event, wait_job_state, wait_ready
 
 
 @pytest.fixture
@@ -44,7 +42,7 @@ def one_slot(make_client, fake_disk):
         client = make_client(raise_server_exceptions=False, max_jobs=1, max_queued_jobs=8, **overrides)
         wait_ready(client)
         runner = client.app.state.switchyard.jobs
-        release = client.portal.call(_event)
+        release = client.portal.call(new_event)
 
         async def hold(progress):
             await release.wait()
@@ -92,7 +90,7 @@ def test_the_ssb_quota_counts_the_postgresql_copy(make_client):
     client = make_client(raise_server_exceptions=False, ssb_quota_gb=0.015)
     wait_ready(client)
     job = client.post("/v1/olap/ssb/generate", json={"scale_factor": 0.01}).json()["job"]  # ~10 MB of 15
-    _wait_state(client, job, "succeeded")
+    wait_job_state(client, job, "succeeded", timeout_s=120)
     pool = client.app.state.switchyard.pool
     postgres = client.portal.call(pool.fetchval, "SELECT sum(pg_total_relation_size(c.oid))::bigint FROM pg_class c "
                                   "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'ssb'")
@@ -104,15 +102,3 @@ def test_the_ssb_quota_counts_the_postgresql_copy(make_client):
     assert "PostgreSQL" in body["detail"]
 
 
-async def _event() -> asyncio.Event:
-    return asyncio.Event()
-
-
-def _wait_state(client, job_id: str, state: str, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] == state or time.monotonic() > deadline:
-            assert job["state"] == state, job
-            return job
-        time.sleep(0.05)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from service.admission.control import Shed
-from tests.helpers import assert_problem, wait_ready
+from tests.helpers import assert_problem, new_event, wait_job_state, wait_ready
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def limited(make_client):
 
 def test_jobs_past_the_running_and_queued_limits_are_refused(limited):
     runner = limited.app.state.switchyard.jobs
-    release = limited.portal.call(_event)
+    release = limited.portal.call(new_event)
 
     async def work(progress):
         await release.wait()
@@ -40,7 +40,7 @@ def test_jobs_past_the_running_and_queued_limits_are_refused(limited):
     cancelled = limited.post(f"/v1/jobs/{second.id}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
     limited.portal.call(release.set)
-    _wait_state(limited, first.id, "succeeded")
+    wait_job_state(limited, first.id, "succeeded")
     assert limited.get(f"/v1/jobs/{second.id}").json()["state"] == "cancelled"  # recorded in PostgreSQL too
     assert_problem(limited.post(f"/v1/jobs/{second.id}/cancel"), 404, "not-found", field="job_id")
 
@@ -76,7 +76,7 @@ def test_ssb_datasets_are_deleted_on_request_but_not_the_active_one(make_client)
     wait_ready(client)
     for seed in (0, 1):
         job = client.post("/v1/olap/ssb/generate", json={"scale_factor": 0.01, "seed": seed}).json()["job"]
-        _wait_state(client, job, "succeeded", timeout_s=120)
+        wait_job_state(client, job, "succeeded", timeout_s=120)
     datasets = {d["path"].rsplit("/", 1)[-1]: d for d in client.get("/v1/olap/ssb/datasets").json()}
     assert set(datasets) == {"sf0.01", "sf0.01-seed1"} and datasets["sf0.01-seed1"]["active"]
     assert_problem(client.delete("/v1/olap/ssb/datasets/sf0.01-seed1"), 409, "conflict")
@@ -98,15 +98,3 @@ def test_work_that_would_fill_the_disk_is_refused_before_it_starts(make_client):
     assert not list((quota.app.state.switchyard.settings.data_dir / "ssb").glob("sf*"))  # nothing was written
 
 
-async def _event() -> asyncio.Event:
-    return asyncio.Event()
-
-
-def _wait_state(client, job_id: str, state: str, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["state"] == state or time.monotonic() > deadline:
-            assert job["state"] == state, job
-            return job
-        time.sleep(0.05)

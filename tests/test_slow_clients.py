@@ -5,7 +5,6 @@ on a dropped connection."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ import orjson
 import pytest
 import uvicorn
 
-from helpers import raw_socket, read_response
+from helpers import closed_by_server, raw_socket, read_response
 from service.http.app import create_app
 from service.process.launcher import EXPRESS_PROTOCOL
 
@@ -43,16 +42,6 @@ def serving(settings) -> Iterator[tuple[str, object]]:
     finally:
         server.should_exit = True
         thread.join(60)
-
-
-def closed(sock: socket.socket) -> bool:
-    """Whether the server closes the connection (after whatever it still sends) within the socket's timeout."""
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
 
 
 def request(method: str, path: str, body: bytes = b"", length: int | None = None, media: str = "application/json",
@@ -108,7 +97,7 @@ def test_a_body_that_does_not_arrive_in_time_is_cut_off_with_408(make_settings, 
             problem = orjson.loads(body)
             assert problem["type"] == "urn:switchyard:problem:request-timeout" and problem["field"] == "body"
             assert 0.9 < time.monotonic() - started < 6
-            assert closed(sock)  # the rest of the body may still come: the connection is not reused
+            assert closed_by_server(sock)  # the rest of the body may still come: the connection is not reused
         finally:
             sock.close()
         with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:  # and the service answers as before
@@ -123,7 +112,7 @@ def test_headers_that_do_not_arrive_in_time_are_cut_off(make_settings):
             started = time.monotonic()
             status, headers, body = read_response(partial)
             assert status == 408 and headers["content-type"] == "application/problem+json", body
-            assert closed(partial) and closed(silent)  # a connection that never sends a byte is closed too
+            assert closed_by_server(partial) and closed_by_server(silent)  # one that never sent a byte is closed too
             assert time.monotonic() - started < 6
         finally:
             silent.close()
