@@ -112,13 +112,16 @@ class ClassLimit:
 
     def full(self) -> bool:
         """Whether a request arriving now would be refused at once: no free slot and a full queue."""
-        return self.inflight >= self.current() and len(self.waiters) >= 2 * self.limit
+        return self.inflight >= self.current() and self._queue_full()
+
+    def _queue_full(self) -> bool:
+        return len(self.waiters) >= 2 * self.limit
 
     async def enter(self, kind: Hashable = None) -> bool:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
         if self.admit():
             return True
-        if len(self.waiters) >= 2 * self.limit:
+        if self._queue_full():
             return False
         handed = asyncio.get_running_loop().create_future()
         self.waiters.append(handed)

@@ -188,7 +188,8 @@ class Express:
         v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
         try:
             h = read_headers(scope["headers"])
-            work, kind = work_of(scope["method"], scope["path"], scope["headers"])
+            bulk = is_bulk(scope["method"], scope["path"], scope["headers"])
+            work, kind = work_of(scope["method"], scope["path"], bulk)
             if v1:  # authorize first: a client without the key sends no body and takes no slot
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
@@ -199,7 +200,7 @@ class Express:
             await self._refused(scope, receive, send, exc)
             return
         try:  # then the body, before any slot: a slow body holds a socket, not a slot
-            raw, receive = await self._arrived(scope, receive, h)
+            raw, receive = await self._arrived(scope, receive, h, bulk)
         except BodyGone:
             return
         except ProblemError as exc:  # too slow or too large
@@ -219,13 +220,13 @@ class Express:
         finally:  # successes' latency, by kind of request, moves the limit
             ticket.leave(kind if 200 <= watched.status < 300 else None)
 
-    async def _arrived(self, scope: Scope, receive: Receive, h: Headers) -> tuple[bytes | None, Receive]:
+    async def _arrived(self, scope: Scope, receive: Receive, h: Headers, bulk: bool) -> tuple[bytes | None, Receive]:
         """The body, read whole under its arrival deadline and the body limit (service/http/limits.py), and the
         receive the app reads it from. None where it is not read here: no body, a declared length over the limit
         (the app answers 413 without reading it), or a bulk load (streamed to the app, under the deadline)."""
         if h.length < 0 and not h.chunked:
             return None, receive
-        if is_bulk(scope["method"], scope["path"], scope["headers"]):
+        if bulk:
             return None, timed_receive(receive, self.read_timeout_s)
         if h.length > self.max_body:
             return None, receive

@@ -9,7 +9,6 @@ in cost), whose unqueued latency the class's limit follows.
 from __future__ import annotations
 
 from service.admission.pressure import HEAVY, JOB, LIGHT, WRITE
-from service.http.limits import is_bulk
 
 NAMED = frozenset({"collections", "jobs", "datasets", "layers"})  # the segment after one of these is a name or id
 HEAVY_POSTS = ("/v1/olap/ssb/queries/", "/v1/olap/sql", "/v1/spatial/joins/")
@@ -25,13 +24,13 @@ def kind_of(method: str, path: str) -> tuple[str, str]:
     return method, "/".join(parts)
 
 
-def work_of(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[str, tuple[str, str]]:
-    """(work class, kind) of a /v1 request."""
+def work_of(method: str, path: str, bulk: bool) -> tuple[str, tuple[str, str]]:
+    """(work class, kind) of a /v1 request; `bulk`: a bulk load (service/http/limits.is_bulk)."""
     kind = kind_of(method, path)
     if method in ("GET", "HEAD") or (method == "POST" and path.endswith("/search")):
         return LIGHT, kind
     if method == "POST" and (path.startswith(HEAVY_POSTS) or path.endswith("/recall")):
         return HEAVY, kind
-    if (method == "POST" and (path.startswith(JOB_POSTS) or path.endswith("/build"))) or is_bulk(method, path, headers):
+    if (method == "POST" and (path.startswith(JOB_POSTS) or path.endswith("/build"))) or bulk:
         return JOB, kind
     return WRITE, kind
