@@ -54,20 +54,20 @@ def parse_call(search: bool, collection: str, raw: bytes, media: str, query: str
         return UnparsedCall(search, collection, raw, media, query)
 
 
-def parse_now(call: UnparsedCall) -> SearchCall | UpsertCall:
-    """An UnparsedCall's typed call, or the request's own error."""
+def parse_now(call: UnparsedCall, max_keys: int | None = None) -> SearchCall | UpsertCall:
+    """An UnparsedCall's typed call, or the request's own error (`max_keys`: see parse_upsert)."""
     if call.search:
         return parse_search(call.collection, call.body, call.media, call.query)
-    return parse_upsert(call.collection, call.body)
+    return parse_upsert(call.collection, call.body, max_keys)
 
 
-async def parse_unparsed(call: UnparsedCall) -> SearchCall | UpsertCall:
+async def parse_unparsed(call: UnparsedCall, max_keys: int | None = None) -> SearchCall | UpsertCall:
     """parse_now, on a thread for a large body. What that buys is measured in docs/design/serving.md: pydantic
     and orjson hold the GIL for a whole parse, so float lists (one C call) still stall the loop about as long,
     but payloads (Python between the pieces: each payload's own JSON text) stop stalling it."""
     if len(call.body) > LARGE_BODY_BYTES:
-        return await asyncio.to_thread(parse_now, call)
-    return parse_now(call)
+        return await asyncio.to_thread(parse_now, call, max_keys)
+    return parse_now(call, max_keys)
 
 
 def is_search(call: Call) -> bool:
@@ -104,7 +104,7 @@ class Pipeline:
         search = is_search(call)
         try:
             if isinstance(call, UnparsedCall):  # a large body, or one that raises the request's own error
-                call = await parse_unparsed(call)
+                call = await parse_unparsed(call, self.runtime.settings.vectors.max_payload_keys)
             if isinstance(call, SearchCall):
                 body = await self._search(self.runtime, call)
             else:

@@ -93,6 +93,42 @@ def test_the_key_limit_holds_for_arrow_bulk_loads_before_anything_is_written(mak
     assert count(client, name) == 11
 
 
+def many_keys(n: int, prefix: str = "key") -> dict:
+    """A payload of n keys, each long enough that a few thousand of them make a large body (over 256 KiB)."""
+    return {f"{prefix}_{j:06d}_{'p' * 40}": j for j in range(n)}
+
+
+def test_a_large_body_with_too_many_keys_is_refused_by_its_count_before_it_is_built(make_client):
+    """A body over 256 KiB is parsed off the event loop; one with more keys than a collection may hold is refused
+    from simdjson's count of its keys (the payload named, with the count), not after building it."""
+    client = make_client(max_payload_keys=1000)
+    name = new_collection(client)
+    r = client.put(f"/v1/collections/{name}/points", json={
+        "ids": [100, 101], "vectors": [[1, 2, 3, 4]] * 2, "payloads": [{"n": 1}, many_keys(6000)]})
+    problem = assert_problem(r, 422, "validation-error", "payloads[1]")
+    assert "6,000 top-level keys" in problem["detail"] and "at most 1,000" in problem["detail"]
+    # Spread over many points, each under the limit, the distinct keys of the body alone are counted too.
+    r = client.put(f"/v1/collections/{name}/points", json={
+        "ids": list(range(100, 110)), "vectors": [[1, 2, 3, 4]] * 10,
+        "payloads": [many_keys(600, f"p{i}") for i in range(10)]})
+    assert_problem(r, 422, "validation-error", "payloads")
+    assert count(client, name) == 8
+
+
+def test_a_large_body_within_a_raised_key_limit_is_stored(make_client):
+    """The count uses the engine's configured limit: 6,000 keys in one payload fit a limit of 10,000."""
+    client = make_client(max_payload_keys=10_000)
+    name = new_collection(client)
+    payload = many_keys(6000)
+    r = client.put(f"/v1/collections/{name}/points", json={
+        "ids": [100], "vectors": [[1, 2, 3, 4]], "payloads": [payload]})
+    assert r.status_code == 200, r.text
+    last = next(reversed(payload))
+    r = client.post(f"/v1/collections/{name}/search", json={
+        "vector": [1, 2, 3, 4], "k": 3, "filter": {last: 5999}, "consistency": "strong"})
+    assert r.json()["ids"] == [100], r.text
+
+
 # -- item 11: payloads, filters and seeds that once gave a 500 --------------------------------------------------
 @pytest.mark.parametrize("payload", [
     {"big": 2**64},  # beyond 64 bits: orjson cannot write it

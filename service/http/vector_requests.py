@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from indexes import filters
 from indexes.errors import InvalidInput, VectorError
-from indexes.vectors import MAX_ID, MAX_K, decode_base64, encode_payloads, fit_matrix, unshaped_matrix
+from indexes.vectors import (
+    MAX_ID,
+    MAX_K,
+    decode_base64,
+    encode_payloads,
+    fit_matrix,
+    refuse_excess_keys,
+    unshaped_matrix,
+)
 from service.errors import ProblemError
 from service.http.jsonnum import NOT_BOOL, UNIQUE_ITEMS, Float, Int, IntList
 from service.http.openapi import exactly_one_of
@@ -188,8 +196,11 @@ def parse_search(collection: str, raw: bytes, content_type: str = "application/j
     return SearchCall(collection, float32_bytes(matrix), matrix.shape[1], field, single, **fields)
 
 
-def parse_upsert(collection: str, raw: bytes) -> UpsertCall:
-    """The parse step of a JSON upsert, as an UpsertCall checked as far as it can be without its collection."""
+def parse_upsert(collection: str, raw: bytes, max_keys: int | None = None) -> UpsertCall:
+    """The parse step of a JSON upsert, as an UpsertCall checked as far as it can be without its collection;
+    with `max_keys` (the engine's SWITCHYARD_MAX_PAYLOAD_KEYS), payloads with more keys are refused unbuilt."""
+    if max_keys is not None:
+        refuse_excess_keys(raw, max_keys)
     body = parse_json(UpsertPoints, raw)
     if max(body.ids) > MAX_ID or min(body.ids) < -MAX_ID - 1:  # ids cross process links as 64-bit integers
         raise InvalidInput("ids must be integers between 0 and 2^63-1", field="ids")
