@@ -20,7 +20,8 @@ COPY spatial ./spatial
 COPY olap ./olap
 COPY migrations ./migrations
 COPY loadtests ./loadtests
-RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+COPY client ./client
+RUN pip install ./client ".${EXTRAS:+[$EXTRAS]}"
 
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive

@@ -29,12 +29,12 @@ install-test: $(VENV)/.installed-test
 $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV) || { echo "python3 could not make a virtual environment: on Debian, apt-get install python3-venv"; exit 1; }
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(PIP) install -q -e .
+$(VENV)/.installed: pyproject.toml client/pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e ./client -e .
 	@touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(PIP) install -q -e '.[test]'
+$(VENV)/.installed-test: pyproject.toml client/pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e ./client -e '.[test]'
 	@touch $@ $(VENV)/.installed
 
 clean:

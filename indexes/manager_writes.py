@@ -97,17 +97,17 @@ class Writes(Builds):
                           fallback: str = "background") -> dict[str, Any]:
         """A large load in committed chunks (each chunk acknowledged once committed), then index builds. `chunks`
         may read a file: it is advanced in a worker thread, one chunk in memory at a time."""
-        done = 0
+        done, seq = 0, None
         r = self.resident.get(name)
         if r is not None:
             r.bulk_loading += 1
         try:
             while (points := await asyncio.to_thread(next, chunks, None)) is not None:
-                await self.upsert(name, points)
+                seq = await self.upsert(name, points)
                 done += len(points.ids)
                 progress(done, total, f"stored {done} of {total} points")
         finally:
             if r is not None:
                 r.bulk_loading -= 1
         built = await self.build(name, lambda _done, _total, message: progress(done, total, message), fallback)
-        return {"upserted": done, **built}
+        return {"upserted": done, "seq": seq, **built}  # seq: the last chunk's, for read-your-writes

@@ -88,50 +88,26 @@ def _activate(data_dir: Path, target: Path, meta: dict) -> int:
 
 def load_vectors(url: str, api_key: str | None, collection: str, vectors_file: str, ids_file: str | None,
                  first_id: int) -> int:
-    """Bulk-load a .npy file into a collection of a running service as one Arrow upsert job, with a progress bar."""
-    import io
-    import time
-    import urllib.error
-    import urllib.request
-
+    """Bulk-load a .npy file into a collection of a running service through switchyard_client (one Arrow upsert
+    job, followed to its end with a progress bar)."""
     import numpy as np
-    import pyarrow as pa
+
+    from switchyard_client import Client, JobFailed, SwitchyardError, TransportError
 
     vectors = np.load(vectors_file).astype(np.float32)
     ids = np.load(ids_file).astype(np.int64) if ids_file else np.arange(first_id, first_id + len(vectors))
     if vectors.ndim != 2 or len(ids) != len(vectors):
         sys.exit(f"need an (n, dim) array of vectors and n ids; got {vectors.shape} and {len(ids)} ids")
-    table = pa.table({"id": pa.array(ids), "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)),
-                                                                                      vectors.shape[1])})
-    sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    base = url.rstrip("/")
-
-    def call(method: str, path: str, body: bytes | None = None, content_type: str | None = None) -> dict:
-        request = urllib.request.Request(base + path, data=body, method=method,
-                                         headers={**headers,
-                                                  **({"Content-Type": content_type} if content_type else {})})
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            problem = json.loads(exc.read() or b"{}")
-            sys.exit(f"{method} {path}: {exc.code} {problem.get('detail', exc.reason)}")
-        except urllib.error.URLError as exc:
-            sys.exit(f"cannot reach {base}: {exc.reason}")
-
-    job = call("PUT", f"/v1/collections/{collection}/points", sink.getvalue(), "application/vnd.apache.arrow.stream")
-    while True:
-        state = call("GET", job["location"])
-        _progress(state["done"], state["total"] or len(ids), state["message"] or state["state"])
-        if state["state"] in ("succeeded", "failed"):
-            print(file=sys.stderr)
-            break
-        time.sleep(0.5)
-    if state["state"] == "failed":
-        print(f"load failed: {state['message']}", file=sys.stderr)
+    try:
+        with Client(url.rstrip("/"), api_key=api_key, transport="http") as client:
+            result = client.load(collection, ids, vectors,
+                                 progress=lambda done, total, message: _progress(done, total or len(ids), message))
+    except JobFailed as exc:
+        print(file=sys.stderr)
+        print(f"load failed: {exc.job.get('message')}", file=sys.stderr)
         return 1
-    print(json.dumps(state["result"]))
+    except (SwitchyardError, TransportError) as exc:
+        sys.exit(str(exc))
+    print(file=sys.stderr)
+    print(json.dumps(result))
     return 0

@@ -56,16 +56,18 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     built = _build(ROOT, out)  # the sdist, then the wheel from the sdist
     (sdist,) = [p for p in built if p.name.endswith(".tar.gz")]
     (wheel,) = [p for p in built if p.suffix == ".whl"]
-    return {"sdist": sdist, "wheel": wheel}
+    (client,) = [p for p in _build(ROOT / "client", out, "--wheel") if p.name.startswith("switchyard_client")]
+    return {"sdist": sdist, "wheel": wheel, "client": client}
 
 
 @pytest.fixture(scope="module")
 def installed(artifacts, tmp_path_factory) -> Path:
-    """A fresh venv holding the wheel (and the loadtest extra), not the checkout; its bin folder."""
+    """A fresh venv holding the wheel (and the loadtest extra) with the client's wheel, not the checkout; its bin
+    folder."""
     venv = tmp_path_factory.mktemp("user") / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=venv.parent, env=_clean_env())
     _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-          f"{artifacts['wheel']}[loadtest]"], cwd=venv.parent, env=_clean_env())
+          str(artifacts["client"]), f"{artifacts['wheel']}[loadtest]"], cwd=venv.parent, env=_clean_env())
     return venv / "bin"
 
 
@@ -233,4 +235,4 @@ def test_the_image_builds_the_same_wheel_from_what_its_dockerfile_copies(artifac
     (wheel,) = [p for p in _build(context, tmp_path, "--wheel") if p.suffix == ".whl"]
     assert _wheel_files(wheel) == _wheel_files(artifacts["wheel"])
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r'^RUN pip install "\.\$\{EXTRAS:\+\[\$EXTRAS\]\}"', text, re.M)  # GPU and CPU variants
+    assert re.search(r'^RUN pip install \./client "\.\$\{EXTRAS:\+\[\$EXTRAS\]\}"', text, re.M)  # GPU and CPU

@@ -1,0 +1,108 @@
+"""AsyncClient: the asyncio client (httpx underneath). One pool of keep-alive connections per client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from ._driver import DEFAULT_TIMEOUT_S, RetryPolicy, awaitable, checked, headers_for
+from ._ops import Operations
+from ._transport import Endpoint
+from ._wire import Plan, Request, Response, Sessions, Sleep, T
+from .errors import SwitchyardError, TransportError
+
+
+class AsyncClient:
+    """Client's calls as coroutines, with the same arguments, results, errors, retries and read-your-writes."""
+
+    def __init__(self, url: str = "http://localhost:8000", *, api_key: str | None = None,
+                 timeout: float | None = None, retry: RetryPolicy | None = None,
+                 max_connections: int = 100) -> None:
+        endpoint = Endpoint(url)
+        self.url = url
+        self.api_key = api_key
+        self.retry = retry or RetryPolicy()
+        transport = httpx.AsyncHTTPTransport(uds=endpoint.socket_path, limits=httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=1.0))
+        self._http = httpx.AsyncClient(base_url=f"http://{endpoint.host}:{endpoint.port}", transport=transport)
+        self._ops = Operations(Sessions(), timeout)
+
+    def with_options(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> "AsyncClient":
+        """A client sharing this one's connections and read-your-writes memory, with another timeout or retry
+        policy."""
+        other = object.__new__(AsyncClient)
+        other.__dict__.update(self.__dict__)
+        other._ops = Operations(self._ops.sessions, timeout)
+        other.retry = retry or self.retry
+        return other
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _send(self, request: Request) -> Response:
+        waited, attempt = 0.0, 0
+        while True:
+            try:
+                answer = await self._http.request(request.method, request.path, content=request.body,
+                                                  headers=headers_for(request, self.api_key),
+                                                  timeout=request.timeout or DEFAULT_TIMEOUT_S)
+            except httpx.TransportError as exc:
+                raise TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}") from exc
+            response = Response(answer.status_code, answer.headers, answer.content)
+            try:
+                return checked(request, response)
+            except SwitchyardError as error:
+                wait = self.retry.wait_s(error, attempt, waited) if request.idempotent else None
+                if wait is None:
+                    raise
+            await asyncio.sleep(wait)
+            waited, attempt = waited + wait, attempt + 1
+
+    async def _run(self, plan: Plan[T]) -> T:
+        answer: Response | None = None
+        try:
+            while True:
+                step = plan.send(answer)
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    answer = None
+                else:
+                    answer = await self._send(step)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        except BaseException as error:
+            plan.close()
+            raise error
+
+    health = awaitable(Operations.health)
+    engines = awaitable(Operations.engines)
+    create_collection = awaitable(Operations.create_collection)
+    get_collection = awaitable(Operations.get_collection)
+    list_collections = awaitable(Operations.list_collections)
+    delete_collection = awaitable(Operations.delete_collection)
+    upsert = awaitable(Operations.upsert)
+    delete = awaitable(Operations.delete)
+    search = awaitable(Operations.search)
+    load = awaitable(Operations.load)
+    build = awaitable(Operations.build)
+    recall = awaitable(Operations.recall)
+    job = awaitable(Operations.job)
+    cancel_job = awaitable(Operations.cancel_job)
+    wait_job = awaitable(Operations.wait_job)
+    create_points = awaitable(Operations.create_points)
+    create_polygons = awaitable(Operations.create_polygons)
+    upload_geoparquet = awaitable(Operations.upload_geoparquet)
+    list_layers = awaitable(Operations.list_layers)
+    delete_layer = awaitable(Operations.delete_layer)
+    point_in_polygon_counts = awaitable(Operations.point_in_polygon_counts)
+    point_in_polygon = awaitable(Operations.point_in_polygon)
+    within_distance = awaitable(Operations.within_distance)
+    ssb_query = awaitable(Operations.ssb_query)
+    sql = awaitable(Operations.sql)

@@ -1,0 +1,64 @@
+"""What the client's calls return: numpy arrays with the answer's metadata beside them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Neighbours of one query (1-D `ids` and `distances`) or of a batch (2-D, a row per query). A row with fewer
+    than k neighbours (a filter that keeps few points) is padded with id -1 and distance inf, as FAISS does."""
+
+    ids: np.ndarray  # int64
+    distances: np.ndarray  # float32
+    engine: str
+    took_ms: float
+    fallback: str | None
+    consistency: str
+    watermark: int | None  # the change seq the answering replica had applied (None from pgvector)
+    plan: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """An acknowledged (committed) write; `seq` is its change seq."""
+
+    seq: int | None
+    upserted: int | None = None
+    deleted: int | None = None
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """A spatial join's pairs: `left` and `right` ids (points and polygons for point-in-polygon), and for a
+    distance join `distances_m`."""
+
+    left: np.ndarray
+    right: np.ndarray
+    distances_m: np.ndarray | None
+    engine: str
+
+
+def neighbours(answer: dict[str, Any], batch: bool) -> SearchResult:
+    """A search's JSON answer as arrays."""
+    ids, distances = answer["ids"], answer["distances"]
+    if batch:
+        width = max((len(row) for row in ids), default=0)
+        id_array = np.full((len(ids), width), -1, dtype=np.int64)
+        distance_array = np.full((len(ids), width), np.inf, dtype=np.float32)
+        for i, (row_ids, row_distances) in enumerate(zip(ids, distances)):
+            id_array[i, :len(row_ids)] = row_ids
+            distance_array[i, :len(row_distances)] = row_distances
+    else:
+        id_array = np.asarray(ids, dtype=np.int64)
+        distance_array = np.asarray(distances, dtype=np.float32)
+    return SearchResult(id_array, distance_array, answer["engine"], answer["took_ms"], answer.get("fallback"),
+                        answer["consistency"], answer.get("watermark"), answer.get("plan"))
+
+
+def write_result(answer: dict[str, Any]) -> WriteResult:
+    return WriteResult(answer.get("seq"), answer.get("upserted"), answer.get("deleted"))
