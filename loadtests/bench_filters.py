@@ -18,15 +18,13 @@ import asyncio
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 import numpy as np
-import orjson
 
 from bench_vectors import bulk_load
 from benchkit import JsonClient, MachineLoad, Service, results_dir, run_clients, save_json, versions, wait_for_quiet
 from datasets import mixture
-from vectordbbench.rest import Rest
+from switchyard_client import Client
 
 RESULTS = results_dir("filters")
 ATTR_RANGE = 1_000_000
@@ -116,21 +114,20 @@ class PgClient:
 
 # -- Switchyard over HTTP ---------------------------------------------------------------------------------
 class SyClient:
+    """Switchyard through switchyard_client (the client users install; libcurl when pycurl is there)."""
+
     def __init__(self, url: str, name: str, k: int, p: float | None, params: dict[str, Any] | None,
                  target: float | None = None) -> None:
-        self.api = Rest(url)
-        options: dict[str, Any] = {"k": k, "engine": "cpu", **(params or {})}
-        if p is not None:
-            options["filter"] = orjson.dumps({"attr": {"$lt": int(p * ATTR_RANGE)}}).decode()
-        if target is not None:
-            options["recall_target"] = target
-        self.path = f"/v1/collections/{name}/search?{urlencode(options)}"
+        self.api = Client(url)
+        self.name, self.k = name, k
+        self.options: dict[str, Any] = {"engine": "cpu", "params": params, "recall_target": target,
+                                        "filter": None if p is None else {"attr": {"$lt": int(p * ATTR_RANGE)}}}
         self.last_plan: dict[str, Any] | None = None
 
     def search(self, q: np.ndarray) -> list[int]:
-        answer = self.api.send("POST", self.path, np.asarray(q, dtype="<f4").tobytes(), self.api.raw_headers)
-        self.last_plan = answer.get("plan")
-        return answer["ids"]
+        answer = self.api.search(self.name, q, self.k, **self.options)
+        self.last_plan = answer.plan
+        return answer.ids.tolist()
 
     def close(self) -> None:
         self.api.close()

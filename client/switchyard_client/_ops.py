@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Any, Sequence
 from urllib.parse import quote, urlencode
 
@@ -35,6 +36,20 @@ def float32_rows(vectors: Any) -> tuple[np.ndarray, bool]:
     if array.ndim != 2:
         raise ValueError(f"vectors must be 1-D (one) or 2-D (a batch), not {array.ndim}-D")
     return np.ascontiguousarray(array), True
+
+
+@functools.lru_cache(maxsize=256)
+def search_path(collection: str, k: int, engine: str, level: str | None, seq: int | None, filter_text: str | None,
+                recall_target: float | None, batch: bool, params: tuple[tuple[str, float], ...]) -> str:
+    """A raw search's path and query string; remembered, since a client sends the same one with every vector."""
+    query: dict[str, Any] = {"k": k}
+    options = (("engine", None if engine == "auto" else engine), ("consistency", level), ("seq", seq),
+               ("filter", filter_text), ("recall_target", recall_target), ("batch", "true" if batch else None))
+    for name, value in options:
+        if value is not None:
+            query[name] = value
+    query.update(params)
+    return collection_path(collection, "/search?" + urlencode(query))
 
 
 def id_list(ids: Any) -> list[int]:
@@ -112,23 +127,10 @@ class Operations:
         level with the seq of its last acknowledged write: the answer includes every write this client made."""
         matrix, batch = float32_rows(vectors)
         level, at = self.sessions.level(collection, consistency, seq)
-        query: dict[str, Any] = {"k": k}
-        if engine != "auto":
-            query["engine"] = engine
-        if level is not None:
-            query["consistency"] = level
-        if at is not None:
-            query["seq"] = at
-        if filter is not None:
-            query["filter"] = dumps(filter).decode()
-        if recall_target is not None:
-            query["recall_target"] = recall_target
-        if batch:
-            query["batch"] = "true"
-        for name, value in (params or {}).items():
-            query[name] = value
-        request = Request("POST", collection_path(collection, "/search?" + urlencode(query)), matrix.tobytes(), RAW,
-                          True, self.timeout)
+        filter_text = None if filter is None else dumps(filter).decode()
+        params_key = tuple(sorted(params.items())) if params else ()
+        path = search_path(collection, k, engine, level, at, filter_text, recall_target, batch, params_key)
+        request = Request("POST", path, matrix.tobytes(), RAW, True, self.timeout)
         return neighbours((yield from call(request)), batch)
 
     def load(self, collection: str, ids: Any, vectors: Any, payloads: Sequence[dict[str, Any] | None] | None = None,
