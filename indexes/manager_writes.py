@@ -91,6 +91,7 @@ class Writes(Builds):
                         name, commit.seq, type(exc).__name__, exc)
             r.wake(time.monotonic())
             return
+        self.note_write(r, len(changes.ids))
         self._maybe_rebuild(r)
 
     async def bulk_upsert(self, name: str, chunks: Iterator[Points], total: int, progress: Progress,

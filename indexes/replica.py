@@ -51,6 +51,9 @@ class Replica:
     loaded_from: str | None = None  # "snapshot" (+ catch-up) or "postgres" (rebuilt), said by GET collection
     saved: tuple | None = None  # (watermark, digest, index type) of the last snapshot written
     bulk_loading: int = 0  # bulk loads in progress build once at the end: no background rebuilds meanwhile
+    loading_since: float = 0.0  # monotonic time the current run of large writes began (Builds._maybe_rebuild)
+    loading_until: float = 0.0  # ... and when it counts as over, unless another large write comes first
+    rebuild_timer: asyncio.TimerHandle | None = None  # the check once that run is over
     rebuild_task: asyncio.Task | None = None  # the one rebuild of this collection, background or asked for
     rebuild_started: float = 0.0
     snapshot_after: float = 0.0  # monotonic time before which the pending snapshot waits for more rebuilds

@@ -382,6 +382,36 @@ def test_small_writes_join_the_index_and_large_ones_wait_in_the_delta(client):
         assert nearest(client, "grow", data[i], k=1, consistency="strong")["ids"] == [i]
 
 
+def test_a_load_through_large_upserts_is_built_once_when_it_pauses(client):
+    """Large upserts in a row are a load: no background build starts while they keep coming (each would index
+    every row again), and one starts once they pause for a second (issue 36: a 50,000 x 768 load spent most of
+    its CPU in builds started during it)."""
+    from indexes.manager_builds import LOAD_QUIET_S, LOAD_WRITE_ROWS
+
+    wait_ready(client)
+    rows = LOAD_WRITE_ROWS + 200
+    data = clustered(6 * rows, DIM, seed=41)
+    assert client.post("/v1/collections", json={"name": "loaded", "dim": DIM, "index": {
+        "type": "hnsw", "params": {"m": 8, "ef_construction": 32}}}).status_code == 201
+
+    def state():
+        info = client.get("/v1/collections/loaded").json()
+        return info["index_state"]["indexed_rows"], info["replication"]["replicas"][0]["rebuilds"]
+
+    for part in range(6):
+        chunk = slice(part * rows, (part + 1) * rows)
+        r = client.put("/v1/collections/loaded/points", json={"ids": list(range(chunk.start, chunk.stop)),
+                                                              "vectors_b64": b64(data[chunk])})
+        assert r.status_code == 200, r.text
+        assert state() == (0, 0), f"a build started during the load, after part {part}"
+    assert nearest(client, "loaded", data[rows + 7], k=1, consistency="strong")["ids"] == [rows + 7]
+    deadline = time.monotonic() + LOAD_QUIET_S + 60
+    while state()[0] < 6 * rows - 500 and time.monotonic() < deadline:  # the build holds calibration rows out
+        time.sleep(0.2)
+    indexed, rebuilds = state()
+    assert indexed >= 6 * rows - 500 and rebuilds == 1
+
+
 def test_large_json_bodies_are_parsed_off_the_event_loop(client, monkeypatch):
     """A JSON body over LARGE_BODY_BYTES is parsed on a thread (20 MB of payloads held the loop 130 ms): stored
     and answered as any other, a bad one still a 422 naming the field."""
