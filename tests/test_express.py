@@ -35,13 +35,16 @@ def test_what_must_be_refused_or_bounded_is_never_claimed():
     assert keyed.claim(b"POST", SEARCH, headers(10, authorization=b"Bearer x")) is None
     assert keyed.claim(b"POST", SEARCH, headers(10, authorization=b"Bearer k")) is not None
     plain = express()
-    assert plain.claim(b"POST", SEARCH, headers(10, x_request_timeout=b"1")) is None  # a deadline to keep
+    assert plain.claim(b"POST", SEARCH, headers(10, x_request_timeout=b"0.5")) is None  # a deadline to keep
+    assert plain.claim(b"POST", SEARCH, headers(10, x_request_timeout=b"nan")) is None  # the app answers 400
+    assert plain.claim(b"POST", SEARCH, headers(10, x_request_timeout=b"1")) is not None  # none an answer can miss
     assert plain.claim(b"POST", SEARCH, headers(10, transfer_encoding=b"chunked")) is None
     assert plain.claim(b"POST", SEARCH, headers(10, b"text/plain")) is None
     assert plain.claim(b"PUT", b"/v1/collections/c1/points", headers(10)) is None  # upserts are never inline
     assert plain.claim(b"POST", b"/v1/collections/c1/recall", headers(10)) is None
     assert express(quota_requests_per_s=5).claim(b"POST", SEARCH, headers(10)) is None  # a quota to charge
-    assert express(request_timeout_s=5).claim(b"POST", SEARCH, headers(10)) is None
+    assert express(request_timeout_s=0.5).claim(b"POST", SEARCH, headers(10)) is None
+    assert express(request_timeout_s=5).claim(b"POST", SEARCH, headers(10)) is not None
 
 
 def test_a_request_without_the_key_is_refused_before_it_takes_a_slot_or_sends_its_body(tmp_path):

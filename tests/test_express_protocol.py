@@ -146,10 +146,26 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     strong = client.post("/v1/collections/s1/search", json={"vector": q.tolist(), "k": 3, "consistency": "strong"})
     batch = client.post("/v1/collections/s1/search", json={"vectors": [q.tolist()] * 2, "k": 3})  # two: the app
     deadline = client.post("/v1/collections/s1/search?k=3", content=q.tobytes(),
-                           headers={**RAW, "X-Request-Timeout": "5"})
+                           headers={**RAW, "X-Request-Timeout": "0.5"})  # could pass: the app watches it
     assert strong.json()["ids"][0] == 3 and strong.json()["consistency"] == "strong"
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
+    assert_problem(client.post("/v1/collections/s1/search", content=q.tobytes(),
+                               headers={**RAW, "X-Request-Timeout": "soon"}), 400, "bad-request", "X-Request-Timeout")
     assert synced(client) == before  # none of these was the protocol's to answer
+
+
+def test_a_deadline_an_inline_answer_cannot_miss_keeps_the_protocol_lane(served):
+    """A client that sends its timeout with every call (switchyard_client does) is still answered by the protocol
+    when the deadline is at least INLINE_MIN_DEADLINE_S away: an inline answer takes microseconds."""
+    client, data, _ = served
+    for q in data[:5]:  # each shape learns its cost first
+        client.post("/v1/collections/s1/search?k=3", content=q.tobytes(), headers={**RAW, "X-Request-Timeout": "30"})
+    before = synced(client)
+    for i in range(20):
+        r = client.post("/v1/collections/s1/search?k=3", content=data[i].tobytes(),
+                        headers={**RAW, "X-Request-Timeout": "30"})
+        assert r.json()["ids"][0] == i, r.text
+    assert synced(client) - before >= 18
 
 
 def test_the_unix_socket_serves_the_same_api(served):

@@ -46,6 +46,9 @@ RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 # (whose HTTP socket only the fronts reach; a front drops the header from what its clients send).
 CLIENT_HEADER = b"x-switchyard-client"
 INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: a few single-vector searches' worth
+# An inline answer takes microseconds (SWITCHYARD_INLINE_SEARCH_US): a deadline at least this far off cannot pass
+# while it runs, so a request carrying one may still be answered inline (clients that always send their timeout).
+INLINE_MIN_DEADLINE_S = 1.0
 
 
 class Headers(NamedTuple):
@@ -131,9 +134,10 @@ class Express:
     # -- the inline answer, from the HTTP protocol's callbacks (http/express_protocol.py) -------------------------
     def claim(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Claim | None:
         """A search answer_inline may answer once its body is read, from its request line and headers, or None:
-        the request goes through __call__ as any other. Requests with a deadline, a quota to charge, a forwarded
-        client or a body of undeclared length always go that way, as do those that fail a step (to be answered)."""
-        if not self.inline or method != b"POST" or self.quota or self.default_timeout is not None:
+        the request goes through __call__ as any other. Requests with a deadline under INLINE_MIN_DEADLINE_S, a quota
+        to charge, a forwarded client or a body of undeclared length always go that way, as do those that fail a step
+        (to be answered)."""
+        if not self.inline or method != b"POST" or self.quota or not far_off(self.default_timeout):
             return None
         path, _, query = url.partition(b"?")
         match = HOT.match(path.decode("latin-1"))
@@ -143,7 +147,7 @@ class Express:
             h = read_headers(headers)
         except ProblemError:
             return None
-        if (h.timeout is not None or h.forwarded is not None or h.chunked
+        if (not far_off(h.timeout) or h.forwarded is not None or h.chunked
                 or not 0 < h.length <= min(INLINE_MAX_BODY, self.max_body)
                 or not self._parses(h, True)):
             return None
@@ -302,6 +306,18 @@ def problem_of(exc: Exception, scope: Scope) -> Reply:
     if isinstance(exc, ProblemError):
         return reply_of(problem_of_error(exc, scope["path"]))
     return reply_of(internal_problem(scope.get("method"), scope.get("path"), exc))
+
+
+def far_off(timeout: float | bytes | None) -> bool:
+    """Whether a request's deadline (seconds, or its X-Request-Timeout header) leaves room for an inline answer:
+    none at all, or one at least INLINE_MIN_DEADLINE_S away. A malformed header does not (the app answers it)."""
+    if timeout is None:
+        return True
+    try:
+        seconds = parse_timeout(timeout) if isinstance(timeout, bytes) else timeout
+    except ProblemError:
+        return False
+    return seconds >= INLINE_MIN_DEADLINE_S
 
 
 def deadline_and_principal() -> tuple[float | None, str]:
