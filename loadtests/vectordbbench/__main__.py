@@ -54,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--switchyard-transport", choices=["unix", "tcp"], default="unix", help=(
         "with --start-service: how the client reaches the service (default unix: its unix socket, SWITCHYARD_UDS, "
         "as VectorDBBench's pgvector client reaches the embedded PostgreSQL through its unix socket)"))
+    run.add_argument("--switchyard-client", choices=["switchyard_client", "plain-json"], default="switchyard_client",
+                     help="how VectorDBBench's Switchyard client calls it: through switchyard_client (default), or "
+                          "as the obvious plain client would (requests, keep-alive, JSON float lists)")
     run.add_argument("--start-service", action="store_true",
                      help="start `switchyard serve` with an embedded PostgreSQL in a temporary data dir")
     run.add_argument("--api-key", default=os.environ.get("SWITCHYARD_API_KEY"))
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
                 "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
                                "ef_search": args.switchyard_ef_search or args.ef_search, "env": args.switchyard_env,
-                               "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key},
+                               "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key,
+                               "client": args.switchyard_client},
                 "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
             }
             plan_file = scratch / "plan.json"

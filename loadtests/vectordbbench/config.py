@@ -22,6 +22,8 @@ class SwitchyardConfig(DBConfig):
     collection_name: str = "vdbbench"
     api_key: SecretStr | None = None
     timeout_s: float = 3600.0  # a build job is waited for through this connection too
+    # "plain-json": inserts and searches as the obvious client sends them (requests, JSON float lists), to compare
+    client: Literal["switchyard_client", "plain-json"] = "switchyard_client"
 
     def to_dict(self) -> dict:
         return {
@@ -29,6 +31,7 @@ class SwitchyardConfig(DBConfig):
             "collection_name": self.collection_name,
             "api_key": self.api_key.get_secret_value() if self.api_key else None,
             "timeout_s": self.timeout_s,
+            "client": self.client,
         }
 
 

@@ -169,7 +169,9 @@ def markdown(report: dict) -> str:
         lines += [f"Switchyard searched with ef={switchyard.get('ef_search', hnsw['ef_search'])}"
                   + (f", service settings {', '.join(switchyard['env'])}" if switchyard.get("env") else "") + ".", ""]
     transport = "its unix socket" if str(switchyard.get("url", "")).startswith("unix:") else "TCP"
-    lines += [f"Switchyard's client reached it through {transport}; VectorDBBench's pgvector client reached "
+    client = ("a plain JSON client (requests, keep-alive, JSON float lists)" if switchyard.get("client") == "plain-json"
+              else "switchyard_client (libcurl when pycurl is installed, raw float32 searches)")
+    lines += [f"Switchyard's client, {client}, reached it through {transport}; VectorDBBench's pgvector client reached "
               "PostgreSQL through " + ("its unix socket" if "host=/" in str(plan.get("pgvector", {}).get("dsn", ""))
                                        else "TCP") + ".", ""]
     for name, entry in report["cases"].items():

@@ -59,7 +59,8 @@ def build_tasks(plan: dict) -> list[TaskConfig]:
         DB.Switchyard: (
             SwitchyardConfig(db_label=plan["switchyard"]["engine"], url=plan["switchyard"]["url"],
                              collection_name=plan["switchyard"]["collection_name"],
-                             api_key=plan["switchyard"].get("api_key")),
+                             api_key=plan["switchyard"].get("api_key"),
+                             client=plan["switchyard"].get("client", "switchyard_client")),
             lambda: SwitchyardHNSWConfig(m=hnsw["m"], ef_construction=hnsw["ef_construction"],
                                          ef_search=plan["switchyard"].get("ef_search", hnsw["ef_search"]),
                                          engine=plan["switchyard"]["engine"],
