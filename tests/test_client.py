@@ -130,12 +130,13 @@ def test_errors_are_typed_and_carry_the_field(workers):
         assert bad.value.field == "payloads[0]"
 
 
-def test_a_bulk_load_through_arrow_is_followed_to_its_end(workers):
+@pytest.mark.parametrize("transport", ["http", "pycurl"])
+def test_a_bulk_load_through_arrow_is_followed_to_its_end(workers, transport):
     url, _ = workers
     seen: list[tuple[int, int]] = []
     vectors = clustered(3000, seed=3)
-    with Client(url, transport="http") as sy:
-        name = fresh(sy, "bulk")
+    with Client(url, transport=transport) as sy:
+        name = fresh(sy, f"bulk_{transport}")
         result = sy.load(name, np.arange(3000), vectors, [{"n": i} for i in range(3000)],
                          progress=lambda done, total, message: seen.append((done, total)))
         assert result["upserted"] == 3000 and result["seq"] is not None
@@ -146,6 +147,8 @@ def test_a_bulk_load_through_arrow_is_followed_to_its_end(workers):
         sy.build(name)
         recall = sy.recall(name, sample=50, k=10)
         assert 0.9 <= recall["recall"] <= 1.0
+        # The stream is spooled to a file and sent from it; a request after it carries its own body again.
+        assert sy.upsert(name, [5000], vectors[:1]).upserted == 1
 
 
 @pytest.mark.parametrize("transport", ["http", "pycurl"])
@@ -185,6 +188,9 @@ def test_the_async_client_answers_as_the_blocking_one(workers):
             with pytest.raises(InvalidRequest) as bad:
                 await sy.search(name, vectors[0], k=0)
             assert bad.value.field == "k"
+            loaded = await sy.load(name, np.arange(1000, 1200), vectors + 50, progress=False)
+            assert loaded["upserted"] == 200
+            assert (await sy.search(name, vectors[7] + 50, k=1)).ids.tolist() == [1007]
 
     asyncio.run(scenario())
     with Client(url, transport="http") as sy:

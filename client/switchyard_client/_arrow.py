@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import tempfile
+from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
@@ -18,8 +19,9 @@ def _pyarrow() -> Any:
 
 
 def points_stream(ids: np.ndarray, vectors: np.ndarray, payloads: Sequence[dict[str, Any] | None] | None,
-                  rows_per_batch: int) -> bytes:
-    """One Arrow IPC stream: id int64, vector fixed_size_list<float32>, payload JSON text when given."""
+                  rows_per_batch: int) -> BinaryIO:
+    """One Arrow IPC stream (id int64, vector fixed_size_list<float32>, payload JSON text when given) in a temporary
+    file, written a batch at a time: a load of any size costs one batch of memory beside the caller's arrays."""
     pa = _pyarrow()
     if len(ids) != len(vectors):
         raise ValueError(f"{len(ids)} ids for {len(vectors)} vectors")
@@ -30,7 +32,8 @@ def points_stream(ids: np.ndarray, vectors: np.ndarray, payloads: Sequence[dict[
     if payloads is not None:
         fields.append(pa.field("payload", pa.string()))
     schema = pa.schema(fields)
-    sink = pa.BufferOutputStream()
+    spool = tempfile.TemporaryFile(prefix="switchyard-load-")
+    sink = pa.PythonFile(spool, mode="w")
     with pa.ipc.new_stream(sink, schema) as writer:
         for start in range(0, len(ids), rows_per_batch):
             stop = start + rows_per_batch
@@ -40,7 +43,8 @@ def points_stream(ids: np.ndarray, vectors: np.ndarray, payloads: Sequence[dict[
                 columns.append(pa.array([None if p is None else dumps(p).decode() for p in payloads[start:stop]],
                                         pa.string()))
             writer.write_batch(pa.record_batch(columns, schema=schema))
-    return sink.getvalue().to_pybytes()
+    spool.seek(0)
+    return spool
 
 
 def answer_table(answer: dict[str, Any]) -> Any:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Concatenate, ParamSpec, TypeVar
 
 from ._ops import Operations
-from ._wire import Plan, Request, Response
+from ._wire import Plan, Request, Response, body_size
 from .errors import Retryable, SwitchyardError, error_of
 
 P = ParamSpec("P")
@@ -41,6 +41,8 @@ def headers_for(request: Request, api_key: str | None) -> dict[str, str]:
     headers = {"User-Agent": f"switchyard-client/{VERSION}"}
     if request.content_type is not None:
         headers["Content-Type"] = request.content_type
+    if request.body is not None and not isinstance(request.body, bytes):
+        headers["Content-Length"] = str(body_size(request.body))  # also rewinds it, for each attempt
     if api_key is not None:
         headers["Authorization"] = f"Bearer {api_key}"
     if request.timeout is not None:  # the service drops the call once this has passed (not run, or stopped)

@@ -145,7 +145,10 @@ class Operations:
                              rows_per_batch)
         request = Request("PUT", collection_path(collection, f"/points?pgvector={pgvector}"), body, ARROW, True,
                           self.timeout)
-        job = yield from call(request)
+        try:
+            job = yield from call(request)
+        finally:
+            body.close()  # the spooled stream: removed once sent
         result = (yield from self.wait_job(job["job"], progress, f"load {collection}")) if wait else job
         if wait:
             self.sessions.wrote(collection, (result or {}).get("seq"))

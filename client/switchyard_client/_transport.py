@@ -7,12 +7,13 @@ import http.client
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlsplit
 
 from ._wire import Response
 from .errors import TransportError
 
+BLOCK_BYTES = 1 << 20  # a file body is sent this much at a time
 STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
@@ -31,7 +32,7 @@ class Endpoint:
 
 
 class Transport(Protocol):
-    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float,
+    def send(self, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str], timeout: float,
              idempotent: bool) -> Response: ...
 
     def close(self) -> None: ...
@@ -39,7 +40,7 @@ class Transport(Protocol):
 
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
+        super().__init__("localhost", timeout=timeout, blocksize=BLOCK_BYTES)
         self.socket_path = path
 
     def connect(self) -> None:
@@ -68,8 +69,8 @@ class HttpPool:
     def _new(self, timeout: float) -> http.client.HTTPConnection:
         if self.endpoint.socket_path is not None:
             return _UnixConnection(self.endpoint.socket_path, timeout)
-        conn = http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=timeout)
-        return conn
+        return http.client.HTTPConnection(self.endpoint.host, self.endpoint.port, timeout=timeout,
+                                          blocksize=BLOCK_BYTES)
 
     def _take(self, timeout: float, fresh_only: bool) -> tuple[http.client.HTTPConnection, bool]:
         now = time.monotonic()
@@ -92,9 +93,11 @@ class HttpPool:
                 return
         conn.close()
 
-    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float,
+    def send(self, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str], timeout: float,
              idempotent: bool) -> Response:
         for attempt in range(2):
+            if body is not None and not isinstance(body, bytes):
+                body.seek(0)
             conn, reused = self._take(timeout, fresh_only=not idempotent)
             try:
                 conn.request(method, path, body, headers)
@@ -140,6 +143,7 @@ class _Handle:
         self.sent_headers: list[str] | None = None
         self.method: str | None = None
         self.timeout: float | None = None
+        self.uploading = False
 
     def header(self, line: bytes) -> None:
         name, sep, value = line.decode("latin-1").partition(":")
@@ -168,7 +172,7 @@ class CurlPool:
                 self._all.append(handle)
         return handle
 
-    def send(self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float,
+    def send(self, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str], timeout: float,
              idempotent: bool) -> Response:
         pycurl, h = self.pycurl, self._handle()
         curl = h.curl
@@ -183,7 +187,16 @@ class CurlPool:
         if timeout != h.timeout:
             curl.setopt(pycurl.TIMEOUT_MS, int(timeout * 1000))
             h.timeout = timeout
-        if body is None and method in ("GET", "DELETE"):
+        if h.uploading:  # the last request sent a file: back to in-memory bodies
+            curl.setopt(pycurl.UPLOAD, 0)
+            h.uploading = False
+        if body is not None and not isinstance(body, bytes):
+            body.seek(0)
+            curl.setopt(pycurl.UPLOAD, 1)
+            curl.setopt(pycurl.READDATA, body)
+            curl.setopt(pycurl.INFILESIZE_LARGE, int(headers["Content-Length"]))
+            h.uploading = True
+        elif body is None and method in ("GET", "DELETE"):
             curl.setopt(pycurl.HTTPGET, 1)
             h.method = None  # HTTPGET resets the request method
         else:

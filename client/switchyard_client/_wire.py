@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Generator, Mapping, TypeVar
+from typing import Any, BinaryIO, Generator, Mapping, TypeVar
 
 
 def _plain(value: Any) -> Any:
@@ -50,7 +50,7 @@ PARQUET = "application/vnd.apache.parquet"
 class Request:
     method: str
     path: str  # with its query string
-    body: bytes | None = None
+    body: bytes | BinaryIO | None = None  # a file (a bulk load's stream, spooled to disk) is sent from its start
     content_type: str | None = None
     idempotent: bool = True  # safe to send again after a 503 or 429 (a search, a read, an upsert by id)
     timeout: float | None = None  # this call's limit in seconds (also sent as X-Request-Timeout)
@@ -73,6 +73,15 @@ class Sleep:
 
 
 Plan = Generator["Request | Sleep", "Response | None", T]  # an operation: what it sends, then its result
+
+
+def body_size(body: bytes | BinaryIO | None) -> int:
+    """The body's length in bytes; a file's is measured, and the file rewound to send it from its start."""
+    if body is None or isinstance(body, bytes):
+        return len(body or b"")
+    size = body.seek(0, 2)
+    body.seek(0)
+    return size
 
 
 def call(request: Request) -> Generator[Request | Sleep, Response | None, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncIterator, BinaryIO
 
 import httpx
 
@@ -11,6 +12,13 @@ from ._ops import Operations
 from ._transport import Endpoint
 from ._wire import Plan, Request, Response, Sessions, Sleep, T
 from .errors import SwitchyardError, TransportError
+
+
+async def file_chunks(file: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """A file body from its start, a block at a time, read off the event loop (Content-Length is already set)."""
+    file.seek(0)
+    while block := await asyncio.to_thread(file.read, size):
+        yield block
 
 
 class AsyncClient:
@@ -49,8 +57,10 @@ class AsyncClient:
     async def _send(self, request: Request) -> Response:
         waited, attempt = 0.0, 0
         while True:
+            body: bytes | AsyncIterator[bytes] | None = (
+                request.body if request.body is None or isinstance(request.body, bytes) else file_chunks(request.body))
             try:
-                answer = await self._http.request(request.method, request.path, content=request.body,
+                answer = await self._http.request(request.method, request.path, content=body,
                                                   headers=headers_for(request, self.api_key),
                                                   timeout=request.timeout or DEFAULT_TIMEOUT_S)
             except httpx.TransportError as exc:
