@@ -136,19 +136,22 @@ class _Handle:
         if endpoint.socket_path is not None:
             curl.setopt(pycurl.UNIX_SOCKET_PATH, endpoint.socket_path)
         self.chunks: list[bytes] = []
-        self.headers: dict[str, str] = {}
+        self.header_lines: list[bytes] = []  # parsed only for an error answer (its Retry-After)
         curl.setopt(pycurl.WRITEFUNCTION, self.chunks.append)
-        curl.setopt(pycurl.HEADERFUNCTION, self.header)
+        curl.setopt(pycurl.HEADERFUNCTION, self.header_lines.append)
         self.url: str | None = None
-        self.sent_headers: list[str] | None = None
+        self.sent_headers: tuple[tuple[str, str], ...] | None = None
         self.method: str | None = None
         self.timeout: float | None = None
         self.uploading = False
 
-    def header(self, line: bytes) -> None:
-        name, sep, value = line.decode("latin-1").partition(":")
-        if sep:
-            self.headers[name.strip().lower()] = value.strip()
+    def headers(self) -> dict[str, str]:
+        out = {}
+        for line in self.header_lines:
+            name, sep, value = line.decode("latin-1").partition(":")
+            if sep:
+                out[name.strip().lower()] = value.strip()
+        return out
 
 
 class CurlPool:
@@ -180,9 +183,9 @@ class CurlPool:
         if url != h.url:
             curl.setopt(pycurl.URL, url)
             h.url = url
-        sent = [f"{k}: {v}" for k, v in headers.items()] + ["Expect:"]  # no 100-continue round trip
+        sent = tuple(headers.items())
         if sent != h.sent_headers:
-            curl.setopt(pycurl.HTTPHEADER, sent)
+            curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in sent] + ["Expect:"])  # no 100-continue wait
             h.sent_headers = sent
         if timeout != h.timeout:
             curl.setopt(pycurl.TIMEOUT_MS, int(timeout * 1000))
@@ -205,12 +208,13 @@ class CurlPool:
             curl.setopt(pycurl.CUSTOMREQUEST, method)
             h.method = method
         h.chunks.clear()
-        h.headers = {}
+        h.header_lines.clear()
         try:
             curl.perform()
         except pycurl.error as exc:
             raise TransportError(f"{method} {path}: {exc}") from exc
-        return Response(curl.getinfo(pycurl.RESPONSE_CODE), h.headers, b"".join(h.chunks))
+        status = curl.getinfo(pycurl.RESPONSE_CODE)
+        return Response(status, h.headers() if status >= 400 else {}, b"".join(h.chunks))
 
     def close(self) -> None:
         with self._lock:
