@@ -183,8 +183,8 @@ class Builds(ManagerState):
         """Start a background rebuild when the replica needs one. While large writes keep coming (a load through
         upserts), not yet: each rebuild would index all the rows again, so the load is built once it pauses for
         LOAD_QUIET_S, or every LOAD_MAX_DEFER_S if it never does (searches meanwhile scan the new rows exactly)."""
-        if r.bulk_loading or not r.loaded:
-            return
+        if r.bulk_loading or not r.loaded or self.resident.get(r.collection.name) is not r:
+            return  # the last: dropped (or replaced) while a load's timer waited
         now = time.monotonic()
         if r.rebuild_timer is not None:
             r.rebuild_timer.cancel()
