@@ -179,9 +179,9 @@ def _key_parser(size: int) -> Any:
     """A simdjson parser: the thread's own for a body of up to KEPT_PARSER_BYTES (a new one's buffers cost page
     faults: 5 ms instead of 1.5 for 900 KB on this VM), a new one for a larger body or when a document of the
     thread's own is still referred to (simdjson refuses to parse again then)."""
-    parser = getattr(_parsers, "parser", None)
     if size > KEPT_PARSER_BYTES:
         return simdjson.Parser()
+    parser = getattr(_parsers, "parser", None)
     if parser is None:
         parser = _parsers.parser = simdjson.Parser()
     return parser

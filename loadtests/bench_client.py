@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import orjson
 
 from bench_overhead import _service_pids, service_cpu
-from benchkit import Service, results_dir, save_json, versions, wait_for_quiet
+from benchkit import JsonClient, Service, results_dir, save_json, versions, wait_for_quiet
 from datasets import mixture
 from switchyard_client import AsyncClient, Client
 
@@ -34,15 +32,10 @@ K, EF = 10, 64
 
 def plain_json(port: int, name: str) -> tuple[Callable[[np.ndarray], Any], Callable[[], None]]:
     """What a user writes first: http.client with keep-alive, a JSON body with a float list, orjson to parse."""
-    conn = http.client.HTTPConnection("127.0.0.1", port)
+    client = JsonClient(port)
     path = f"/v1/collections/{name}/search"
-
-    def search(q: np.ndarray) -> Any:
-        conn.request("POST", path, orjson.dumps({"vector": q.tolist(), "k": K, "params": {"ef": EF}}),
-                     {"Content-Type": "application/json"})
-        return orjson.loads(conn.getresponse().read())["ids"]
-
-    return search, conn.close
+    return (lambda q: client.call("POST", path, {"vector": q.tolist(), "k": K, "params": {"ef": EF}})["ids"]), \
+        client.conn.close
 
 
 def requests_json(port: int, name: str) -> tuple[Callable[[np.ndarray], Any], Callable[[], None]]:

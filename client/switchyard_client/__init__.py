@@ -12,8 +12,8 @@ docs/client.md has the rest.
 """
 
 from ._driver import VERSION as __version__
-from ._driver import RetryPolicy
 from ._ops import JobFailed
+from ._wire import RetryPolicy
 from .aio import AsyncClient
 from .client import Client
 from .errors import (

@@ -1,40 +1,18 @@
-"""What both clients share: headers, the retry policy, and turning an answer into a result or an exception."""
+"""What both clients share: each request's headers, and the methods that run a call's plan to its end."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import random
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Concatenate, ParamSpec, TypeVar
 
 from ._ops import Operations
-from ._wire import Plan, Request, Response, body_size
-from .errors import Retryable, SwitchyardError, error_of
+from ._wire import Plan, Request, body_size
 
 P = ParamSpec("P")
 R = TypeVar("R")
 VERSION = "0.1.0"
 DEFAULT_TIMEOUT_S = 300.0  # a socket's limit when the caller sets none (bulk loads can take minutes)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Idempotent calls refused with 503 or 429 are sent again after the answer's Retry-After (else a jittered
-    backoff from `base_s`), at most `max_retries` times and `budget_s` seconds of waiting in all. Nothing that is
-    not idempotent is ever sent twice."""
-
-    max_retries: int = 3
-    budget_s: float = 30.0
-    base_s: float = 0.05
-
-    def wait_s(self, error: SwitchyardError, attempt: int, waited_s: float) -> float | None:
-        """Seconds to wait before sending again, or None to raise `error`."""
-        if not isinstance(error, Retryable) or attempt >= self.max_retries:
-            return None
-        wait = error.retry_after if error.retry_after is not None else self.base_s * 2 ** attempt
-        wait *= random.uniform(1.0, 1.25)  # apart, so that refused clients do not all come back at once
-        return wait if waited_s + wait <= self.budget_s else None
 
 
 def headers_for(request: Request, api_key: str | None) -> dict[str, str]:
@@ -48,14 +26,6 @@ def headers_for(request: Request, api_key: str | None) -> dict[str, str]:
     if request.timeout is not None:  # the service drops the call once this has passed (not run, or stopped)
         headers["X-Request-Timeout"] = f"{request.timeout:g}"
     return headers
-
-
-def checked(request: Request, response: Response) -> Response:
-    """The response, or its problem raised as a typed exception."""
-    if response.status < 400 or response.status in request.accept:
-        return response
-    raise error_of(response.status, response.body, response.headers.get("retry-after"), request.method,
-                   request.path.split("?", 1)[0])
 
 
 def blocking(op: Callable[Concatenate[Operations, P], Plan[R]]) -> Callable[Concatenate[Any, P], R]:

@@ -10,7 +10,7 @@ from urllib.parse import quote, urlencode
 import numpy as np
 
 from ._progress import ProgressArg, Reporter
-from ._wire import ARROW, PARQUET, RAW, Plan, Request, Sessions, Sleep, call, dumps, json_request
+from ._wire import ARROW, PARQUET, RAW, Plan, Request, RetryPolicy, Sessions, Sleep, call, dumps, json_request
 from .results import Pairs, SearchResult, WriteResult, neighbours, write_result
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -59,9 +59,13 @@ def id_list(ids: Any) -> list[int]:
 class Operations:
     """The plans of every call. `sessions` is shared by the clients made with with_options()."""
 
-    def __init__(self, sessions: Sessions, timeout: float | None = None) -> None:
+    def __init__(self, sessions: Sessions, timeout: float | None = None, retry: RetryPolicy | None = None) -> None:
         self.sessions = sessions
         self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+
+    def _call(self, request: Request) -> Plan[Any]:
+        return (yield from call(request, self.retry))
 
     def _json(self, method: str, path: str, body: Any = None, idempotent: bool = True) -> Request:
         return json_request(method, path, body, idempotent, self.timeout)
@@ -69,11 +73,11 @@ class Operations:
     # -- service ------------------------------------------------------------------------------------------------
     def health(self) -> Plan[Any]:
         """The readiness check (GET /readyz): its JSON; raises Unavailable while the service is not ready."""
-        return (yield from call(self._json("GET", "/readyz")))
+        return (yield from self._call(self._json("GET", "/readyz")))
 
     def engines(self, domain: str | None = None) -> Plan[Any]:
         """Every engine, with whether it is available and ready."""
-        return (yield from call(self._json("GET", "/v1/engines" + (f"?domain={domain}" if domain else ""))))
+        return (yield from self._call(self._json("GET", "/v1/engines" + (f"?domain={domain}" if domain else ""))))
 
     # -- collections -------------------------------------------------------------------------------------------
     def create_collection(self, name: str, dim: int, metric: str = "l2", index: dict[str, Any] | None = None,
@@ -85,16 +89,16 @@ class Operations:
             body["index"] = index
         if pgvector_index is not None:
             body["pgvector_index"] = pgvector_index
-        return (yield from call(self._json("POST", "/v1/collections", body, idempotent=False)))
+        return (yield from self._call(self._json("POST", "/v1/collections", body, idempotent=False)))
 
     def get_collection(self, name: str, verify: bool = False) -> Plan[Any]:
-        return (yield from call(self._json("GET", collection_path(name, "?verify=true" if verify else ""))))
+        return (yield from self._call(self._json("GET", collection_path(name, "?verify=true" if verify else ""))))
 
     def list_collections(self) -> Plan[Any]:
-        return (yield from call(self._json("GET", "/v1/collections")))
+        return (yield from self._call(self._json("GET", "/v1/collections")))
 
     def delete_collection(self, name: str) -> Plan[None]:
-        yield from call(self._json("DELETE", collection_path(name)))
+        yield from self._call(self._json("DELETE", collection_path(name)))
         self.sessions.forget(name)
 
     # -- points ------------------------------------------------------------------------------------------------
@@ -106,14 +110,14 @@ class Operations:
         body: dict[str, Any] = {"ids": id_list(ids), "vectors_b64": base64.b64encode(matrix.data).decode()}
         if payloads is not None:
             body["payloads"] = list(payloads)
-        answer = yield from call(self._json("PUT", collection_path(collection, "/points"), body))
+        answer = yield from self._call(self._json("PUT", collection_path(collection, "/points"), body))
         result = write_result(answer)
         self.sessions.wrote(collection, result.seq)
         return result
 
     def delete(self, collection: str, ids: Any) -> Plan[WriteResult]:
         """Delete points by id; `deleted` says how many existed."""
-        answer = yield from call(self._json("POST", collection_path(collection, "/points/delete"),
+        answer = yield from self._call(self._json("POST", collection_path(collection, "/points/delete"),
                                             {"ids": id_list(ids)}))
         result = write_result(answer)
         self.sessions.wrote(collection, result.seq)
@@ -131,7 +135,7 @@ class Operations:
         params_key = tuple(sorted(params.items())) if params else ()
         path = search_path(collection, k, engine, level, at, filter_text, recall_target, batch, params_key)
         request = Request("POST", path, matrix.tobytes(), RAW, True, self.timeout)
-        return neighbours((yield from call(request)), batch)
+        return neighbours((yield from self._call(request)), batch)
 
     def load(self, collection: str, ids: Any, vectors: Any, payloads: Sequence[dict[str, Any] | None] | None = None,
              *, pgvector: str = "background", progress: ProgressArg = True, wait: bool = True,
@@ -146,7 +150,7 @@ class Operations:
         request = Request("PUT", collection_path(collection, f"/points?pgvector={pgvector}"), body, ARROW, True,
                           self.timeout)
         try:
-            job = yield from call(request)
+            job = yield from self._call(request)
         finally:
             body.close()  # the spooled stream: removed once sent
         result = (yield from self.wait_job(job["job"], progress, f"load {collection}")) if wait else job
@@ -157,7 +161,7 @@ class Operations:
     def build(self, collection: str, *, pgvector: str = "background", progress: ProgressArg = False,
               wait: bool = True) -> Plan[Any]:
         """Compact and rebuild the resident index (and create the pgvector index if missing), as a job."""
-        job = yield from call(self._json("POST", collection_path(collection, f"/build?pgvector={pgvector}"),
+        job = yield from self._call(self._json("POST", collection_path(collection, f"/build?pgvector={pgvector}"),
                                          idempotent=False))
         return (yield from self.wait_job(job["job"], progress, f"build {collection}")) if wait else job
 
@@ -170,14 +174,14 @@ class Operations:
                 body[name] = value
         if queries is not None:
             body["queries"] = float32_rows(queries)[0].tolist()
-        return (yield from call(self._json("POST", collection_path(collection, "/recall"), body)))
+        return (yield from self._call(self._json("POST", collection_path(collection, "/recall"), body)))
 
     # -- jobs --------------------------------------------------------------------------------------------------
     def job(self, job_id: str) -> Plan[Any]:
-        return (yield from call(self._json("GET", f"/v1/jobs/{quote(job_id, safe='')}")))
+        return (yield from self._call(self._json("GET", f"/v1/jobs/{quote(job_id, safe='')}")))
 
     def cancel_job(self, job_id: str) -> Plan[Any]:
-        return (yield from call(self._json("POST", f"/v1/jobs/{quote(job_id, safe='')}/cancel")))
+        return (yield from self._call(self._json("POST", f"/v1/jobs/{quote(job_id, safe='')}/cancel")))
 
     def wait_job(self, job_id: str, progress: ProgressArg = False, description: str = "job",
                  poll_s: float = 0.2) -> Plan[Any]:
@@ -204,7 +208,7 @@ class Operations:
                                 "lat": np.asarray(lat, dtype=np.float64).tolist()}
         if ids is not None:
             body["ids"] = id_list(ids)
-        return (yield from call(self._json("POST", "/v1/spatial/layers", body, idempotent=False)))
+        return (yield from self._call(self._json("POST", "/v1/spatial/layers", body, idempotent=False)))
 
     def create_polygons(self, name: str, geometries: Sequence[Any], ids: Any = None) -> Plan[Any]:
         """A layer of polygons from shapely (Multi)Polygons or WKT strings."""
@@ -217,23 +221,23 @@ class Operations:
             body = {"name": name, "kind": "polygons", "wkb_b64": [base64.b64encode(w).decode() for w in wkb]}
         if ids is not None:
             body["ids"] = id_list(ids)
-        return (yield from call(self._json("POST", "/v1/spatial/layers", body, idempotent=False)))
+        return (yield from self._call(self._json("POST", "/v1/spatial/layers", body, idempotent=False)))
 
     def upload_geoparquet(self, name: str, kind: str, data: bytes) -> Plan[Any]:
         """A layer from GeoParquet bytes (WKB `geometry` column, optional `id`)."""
         request = Request("PUT", f"/v1/spatial/layers/{quote(name, safe='')}?kind={kind}", data, PARQUET, False,
                           self.timeout)
-        return (yield from call(request))
+        return (yield from self._call(request))
 
     def list_layers(self) -> Plan[Any]:
-        return (yield from call(self._json("GET", "/v1/spatial/layers")))
+        return (yield from self._call(self._json("GET", "/v1/spatial/layers")))
 
     def delete_layer(self, name: str) -> Plan[None]:
-        yield from call(self._json("DELETE", f"/v1/spatial/layers/{quote(name, safe='')}"))
+        yield from self._call(self._json("DELETE", f"/v1/spatial/layers/{quote(name, safe='')}"))
 
     def point_in_polygon_counts(self, points: str, polygons: str, engine: str = "auto") -> Plan[Any]:
         """Points per polygon: (polygon_ids, counts) as int64 arrays."""
-        answer = yield from call(self._json("POST", "/v1/spatial/joins/point-in-polygon",
+        answer = yield from self._call(self._json("POST", "/v1/spatial/joins/point-in-polygon",
                                             {"points": points, "polygons": polygons, "mode": "counts",
                                              "engine": engine}))
         return np.asarray(answer["polygon_ids"], np.int64), np.asarray(answer["counts"], np.int64)
@@ -256,7 +260,7 @@ class Operations:
         distances: list[float] = []
         cursor, engine = None, ""
         while True:
-            answer = yield from call(self._json("POST", path, {**body, "cursor": cursor}))
+            answer = yield from self._call(self._json("POST", path, {**body, "cursor": cursor}))
             pairs.extend(answer["pairs"])
             distances.extend(answer.get("distances_m") or ())
             engine, cursor = answer["engine"], answer.get("next_cursor")
@@ -271,14 +275,14 @@ class Operations:
                   output: str = "arrow") -> Plan[Any]:
         """Run SSB query `query_id` (1.1 ... 4.3): a pyarrow Table (output="arrow", the engine and took_ms in its
         schema's metadata), a pandas DataFrame ("pandas") or the JSON answer ("json")."""
-        answer = yield from call(self._json("POST", f"/v1/olap/ssb/queries/{quote(query_id, safe='')}",
+        answer = yield from self._call(self._json("POST", f"/v1/olap/ssb/queries/{quote(query_id, safe='')}",
                                             {"engine": engine, "params": params or {}}))
         return shaped(answer, output)
 
     def sql(self, sql: str, engine: str = "auto", max_rows: int = 1000, timeout_s: float = 30,
             output: str = "arrow") -> Plan[Any]:
         """One read-only SELECT over the SSB tables, shaped as ssb_query's answer."""
-        answer = yield from call(self._json("POST", "/v1/olap/sql", {"sql": sql, "engine": engine,
+        answer = yield from self._call(self._json("POST", "/v1/olap/sql", {"sql": sql, "engine": engine,
                                                                       "max_rows": max_rows, "timeout_s": timeout_s}))
         return shaped(answer, output)
 

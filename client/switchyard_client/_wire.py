@@ -2,15 +2,18 @@
 
 Every operation is written once, as a generator that yields a Request (or a Sleep) and is sent back the Response;
 Client drives it with blocking calls, AsyncClient with awaits (the sans-I/O pattern of h11 and hyper), so both
-clients behave the same by construction.
+clients behave the same by construction, retries included (call()).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generator, Mapping, TypeVar
+
+from .errors import Retryable, SwitchyardError, error_of
 
 
 def _plain(value: Any) -> Any:
@@ -54,7 +57,6 @@ class Request:
     content_type: str | None = None
     idempotent: bool = True  # safe to send again after a 503 or 429 (a search, a read, an upsert by id)
     timeout: float | None = None  # this call's limit in seconds (also sent as X-Request-Timeout)
-    accept: tuple[int, ...] = ()  # error statuses the operation reads itself instead of raising
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,41 @@ def body_size(body: bytes | BinaryIO | None) -> int:
     return size
 
 
-def call(request: Request) -> Generator[Request | Sleep, Response | None, Any]:
-    """One request's JSON answer (None for an empty one)."""
-    response = yield request
-    assert response is not None
-    return response.json()
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Idempotent calls refused with 503 or 429 are sent again after the answer's Retry-After (else a jittered
+    backoff from `base_s`), at most `max_retries` times and `budget_s` seconds of waiting in all. Nothing that is
+    not idempotent is ever sent twice."""
+
+    max_retries: int = 3
+    budget_s: float = 30.0
+    base_s: float = 0.05
+
+    def wait_s(self, error: SwitchyardError, attempt: int, waited_s: float) -> float | None:
+        """Seconds to wait before sending again, or None to raise `error`."""
+        if not isinstance(error, Retryable) or attempt >= self.max_retries:
+            return None
+        wait = error.retry_after if error.retry_after is not None else self.base_s * 2 ** attempt
+        wait *= random.uniform(1.0, 1.25)  # apart, so that refused clients do not all come back at once
+        return wait if waited_s + wait <= self.budget_s else None
+
+
+def call(request: Request, retry: RetryPolicy) -> Generator[Request | Sleep, Response | None, Any]:
+    """One request's JSON answer (None for an empty one); an error answer raised as its typed exception, after
+    the retries `retry` allows an idempotent request."""
+    waited, attempt = 0.0, 0
+    while True:
+        response = yield request
+        assert response is not None
+        if response.status < 400:
+            return response.json()
+        error = error_of(response.status, response.body, response.headers.get("retry-after"), request.method,
+                         request.path.split("?", 1)[0])
+        wait = retry.wait_s(error, attempt, waited) if request.idempotent else None
+        if wait is None:
+            raise error
+        yield Sleep(wait)
+        waited, attempt = waited + wait, attempt + 1
 
 
 def json_request(method: str, path: str, body: Any = None, idempotent: bool = True,

@@ -7,11 +7,11 @@ from typing import AsyncIterator, BinaryIO
 
 import httpx
 
-from ._driver import DEFAULT_TIMEOUT_S, RetryPolicy, awaitable, checked, headers_for
+from ._driver import DEFAULT_TIMEOUT_S, awaitable, headers_for
 from ._ops import Operations
 from ._transport import Endpoint
-from ._wire import Plan, Request, Response, Sessions, Sleep, T
-from .errors import SwitchyardError, TransportError
+from ._wire import Plan, Request, Response, RetryPolicy, Sessions, Sleep, T
+from .errors import TransportError
 
 
 async def file_chunks(file: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -30,19 +30,17 @@ class AsyncClient:
         endpoint = Endpoint(url)
         self.url = url
         self.api_key = api_key
-        self.retry = retry or RetryPolicy()
         transport = httpx.AsyncHTTPTransport(uds=endpoint.socket_path, limits=httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=1.0))
         self._http = httpx.AsyncClient(base_url=f"http://{endpoint.host}:{endpoint.port}", transport=transport)
-        self._ops = Operations(Sessions(), timeout)
+        self._ops = Operations(Sessions(), timeout, retry)
 
     def with_options(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> "AsyncClient":
         """A client sharing this one's connections and read-your-writes memory, with another timeout or retry
         policy."""
         other = object.__new__(AsyncClient)
         other.__dict__.update(self.__dict__)
-        other._ops = Operations(self._ops.sessions, timeout)
-        other.retry = retry or self.retry
+        other._ops = Operations(self._ops.sessions, timeout, retry or self._ops.retry)
         return other
 
     async def close(self) -> None:
@@ -55,25 +53,15 @@ class AsyncClient:
         await self.close()
 
     async def _send(self, request: Request) -> Response:
-        waited, attempt = 0.0, 0
-        while True:
-            body: bytes | AsyncIterator[bytes] | None = (
-                request.body if request.body is None or isinstance(request.body, bytes) else file_chunks(request.body))
-            try:
-                answer = await self._http.request(request.method, request.path, content=body,
-                                                  headers=headers_for(request, self.api_key),
-                                                  timeout=request.timeout or DEFAULT_TIMEOUT_S)
-            except httpx.TransportError as exc:
-                raise TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}") from exc
-            response = Response(answer.status_code, answer.headers, answer.content)
-            try:
-                return checked(request, response)
-            except SwitchyardError as error:
-                wait = self.retry.wait_s(error, attempt, waited) if request.idempotent else None
-                if wait is None:
-                    raise
-            await asyncio.sleep(wait)
-            waited, attempt = waited + wait, attempt + 1
+        body: bytes | AsyncIterator[bytes] | None = (
+            request.body if request.body is None or isinstance(request.body, bytes) else file_chunks(request.body))
+        try:
+            answer = await self._http.request(request.method, request.path, content=body,
+                                              headers=headers_for(request, self.api_key),
+                                              timeout=request.timeout or DEFAULT_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            raise TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}") from exc
+        return Response(answer.status_code, answer.headers, answer.content)
 
     async def _run(self, plan: Plan[T]) -> T:
         answer: Response | None = None

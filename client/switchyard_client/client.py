@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-from ._driver import DEFAULT_TIMEOUT_S, RetryPolicy, blocking, checked, headers_for
+from ._driver import DEFAULT_TIMEOUT_S, blocking, headers_for
 from ._ops import Operations
 from ._transport import Transport, transport_for
-from ._wire import Plan, Request, Response, Sessions, Sleep, T
-from .errors import SwitchyardError
+from ._wire import Plan, Request, Response, RetryPolicy, Sessions, Sleep, T
 
 
 class Client:
@@ -25,17 +24,15 @@ class Client:
                  max_idle_connections: int = 32) -> None:
         self.url = url
         self.api_key = api_key
-        self.retry = retry or RetryPolicy()
         self._transport: Transport = transport_for(url, transport, max_idle_connections)
-        self._ops = Operations(Sessions(), timeout)
+        self._ops = Operations(Sessions(), timeout, retry)
 
     def with_options(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> "Client":
         """A client sharing this one's connections and read-your-writes memory, with another timeout or retry
         policy: `client.with_options(timeout=0.5).search(...)`."""
         other = object.__new__(Client)
         other.__dict__.update(self.__dict__)
-        other._ops = Operations(self._ops.sessions, timeout)
-        other.retry = retry or self.retry
+        other._ops = Operations(self._ops.sessions, timeout, retry or self._ops.retry)
         return other
 
     def close(self) -> None:
@@ -48,19 +45,8 @@ class Client:
         self.close()
 
     def _send(self, request: Request) -> Response:
-        waited, attempt = 0.0, 0
-        while True:
-            response = self._transport.send(request.method, request.path, request.body,
-                                             headers_for(request, self.api_key), request.timeout or DEFAULT_TIMEOUT_S,
-                                             request.idempotent)
-            try:
-                return checked(request, response)
-            except SwitchyardError as error:
-                wait = self.retry.wait_s(error, attempt, waited) if request.idempotent else None
-                if wait is None:
-                    raise
-            time.sleep(wait)
-            waited, attempt = waited + wait, attempt + 1
+        return self._transport.send(request.method, request.path, request.body, headers_for(request, self.api_key),
+                                    request.timeout or DEFAULT_TIMEOUT_S, request.idempotent)
 
     def _run(self, plan: Plan[T]) -> T:
         answer: Response | None = None
