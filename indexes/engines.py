@@ -3,6 +3,7 @@ CollectionManager when it starts, and is ready when the collections it holds are
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .manager import CollectionManager
@@ -55,6 +56,23 @@ class CuvsEngine(_ResidentEngine):
         from .cuvs_index import CuvsBackend
 
         return CuvsBackend(self.build_process)
+
+
+class CupyExactEngine(_ResidentEngine):
+    """Exact search with CuPy on device-resident vectors (exact_index.py): the GPU vector engine where cuVS is not
+    installed. Its CuPy kernels compile at start (a warm-up search of each path), not on the first request."""
+
+    kind = "gpu"
+
+    def backend(self) -> Any:
+        from .exact_index import ExactArrayBackend
+
+        return ExactArrayBackend()
+
+    async def start(self) -> None:
+        backend = self.backend()
+        await asyncio.to_thread(backend.warm_up)
+        self.vectors.attach(self.kind, backend)
 
 
 class PgvectorEngine:

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from .batching import MicroBatcher
 from .manager_catalog import Catalog
 from .manager_recall import Recall
-from .manager_search import ENGINE_KIND, SearchAnswer
-from .manager_state import Consistency
+from .manager_search import SearchAnswer
+from .manager_state import ENGINE_KIND, Consistency
 from .manager_writes import Writes
 from .resident import IndexBackend
 

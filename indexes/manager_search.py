@@ -24,7 +24,6 @@ from .vectors import MAX_K, check_nonzero
 
 log = logging.getLogger("switchyard.vectors")
 
-ENGINE_KIND = {"gpu": "cuvs", "cpu": "faiss"}
 
 
 @dataclass
@@ -97,7 +96,7 @@ class Searches(ManagerState):
                 raise
             except Exception as exc:  # noqa: BLE001 - the database is slow or gone: say so, or let pgvector answer
                 reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-                why = (f"the {ENGINE_KIND[order[0]]} replica could not reach consistency {level!r} within "
+                why = (f"the {self.engine_name(order[0])} replica could not reach consistency {level!r} within "
                        f"{self.consistency.timeout_s * 1000:.0f} ms ({reason})")
                 if engine != "auto":
                     raise NotCaughtUp(why, field="consistency") from exc
@@ -144,7 +143,7 @@ class Searches(ManagerState):
         if (c is None or r is None or not r.loaded or query.ndim != 1 or engine not in ("auto", "cpu")
                 or self._kind_of(r) != "cpu"):
             return None
-        served = ENGINE_KIND["cpu"]
+        served = self.engine_name("cpu")
         try:
             level, where = self.check_query(c, query, k, consistency, seq, params, payload_filter, recall_target)
             checked_items, run = resident_params(r.index, c.index_type, params), None
@@ -186,7 +185,7 @@ class Searches(ManagerState):
             fallback = (f"the resident index failed to load ({r.error})" if r.error
                         else "the resident index is still loading")
         for position, choice in enumerate(order):
-            served = "pgvector" if choice == "pgvector" else ENGINE_KIND[choice]
+            served = "pgvector" if choice == "pgvector" else self.engine_name(choice)
             last = position + 1 == len(order)
             if not last and (why := self.guard.cooling(served)):
                 fallback = f"the {served} engine {why}; served by {order[position + 1]}"

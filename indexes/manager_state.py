@@ -30,6 +30,8 @@ from .shards import Shard
 from .store import MAX_PAYLOAD_KEYS, Collection, CollectionStore
 from .vectors import MAX_PAYLOAD_ROW_BYTES, MAX_PAYLOAD_VALUE_BYTES
 
+ENGINE_KIND = {"gpu": "cuvs", "cpu": "faiss"}  # each resident kind's usual engine (see engine_name)
+
 log = logging.getLogger("switchyard.vectors")
 
 SNAPSHOT_QUIET_S = 2.0  # see _snapshot_soon
@@ -87,6 +89,11 @@ class ManagerState:
                                  poll_s=self.consistency.poll_s)
         self._syncing: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+
+    def engine_name(self, kind: str) -> str:
+        """The engine that serves a resident kind ("gpu": cuVS, or CuPy's exact engine where cuVS is absent)."""
+        backend = self.backends.get(kind)
+        return getattr(backend, "name", None) or ENGINE_KIND[kind]
 
     @property
     def resident_kind(self) -> str | None:

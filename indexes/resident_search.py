@@ -81,11 +81,13 @@ class ResidentSearch:
             if self.count == 0 or plan.matched == 0:
                 empty: list[list[Any]] = [[] for _ in range(len(q))]
                 return SearchResult(empty, [list(e) for e in empty], watermark, report)
-            if plan.kind == "exact" and matched is not None:  # over the matching rows, gathered once per filter
+            # An index that is exact whatever its parameters (exact_index.py, on the device) runs every plan itself.
+            on_host = plan.kind == "exact" and not getattr(self.index, "exact", False)
+            if on_host and matched is not None:  # over the matching rows, gathered once per filter
                 scores, local = exact_search(np, matched.vectors(self._vectors), q, k, self.metric)
                 ids = _ids_of(matched.ids(self._ids), local)
             else:
-                if plan.kind == "exact" and plan.index_type not in (None, "brute_force"):  # no setting reaches a target
+                if on_host and plan.index_type not in (None, "brute_force"):  # no setting reaches a target
                     scores, rows = exact_search(np, self._vectors[: self.n_rows], q, k, self.metric, self.keep_mask())
                 else:
                     keep = matched.mask if matched is not None else self.keep_mask()

@@ -28,7 +28,7 @@ log = logging.getLogger("switchyard.snapshots")
 
 FORMAT = 4  # 3: the payload index and the calibration; 4: its columns sparse (rows that have the key)
 ARRAYS = ("ids", "vectors", "alive")
-ENGINES = ("cuvs", "faiss")
+ENGINES = ("cuvs", "cupy", "faiss")
 
 
 def path_for(directory: Path, collection_id: int, engine: str) -> Path:

@@ -46,12 +46,16 @@ class EngineSpec:
     postgres_extension: str | None = None  # must be installable in the configured PostgreSQL
     implementation: str | None = None  # "package.module:Class"; None while the engine is not built yet
     planned_in: str | None = None  # where the engine is being built, said while implementation is None
+    yields_to: str | None = None  # another engine of this domain and kind that serves instead where it starts
 
 
 # Every engine Switchyard routes to, in the order `auto` prefers within a domain.
 CATALOG: tuple[EngineSpec, ...] = (
     EngineSpec("cuvs", "vectors", "gpu", "cuVS brute force, IVF-Flat, IVF-PQ and CAGRA on device-resident indexes",
                modules=("cuvs", "cupy"), distribution="cuvs-cu12", implementation="indexes.engines:CuvsEngine"),
+    EngineSpec("cupy", "vectors", "gpu", "exact search (matrix product + top-k) on device-resident vectors with CuPy",
+               modules=("cupy",), distribution="cupy-cuda13x|cupy-cuda12x",
+               implementation="indexes.engines:CupyExactEngine", yields_to="cuvs"),
     EngineSpec("faiss", "vectors", "cpu", "FAISS Flat, IVFFlat, IVFPQ and HNSW indexes resident in RAM",
                modules=("faiss",), distribution="faiss-cpu", implementation="indexes.engines:FaissEngine"),
     EngineSpec("pgvector", "vectors", "postgres", "pgvector HNSW, IVFFlat and exact search inside PostgreSQL",
@@ -111,12 +115,13 @@ def gpu_engine_installed(specs: tuple[EngineSpec, ...] = CATALOG) -> bool:
 
 
 def _version(distribution: str | None) -> str | None:
-    if distribution is None:
-        return None
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed version of `distribution` (alternatives separated by "|": the first installed one)."""
+    for name in (distribution or "").split("|"):
+        try:
+            return importlib.metadata.version(name) if name else None
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _load(implementation: str) -> Any:
@@ -170,6 +175,11 @@ class EngineRegistry:
                 log.exception("the RMM pool could not be set up")
         for status in self.statuses.values():
             if not status.available or status.spec.implementation is None:
+                continue
+            preferred = self.statuses.get(status.spec.yields_to or "")
+            if preferred is not None and preferred.instance is not None:
+                status.available = False
+                status.reasons.append(f"{preferred.spec.name} serves the {status.spec.kind} {status.spec.domain} here")
                 continue
             try:
                 engine = _load(status.spec.implementation)(**context)

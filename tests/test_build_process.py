@@ -114,7 +114,7 @@ async def _scenario(manager: CollectionManager, backend: GatedBackend, gate: Pat
 
     async def check(name: str, alive: np.ndarray) -> None:
         answer = await asyncio.wait_for(manager.search(name, queries, 10, "gpu", consistency="session", seq=seq), 30)
-        assert answer.engine == "cuvs"  # the GPU kind's engine name
+        assert answer.engine == backend.name  # the GPU kind's engine: the backend's own name
         ids = np.flatnonzero(alive)
         _, truth = exact_search(np, data[name][ids], queries, 10, "l2")
         assert answer.result.ids == ids[truth].tolist()

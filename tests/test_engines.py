@@ -21,7 +21,8 @@ def test_lists_every_engine_of_every_domain(client):
     assert {e["name"] for e in engines} == {s.name for s in CATALOG}
     for domain in ("vectors", "spatial", "olap"):
         kinds = [e["kind"] for e in engines if e["domain"] == domain]
-        assert kinds == ["gpu", "cpu", "postgres"], domain  # the order `auto` prefers
+        want = ["gpu", "gpu", "cpu", "postgres"] if domain == "vectors" else ["gpu", "cpu", "postgres"]
+        assert kinds == want, domain  # the order `auto` prefers (vectors: cuVS, or CuPy's exact engine)
     for e in engines:
         assert set(e) >= {"name", "domain", "kind", "available", "ready", "reason", "version", "device", "memory_bytes"}
         assert e["available"] or e["reason"], e  # unavailable always says why
@@ -31,7 +32,7 @@ def test_no_gpu_engine_is_available_on_this_machine_and_each_says_why(client):
     if probe_cuda().present:
         pytest.skip(f"this machine has a CUDA device: {probe_cuda().devices[0].name}")
     gpu = [e for e in client.get("/v1/engines").json()["engines"] if e["kind"] == "gpu"]
-    assert len(gpu) == 3
+    assert len(gpu) == 4
     for e in gpu:
         assert e["available"] is False and e["ready"] is False
         assert "CUDA" in e["reason"] or "disabled" in e["reason"], e
@@ -102,6 +103,24 @@ def test_registry_starts_available_engines_and_survives_a_broken_one():
     assert registry.ready  # the engines that did start are loaded
     asyncio.run(registry.stop())
     assert not registry.ready
+
+
+def test_an_engine_that_yields_starts_only_where_the_preferred_one_did_not():
+    import asyncio
+
+    for preferred, want_fallback in (("test_engines:GoodEngine", False), ("test_engines:BrokenEngine", True)):
+        registry = EngineRegistry(ONE_GPU, (
+            _spec("preferred", kind="gpu", implementation=preferred),
+            _spec("fallback", kind="gpu", implementation="test_engines:GoodEngine", yields_to="preferred"),
+        ))
+        registry.probe("18.6", {})
+        asyncio.run(_start(registry))
+        status = {s.spec.name: s for s in registry.list()}
+        assert status["fallback"].available is want_fallback
+        assert (status["fallback"].instance is not None) is want_fallback
+        if not want_fallback:
+            assert status["fallback"].reasons == ["preferred serves the gpu vectors here"]
+        asyncio.run(registry.stop())
 
 
 def test_gpu_engine_needs_a_device():

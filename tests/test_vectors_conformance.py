@@ -1,8 +1,9 @@
 """One conformance suite for every vector engine: exact engines agree with a numpy oracle, ANN engines reach a
 stated recall, every engine honours deletes, replacements and payload filters the same way.
 
-Engines: cpu (FAISS, each index type), pgvector (exact scan and HNSW), gpu (cuVS; skipped with the reason when
-this machine has no CUDA device or no cuVS).
+Engines: cpu (FAISS, each index type), pgvector (exact scan and HNSW), gpu (cuVS, or where only CuPy is installed
+the exact CuPy engine, which serves every index type exactly; skipped with the reason when this machine has no
+CUDA device or neither library).
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ QUERIES = clustered(NQ, DIM, seed=2)
 RECALL_FLOOR = 0.9  # every ANN engine below, with the search parameters given, on this seeded data
 
 
+def gpu_engine() -> str:
+    """The engine the service puts on the GPU here: cuVS where installed, else CuPy's exact engine."""
+    return "cuvs" if gpu_library_missing("cuvs", "cuVS") is None else "cupy"
+
+
 def gpu_skip_reason() -> str | None:
-    return gpu_library_missing("cuvs", "cuVS")
+    cuvs, cupy = gpu_library_missing("cuvs", "cuVS"), gpu_library_missing("cupy", "CuPy")
+    return None if not (cuvs and cupy) else cuvs if cuvs == cupy else f"{cuvs}; {cupy}"
 
 
 ENGINES = [
@@ -98,7 +105,7 @@ def test_exact_engines_match_the_numpy_oracle(app, engine_id, metric):
     name = collection_for(app, engine_id, metric)
     got = search(app, name, engine, QUERIES, {})
     truth_ids, truth_d = oracle(DATA, QUERIES, K, metric)
-    assert got["engine"] == {"cpu": "faiss", "gpu": "cuvs", "pgvector": "pgvector"}[engine]
+    assert got["engine"] == {"cpu": "faiss", "gpu": gpu_engine(), "pgvector": "pgvector"}[engine]
     distances = np.array(got["distances"])
     np.testing.assert_allclose(distances, truth_d, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(truth_d).max())))
     # Ids equal the oracle's, except where two candidates tie on distance.

@@ -466,6 +466,7 @@ def engine_limits(settings: Any) -> dict[str, int]:
     pool = settings.database.pool_max
     return {
         "faiss": 2 * settings.vectors.batch_max, "cuvs": settings.vectors.batch_max,
+        "cupy": settings.vectors.batch_max,
         "pgvector": max(1, pool // 2), "writes": 4 * pool,
         "duckdb": 4, "cudf": 1, "postgres": max(1, settings.database.sql_pool_max),
         "cpu-spatial": 1, "cuda-spatial": 1, "postgis": max(1, pool // 4),

@@ -19,7 +19,7 @@ import orjson
 
 from indexes import pgvector_search
 from indexes.errors import EngineUnavailable, InvalidInput, ShardUnavailable
-from indexes.manager import ENGINE_KIND, CollectionManager, SearchAnswer
+from indexes.manager import CollectionManager, SearchAnswer
 from indexes.resident import Changes, SearchResult
 from indexes.shards import merge_results, shard_of
 from indexes.store import Collection, Commit
@@ -83,7 +83,7 @@ class ShardedCollections(WatchesParts, CollectionManager):
                 fallback = f"{exc.detail}; served by pgvector"
             else:
                 took = time.perf_counter() - started
-                self.observe(ENGINE_KIND[order[0]], "search", took, True)
+                self.observe(self.engine_name(order[0]), "search", took, True)
                 return SearchAnswer(result, served, round(took * 1000, 3))
         return await self._search(c, None, ["pgvector"], queries, k, engine, params, where, single, fallback,
                                   recall_target)
