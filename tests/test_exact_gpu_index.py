@@ -205,3 +205,20 @@ def test_the_warm_up_runs_every_path(xp_name):
 
 def test_the_backend_is_named_for_its_array_module():
     assert ExactArrayBackend(np).name == "exact-numpy"
+
+
+def test_the_gpu_checks_vector_benchmark_runs_its_code_on_numpy(database_url):
+    """loadtests/gpu_vectors.py with numpy for CuPy, at a tiny size: every figure is there and answers agree."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from loadtests import gpu_vectors
+
+    out = gpu_vectors.bench({"vector_sets": [(20_000, 16)], "pgvector_rows": 2_000, "seconds": 0.1}, runs=1, xp=np,
+                             dsn=database_url)
+    [row] = out["sizes"]
+    assert set(row["engine"]) == {f"batch_{b}_qps" for b in gpu_vectors.BATCHES}
+    assert all(v > 0 for v in row["engine"].values()) and all(v > 0 for v in row["anchor"].values())
+    assert row["top10_distances_agree_with_faiss"] == 1.0 and out["exact"]
+    assert out["pgvector"]["top10_distances_agree_with_engine"] == 1.0
