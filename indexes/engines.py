@@ -70,9 +70,12 @@ class CupyExactEngine(_ResidentEngine):
         return ExactArrayBackend()
 
     async def start(self) -> None:
+        """Warm up before attaching (a failure leaves the engine unavailable, nothing attached), then once more on
+        the engine's own thread, which gets its own cuBLAS handle."""
         backend = self.backend()
         await asyncio.to_thread(backend.warm_up)
         self.vectors.attach(self.kind, backend)
+        await asyncio.get_running_loop().run_in_executor(self.vectors.executors[self.kind], backend.warm_up)
 
 
 class PgvectorEngine:

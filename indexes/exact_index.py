@@ -57,6 +57,12 @@ def chunk_for(rows: int, k: int) -> int:
     return int(min(MAX_CHUNK, max(MIN_CHUNK, 1 << max(0, round(math.log2(max(target, 1)))))))
 
 
+def stable_argsort(xp: Any, a: Any) -> Any:
+    """argsort along the last axis, stable: numpy is asked for it; CuPy's sort always is (and accepts no `kind` in
+    older releases)."""
+    return np.argsort(a, axis=-1, kind="stable") if xp is np else xp.argsort(a, axis=-1)
+
+
 def smallest_k(xp: Any, keys: Any, k: int, full_sort_rows: int = FULL_SORT_ROWS) -> tuple[Any, Any]:
     """Per row of `keys` (b, n; n a multiple of MAX_CHUNK when n >= full_sort_rows), the k smallest keys and their
     columns, ascending, ties by column. Exact: see the module's note for why the chunk step loses nothing."""
@@ -64,16 +70,16 @@ def smallest_k(xp: Any, keys: Any, k: int, full_sort_rows: int = FULL_SORT_ROWS)
     k = min(k, n)
     chunk = chunk_for(n, k)
     if n < full_sort_rows or k * chunk * 4 > n or n % chunk:
-        order = xp.argsort(keys, axis=1, kind="stable")[:, :k]
+        order = stable_argsort(xp, keys)[:, :k]
         return xp.take_along_axis(keys, order, axis=1), order
     groups = n // chunk
     minima = keys.reshape(b, groups, chunk).min(axis=2)
     # The k chunks with the smallest minima (ties: the lower chunk), then in row order, so that a stable sort of
     # their rows breaks ties between equal keys by column as a sort of the whole row would.
-    chosen = xp.sort(xp.argsort(minima, axis=1, kind="stable")[:, :k], axis=1)
+    chosen = xp.sort(stable_argsort(xp, minima)[:, :k], axis=1)
     columns = (chosen[:, :, None] * chunk + xp.arange(chunk)[None, None, :]).reshape(b, k * chunk)
     candidates = xp.take_along_axis(keys, columns, axis=1)
-    order = xp.argsort(candidates, axis=1, kind="stable")[:, :k]
+    order = stable_argsort(xp, candidates)[:, :k]
     return xp.take_along_axis(candidates, order, axis=1), xp.take_along_axis(columns, order, axis=1)
 
 

@@ -28,7 +28,6 @@ log = logging.getLogger("switchyard.snapshots")
 
 FORMAT = 4  # 3: the payload index and the calibration; 4: its columns sparse (rows that have the key)
 ARRAYS = ("ids", "vectors", "alive")
-ENGINES = ("cuvs", "cupy", "faiss")
 
 
 def path_for(directory: Path, collection_id: int, engine: str) -> Path:
@@ -159,5 +158,5 @@ class Snapshots:
 
     def remove(self, collection_id: int) -> None:
         self.removed.add(collection_id)
-        for engine in ENGINES:
-            remove(path_for(self.directory, collection_id, engine))
+        for path in self.directory.glob(path_for(Path(), collection_id, "*").name):  # whichever engine wrote it
+            remove(path)

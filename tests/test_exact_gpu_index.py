@@ -222,3 +222,71 @@ def test_the_gpu_checks_vector_benchmark_runs_its_code_on_numpy(database_url):
     assert all(v > 0 for v in row["engine"].values()) and all(v > 0 for v in row["anchor"].values())
     assert row["top10_distances_agree_with_faiss"] == 1.0 and out["exact"]
     assert out["pgvector"]["top10_distances_agree_with_engine"] == 1.0
+
+
+def test_the_engine_follows_the_change_log_through_the_manager(database_url, tmp_path):
+    """As the service runs it (kind gpu, its own engine thread): writes and deletes reach it through PostgreSQL's
+    change log, a filter runs on it, answers name it, and a restart restores its snapshot."""
+    from conftest import run
+
+    run(_through_the_manager(database_url, tmp_path / "data"))
+
+
+async def _through_the_manager(dsn: str, data_dir) -> None:
+    import asyncpg
+
+    from indexes.manager import CollectionManager
+    from indexes.vectors import Points
+    from service.admission.control import Admission
+    from service.database.migrate import apply_migrations
+    from service.database.postgres import open_pool
+    from service.settings import Settings
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_migrations(conn)
+    finally:
+        await conn.close()
+    pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
+    data = clustered(2_000, 8, seed=21)
+    queries = clustered(5, 8, seed=22)
+    payloads = [b'{"group": %d}' % (i % 3) for i in range(2_000)]
+
+    def manager() -> CollectionManager:
+        m = CollectionManager(pool, data_dir, dsn=dsn, guard=Admission(Settings(database_url=dsn, data_dir=data_dir)))
+        m.attach("gpu", ExactArrayBackend(np))
+        return m
+
+    first = manager()
+    await first.start()
+    try:
+        await first.create("e", 8, "l2", "hnsw", None, {"type": "none"})
+        await first.upsert("e", Points(np.arange(2_000, dtype=np.int64), data, payloads))
+        _, seq = await first.delete("e", np.arange(0, 2_000, 10, dtype=np.int64))
+        alive = np.arange(2_000) % 10 != 0
+        answer = await first.search("e", queries, 10, "gpu", consistency="session", seq=seq)
+        assert answer.engine == "exact-numpy"
+        assert_matches_oracle(answer.result.ids, answer.result.distances, data, queries, 10, "l2", alive)
+        only = await first.search("e", queries, 10, "gpu", payload_filter={"group": 1}, consistency="session",
+                                  seq=seq)
+        assert_matches_oracle(only.result.ids, only.result.distances, data, queries, 10, "l2",
+                              alive & (np.arange(2_000) % 3 == 1))
+        await first.save_snapshots()
+    finally:
+        await first.stop()
+    second = manager()
+    await second.start()
+    try:
+        for _ in range(600):
+            if second.ready:
+                break
+            await asyncio.sleep(0.05)
+        again = await second.search("e", queries, 10, "gpu", consistency="session", seq=seq)
+        assert again.result.ids == answer.result.ids
+        [snapshot] = (data_dir / "vectors").glob("collection-*.snapshot")
+        assert snapshot.name.endswith(".exact-numpy.snapshot")
+        await second.drop("e")
+        assert not snapshot.exists()
+    finally:
+        await second.stop()
+        await pool.close()
