@@ -68,30 +68,38 @@ def anchor(cp: Any, data: Any, queries: np.ndarray, min_s: float = 0.5) -> dict[
     return out
 
 
-def engine_qps(collection: Any, queries: np.ndarray, batch: int, min_s: float = 1.0) -> float:
-    """Concurrent single-vector searches through a MicroBatcher on one engine thread (as the manager runs them)."""
+def engine_qps(collection: Any, queries: np.ndarray, batch: int, min_s: float = 1.0) -> dict[str, float]:
+    """Single-vector searches through a MicroBatcher on one engine thread, as the manager runs them: one client
+    in turn for batch 1, else 2 x batch concurrent clients (each submits its next query as its answer comes), so a
+    batch of up to `batch` gathers while the previous one runs. QPS and the mean batch that formed."""
     from indexes.batching import MicroBatcher
 
     def run(key: int, vectors: np.ndarray) -> list[Any]:
         result = collection.search(vectors, key, {})
         return list(zip(result.ids, result.distances))
 
-    async def rounds() -> float:
+    async def measure() -> dict[str, float]:
         with ThreadPoolExecutor(max_workers=1) as pool:
             batcher = MicroBatcher(run, pool, max_batch=batch)
-            await batcher.submit(K, queries[0])  # compiles nothing new, allocates the first buffers
-            done, started = 0, time.perf_counter()
-            while time.perf_counter() - started < min_s or done < 3 * batch:
-                if batch == 1:
-                    await batcher.submit(K, queries[done % len(queries)])
-                    done += 1
-                else:
-                    picks = [queries[(done + i) % len(queries)] for i in range(batch)]
-                    await asyncio.gather(*(batcher.submit(K, v) for v in picks))
-                    done += batch
-            return done / (time.perf_counter() - started)
+            await batcher.submit(K, queries[0])  # allocates the first buffers
+            batches_before, queries_before = batcher.batches, batcher.queries
+            end = time.perf_counter() + min_s
 
-    return round(asyncio.run(rounds()), 1)
+            async def client(i: int) -> int:
+                n = 0
+                while n == 0 or time.perf_counter() < end:  # at least one each: starting them all takes time
+                    await batcher.submit(K, queries[(i * 7919 + n) % len(queries)])
+                    n += 1
+                return n
+
+            started = time.perf_counter()
+            done = sum(await asyncio.gather(*(client(i) for i in range(1 if batch == 1 else 2 * batch))))
+            elapsed = time.perf_counter() - started
+            batches = max(1, batcher.batches - batches_before)
+            mean_batch = (batcher.queries - queries_before) / batches
+            return {"qps": round(done / elapsed, 1), "mean_batch": round(mean_batch, 1)}
+
+    return asyncio.run(measure())
 
 
 def faiss_exact(data: np.ndarray, queries: np.ndarray, min_s: float = 0.5) -> tuple[dict[str, Any], np.ndarray]:
@@ -171,7 +179,9 @@ def bench(size: dict[str, Any], runs: int, xp: Any = None, dsn: str | None = Non
         collection, row["load_s"] = resident(cp, data)
         row["engine_device_bytes"] = collection.index.device_bytes
         seconds = size.get("seconds", 1.0)  # per figure
-        row["engine"] = {f"batch_{b}_qps": engine_qps(collection, queries, b, seconds) for b in BATCHES}
+        measured = {b: engine_qps(collection, queries, b, seconds) for b in BATCHES}
+        row["engine"] = {f"batch_{b}_qps": m["qps"] for b, m in measured.items()}
+        row["engine_mean_batch"] = {f"batch_{b}": m["mean_batch"] for b, m in measured.items()}
         device = collection.index._data[:n]
         row["anchor"] = anchor(cp, device, queries, seconds / 2)
         row["engine_over_anchor"] = {f"batch_{b}": round(row["engine"][f"batch_{b}_qps"] /
@@ -195,7 +205,7 @@ def bench(size: dict[str, Any], runs: int, xp: Any = None, dsn: str | None = Non
         engine_rows = np.array(collection.search(queries, K, {}).ids)
         out["pgvector"] = pgvector_exact(data, queries, engine_rows, dsn)
         out["pgvector"]["engine_single_query_ms"] = round(
-            1000 / engine_qps(collection, queries, 1, size.get("seconds", 1.0) / 2), 3)
+            1000 / engine_qps(collection, queries, 1, size.get("seconds", 1.0) / 2)["qps"], 3)
     out["exact"] = all(r["top10_distances_agree_with_faiss"] == 1.0 for r in out["sizes"]) and (
         out.get("pgvector", {}).get("top10_distances_agree_with_engine", 1.0) == 1.0)
     return out
