@@ -249,6 +249,7 @@ class ExactArrayBackend:
     CUDA device (the `gpu` kind where cuVS is not installed), or numpy (tests)."""
 
     kind = "gpu"
+    trains = False  # any configured type is built at once over any number of rows (resident.py)
 
     def __init__(self, xp: Any = None) -> None:
         self.xp = xp if xp is not None else _cupy()

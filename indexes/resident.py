@@ -232,6 +232,11 @@ class ResidentCollection(ResidentSearch):
                     "rebuilds": self.rebuilds, "rebuild_carried_rows": self.carried_over}
 
     # -- build -----------------------------------------------------------------------------------------
+    def _min_rows(self, config: IndexConfig) -> int:
+        """Rows an index of this config needs; a backend that trains nothing (exact_index.py) needs one."""
+        return 1 if getattr(self.backend, "trains", True) is False else min_train_rows(config.index_type,
+                                                                                          config.params)
+
     def config_for(self, n_rows: int) -> IndexConfig:
         return IndexConfig(resolve_type(self.index_type, n_rows), self.metric, self.dim, self.build_params)
 
@@ -259,7 +264,7 @@ class ResidentCollection(ResidentSearch):
         p = self.policy
         live = max(self.count, 1)
         config = self.config_for(self.count)
-        if self.count < min_train_rows(config.index_type, config.params):
+        if self.count < self._min_rows(config):
             return self.index is not None and self.n_dead > max(0.5, p.dead_fraction) * live
         if self.index is None or self.index.config.index_type != config.index_type:
             return True
@@ -293,7 +298,7 @@ class ResidentCollection(ResidentSearch):
             held = np.zeros(len(rows), dtype=bool)
             held[np.random.default_rng(len(rows)).choice(len(rows), size=hold_out, replace=False)] = True
             rows, n_indexed = np.concatenate([rows[~held], rows[held]]), len(rows) - hold_out
-        builds = n_indexed >= min_train_rows(config.index_type, config.params) and n_indexed > 0
+        builds = n_indexed >= self._min_rows(config) and n_indexed > 0
         return PendingBuild(generation, snapshot_rows, rows, n_indexed if builds else 0, config, ids_now[rows],
                             vectors_now[rows], hashes_now[rows])
 

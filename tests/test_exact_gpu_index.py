@@ -290,3 +290,12 @@ async def _through_the_manager(dsn: str, data_dir) -> None:
     finally:
         await second.stop()
         await pool.close()
+
+
+@pytest.mark.parametrize("xp_name", XP)
+def test_a_type_that_would_train_is_indexed_on_the_engine_at_once(xp_name):
+    """IVF-PQ needs ~10,000 rows to train elsewhere; here its 500 rows are on the engine, not in the host delta."""
+    c, data = collection(xp_name, "l2", 500, 8, index_type="ivf_pq")
+    assert c.indexed_rows == 500 and c.delta_rows == 0 and not c.needs_rebuild()
+    got = c.search(data[:3], 5, {"n_probes": 1})
+    assert [ids[0] for ids in got.ids] == [0, 1, 2]
