@@ -476,6 +476,10 @@ class CpuSpatialEngine:
             self._pip = [entry for entry in self._pip if entry[0] is not geometry]
             self._grids = [entry for entry in self._grids if entry[0] is not geometry]
 
+    def drop_results(self) -> None:
+        """Nothing to drop: this engine caches structures (PIP indexes, distance grids), never join results, so
+        every join is computed (the GPU engine's method of the same name clears its result cache)."""
+
     def pip_counts(self, points: Points, polygons: Polygons) -> np.ndarray:
         """Number of points covered by each geometry (boundary included; once per MultiPolygon)."""
         with self._lock:

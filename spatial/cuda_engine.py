@@ -3,8 +3,9 @@
 Nothing here imports numba.cuda (or cupy) at module import: the kernels compile on first use (`_build`) and run on
 a CUDA device, or in numba-cuda's simulator when NUMBA_ENABLE_CUDASIM=1 was set before numba was first imported
 (CI has no GPU). Array steps use `xp`: cupy on a device, numpy under the simulator. The refine and distance kernels
-run the scalar cores of spatial/kernels.py, so answers equal the CPU engine's; results are numpy arrays. The
-pipeline step by step (after Zhang et al., ADMS 2019, and cuSpatial 25.04): docs/design/spatial.md.
+run the scalar cores of spatial/kernels.py, so point-in-polygon answers equal the CPU engine's and distance joins
+its pairs (distances within device_distance's tolerance); results are numpy arrays. The pipeline step by step
+(after Zhang et al., ADMS 2019, and cuSpatial 25.04): docs/design/spatial.md.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def dwithin_write_kernel(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_in
 
 _KERNELS = ("part_bbox_kernel", "morton_kernel", "refine_kernel", "scatter_kernel", "unit_key_kernel",
             "dwithin_count_kernel", "dwithin_write_kernel")
+# Plain-Python stand-ins for kernels.py cores, compiled as device functions by the next _build() (after
+# _build.cache_clear()): the CPU tests emulate a device's arithmetic with them (e.g. a haversine some ulps off).
+DEVICE_CORE_OVERRIDES: dict[str, Callable] = {}
 
 
 def simulator_enabled() -> bool:
@@ -153,12 +157,12 @@ def _build() -> SimpleNamespace:
 
     ns = dict(globals())
     ns["cuda"] = cuda
-    overrides = None
+    overrides = {name: cuda.jit(device=True)(fn) for name, fn in DEVICE_CORE_OVERRIDES.items()}
     if not simulator_enabled():
         from numba.cuda import libdevice
 
         ns["libdevice"] = libdevice
-        overrides = {"rmul": cuda.jit(device=True)(_rebind(rmul_rn, ns))}
+        overrides.setdefault("rmul", cuda.jit(device=True)(_rebind(rmul_rn, ns)))
     core = kernels.compile_core(cuda.jit(device=True), overrides)
     ns.update(vars(core))
     ns["morton2"] = cuda.jit(device=True)(_rebind(morton2, ns))
@@ -185,6 +189,12 @@ def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+def _upload(xp, a, dtype):
+    """A layer's host array on the device, writable and C-contiguous whatever its source (a layer loaded from the
+    store holds read-only Arrow views): the argument types the warm-up compiled every kernel for."""
+    return xp.asarray(np.require(a, dtype, ["C", "W"]))
+
+
 class _Resident:
     """One layer's device buffers and what was derived from them (quadtree, distance grids, part boxes)."""
 
@@ -201,9 +211,10 @@ class CudaSpatialEngine:
     Layers stay resident on the device between requests: each Points / Polygons object is uploaded once, and what
     is derived from it (the points' quadtree, a distance grid per radius, the parts' boxes) and the PIP result of
     each (points, polygons) pair are built once and reused. Layers are versioned by object: a write makes a new
-    Layer, so its buffers are uploaded afresh, and `forget` (called by the manager on a write or drop) frees the
-    old one's at once. `counters` counts uploads, builds and joins (the tests read them). Calls come from one
-    thread (the manager's executor), so the caches take no lock."""
+    Layer, so its buffers are uploaded afresh (by `prepare`, which the manager calls on the write), and `forget`
+    (called on a write or drop) frees the old one's at once. `counters` counts uploads, builds, joins and the
+    distance pairs decided on the host (the tests read them). Calls come from one thread (the manager's executor),
+    so the caches take no lock."""
 
     name = "cuda-spatial"
     kind = "gpu"
@@ -221,13 +232,19 @@ class CudaSpatialEngine:
         self._joins: OrderedDict[tuple[int, int], SimpleNamespace] = OrderedDict()
         self.counters: Counter[str] = Counter()
         self.last_stats: dict[str, int] = {}  # of the last PIP join built: quadtree and candidate sizes
+        self.launched: set[str] = set()  # kernels launched so far (the warm-up checks it covered all of them)
+        self.launching: str | None = None  # the kernel being launched, named when a launch fails
 
     # -- residency
-    def _launch(self, kernel, n: int, *args) -> None:
+    def _launch(self, name: str, n: int, *args) -> None:
         if n <= 0:
             return
+        self.launching = name
+        kernel = getattr(_build(), name)
         tpb = self.threads_per_block or (32 if simulator_enabled() else 256)
         kernel[(n + tpb - 1) // tpb, tpb](*args)
+        self.launched.add(name)
+        self.launching = None
 
     def _resident(self, geometry: Points | Polygons) -> _Resident:
         key = id(geometry)
@@ -237,12 +254,11 @@ class CudaSpatialEngine:
             return layer
         self._drop(key)
         xp = _xp()
-        arrays = SimpleNamespace(x=xp.asarray(np.ascontiguousarray(geometry.x, np.float64)),
-                                 y=xp.asarray(np.ascontiguousarray(geometry.y, np.float64)))
+        arrays = SimpleNamespace(x=_upload(xp, geometry.x, np.float64), y=_upload(xp, geometry.y, np.float64))
         if isinstance(geometry, Polygons):
-            arrays.ring_offsets = xp.asarray(np.ascontiguousarray(geometry.ring_offsets, np.int64))
-            arrays.part_offsets = xp.asarray(np.ascontiguousarray(geometry.part_offsets, np.int64))
-            arrays.part_geom = xp.asarray(np.ascontiguousarray(geometry.part_geometry(), np.int64))
+            arrays.ring_offsets = _upload(xp, geometry.ring_offsets, np.int64)
+            arrays.part_offsets = _upload(xp, geometry.part_offsets, np.int64)
+            arrays.part_geom = _upload(xp, geometry.part_geometry(), np.int64)
         self.counters["uploads"] += 1
         layer = _Resident(geometry, arrays)
         self._layers[key] = layer
@@ -274,31 +290,40 @@ class CudaSpatialEngine:
         if layer is not None and layer.geometry is geometry:
             self._drop(id(geometry))
 
+    def prepare(self, geometry: Points | Polygons) -> None:
+        """Upload a new layer version and build what depends on it alone (a point layer's quadtree, a polygon
+        layer's part boxes), so that its first join finds it resident (the manager calls it on a write and on
+        loading layers at start). Distance grids wait for their radius."""
+        layer = self._resident(geometry)
+        if isinstance(geometry, Polygons):
+            self._part_boxes(layer)
+        elif len(geometry):
+            self._point_quadtree(layer)
+
+    def drop_results(self) -> None:
+        """Drop the cached join results while layers and structures stay resident: the next join is computed
+        again on resident structures (what a benchmark times as "resident", never a cache hit)."""
+        self._joins.clear()
+
     def resident_layers(self) -> int:
         return len(self._layers)
 
-    def warm_up(self) -> None:
-        """Compile every kernel now (numba-cuda compiles at a kernel's first launch) on a tiny join of the same
-        argument types, so that no request pays for it."""
-        from .geoarrow import points_from_lonlat
+    def warm_up(self, points: int | None = None) -> dict[str, Any]:
+        """Compile and launch every kernel and run every array step at request sizes on synthetic layers with
+        known answers (spatial/cuda_warmup.py); raises WarmUpError when a kernel cannot launch or answers wrong."""
+        from .cuda_warmup import warm_up
 
-        square = Polygons(np.array([0.0, 1.0, 1.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0]), np.array([0, 4]),
-                          np.array([0, 1]), np.array([0, 1]))
-        points = points_from_lonlat([0.5, 2.0], [0.5, 2.0])
-        self.pip_pairs(points, square, 0, 2)
-        self.within_distance(points, points, 1000.0, 0, 2, self_join=True)
-        self.forget(points)
-        self.forget(square)
+        return warm_up(self, points)
 
     # -- point in polygon
     def _part_boxes(self, layer: _Resident) -> SimpleNamespace:
         def build() -> SimpleNamespace:
-            k, xp, a = _build(), _xp(), layer.arrays
+            xp, a = _xp(), layer.arrays
             assert isinstance(layer.geometry, Polygons)  # part boxes: of a polygon layer
             n_parts = layer.geometry.n_parts
             boxes = SimpleNamespace(minx=xp.empty(n_parts, np.float64), miny=xp.empty(n_parts, np.float64),
                                     maxx=xp.empty(n_parts, np.float64), maxy=xp.empty(n_parts, np.float64))
-            self._launch(k.part_bbox_kernel, n_parts, a.x, a.y, a.ring_offsets, a.part_offsets, boxes.minx,
+            self._launch("part_bbox_kernel", n_parts, a.x, a.y, a.ring_offsets, a.part_offsets, boxes.minx,
                          boxes.miny, boxes.maxx, boxes.maxy)
             boxes.empty = len(layer.geometry.x) == 0 or n_parts == 0
             return boxes
@@ -308,14 +333,14 @@ class CudaSpatialEngine:
     def _point_quadtree(self, layer: _Resident) -> SimpleNamespace:
         """The points' Morton-order quadtree over their own extent (as cuSpatial's quadtree_on_points is used)."""
         def build() -> SimpleNamespace:
-            k, xp, a = _build(), _xp(), layer.arrays
+            xp, a = _xp(), layer.arrays
             depth = self.max_depth
             xmin, ymin, xmax, ymax = (float(v) for v in _host(xp.stack([a.x.min(), a.y.min(), a.x.max(),
                                                                          a.y.max()])))
             side = max(xmax - xmin, ymax - ymin)
             scale = side / float(1 << depth) if side > 0 else 1.0
             keys = xp.empty(a.x.shape[0], np.int64)
-            self._launch(k.morton_kernel, a.x.shape[0], a.x, a.y, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
+            self._launch("morton_kernel", a.x.shape[0], a.x, a.y, xmin, ymin, xmax, ymax, 1.0 / scale, depth, keys)
             order = xp.argsort(keys)
             return SimpleNamespace(xmin=xmin, ymin=ymin, scale=scale, point_indices=order.astype(np.int64),
                                    levels=self._quadtree(xp, keys[order], depth))
@@ -402,11 +427,11 @@ class CudaSpatialEngine:
         if join is not None:
             self._joins.move_to_end(key)
             return join
-        k, xp = _build(), _xp()
+        xp = _xp()
         point, geom = xp.empty(0, np.int64), xp.empty(0, np.int64)
         boxes = self._part_boxes(polys)
         if len(points) and not boxes.empty:
-            point, geom = self._refine(k, xp, pts, polys, boxes, self._point_quadtree(pts))
+            point, geom = self._refine(xp, pts, polys, boxes, self._point_quadtree(pts))
         join = SimpleNamespace(point=point, geom=geom, counts=xp.bincount(geom, minlength=len(polygons)))
         self.counters["joins"] += 1
         self._joins[key] = join
@@ -414,7 +439,7 @@ class CudaSpatialEngine:
             self._joins.popitem(last=False)
         return join
 
-    def _refine(self, k, xp, pts: _Resident, polys: _Resident, boxes: SimpleNamespace, tree: SimpleNamespace):
+    def _refine(self, xp, pts: _Resident, polys: _Resident, boxes: SimpleNamespace, tree: SimpleNamespace):
         depth = self.max_depth
         pair_part, pair_first, pair_count = self._candidate_pairs(xp, tree.levels, boxes, tree.xmin, tree.ymin,
                                                                   tree.scale, depth)
@@ -431,7 +456,7 @@ class CudaSpatialEngine:
         for c0 in range(0, total, self.max_candidates):  # refine in chunks: flags -> scan -> scatter
             m = min(self.max_candidates, total - c0)
             flags = xp.empty(m, np.int64)
-            self._launch(k.refine_kernel, m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, a.x, a.y,
+            self._launch("refine_kernel", m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, a.x, a.y,
                          p.x, p.y, p.ring_offsets, p.part_offsets, flags)
             incl = xp.cumsum(flags)
             found = int(incl[-1])
@@ -439,7 +464,7 @@ class CudaSpatialEngine:
                 continue
             offsets = incl - flags
             out_point, out_part = xp.empty(found, np.int64), xp.empty(found, np.int64)
-            self._launch(k.scatter_kernel, m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, flags,
+            self._launch("scatter_kernel", m, c0, pair_offsets, pair_part, pair_first, tree.point_indices, flags,
                          offsets, out_point, out_part)
             hits_point.append(out_point)
             hits_part.append(out_part)
@@ -476,12 +501,12 @@ class CudaSpatialEngine:
     def _distance_grid(self, layer: _Resident, radius_m: float) -> SimpleNamespace:
         """b's unit vectors keyed into the grid of one radius and sorted by key."""
         def build() -> SimpleNamespace:
-            k, xp, a = _build(), _xp(), layer.arrays
+            xp, a = _xp(), layer.arrays
             side, n = kernels.grid_side(radius_m, MAX_CELLS_PER_AXIS)
             m = a.x.shape[0]
             keys = xp.empty(m, np.int64)
             unit = [xp.empty(m, np.float64) for _ in range(3)]
-            self._launch(k.unit_key_kernel, m, a.x, a.y, 1.0 / side, n, keys, *unit)
+            self._launch("unit_key_kernel", m, a.x, a.y, 1.0 / side, n, keys, *unit)
             order = xp.argsort(keys)
             return SimpleNamespace(inv_h=1.0 / side, n=n, keys=keys[order], index=order.astype(np.int64),
                                    lon=a.x[order], lat=a.y[order], unit=[u[order] for u in unit])
@@ -491,27 +516,32 @@ class CudaSpatialEngine:
     def within_distance(self, a: Points, b: Points, radius_m: float, start: int | None = 0, stop: int | None = None,
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(i, j, metres) for a[start:stop] and b with haversine distance <= radius_m, sorted by (i, j). With
-        self_join (a and b the same points) only i < j."""
+        self_join (a and b the same points) only i < j. The pairs are the CPU engine's (device_distance)."""
         return self.within_distance_page(a, b, radius_m, start, stop, self_join)[:3]
 
     def within_distance_page(self, a: Points, b: Points, radius_m: float, start: int | None = 0,
                              stop: int | None = None, self_join: bool = False, max_pairs: int | None = None
                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """within_distance for the leading points of a[start:stop] whose pairs fit max_pairs
-        (geoarrow.pairs_prefix), and the position after the last point it covered."""
+        """within_distance for the leading points of a[start:stop] whose pairs fit max_pairs, and the position
+        after the last point it covered. The kernels admit pairs up to the band's upper edge and the host decides
+        those in the band (device_distance), so a page is cut on the admitted counts: whole points, never more
+        than max_pairs pairs unless its one point has more, possibly fewer points than the CPU engine's page."""
+        from . import device_distance  # imports the CPU engine's compiled cores (numba, never numba.cuda)
+
         start, stop, radius_m = check_distance_join(a, b, radius_m, start, stop, self_join)
         empty = np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.float64)
         if stop == start or len(b) == 0:
             return (*empty, stop)
-        k, xp = _build(), _xp()
+        xp = _xp()
+        lo, hi = device_distance.band(radius_m)
         left = self._resident(a).arrays
-        g = self._distance_grid(self._resident(b), radius_m)
+        g = self._distance_grid(self._resident(b), radius_m)  # its cells are wide enough for hi as well
         alon, alat = left.x[start:stop], left.y[start:stop]
         m = stop - start
         counts = xp.empty(m, np.int64)
         dummy_j, dummy_d = xp.empty(1, np.int64), xp.empty(1, np.float64)
-        grid_args = (g.lon, g.lat, *g.unit, g.index, g.keys, g.inv_h, g.n, radius_m, bool(self_join))
-        self._launch(k.dwithin_count_kernel, m, alon, alat, start, *grid_args, dummy_j, dummy_d, counts)
+        grid_args = (g.lon, g.lat, *g.unit, g.index, g.keys, g.inv_h, g.n, hi, bool(self_join))
+        self._launch("dwithin_count_kernel", m, alon, alat, start, *grid_args, dummy_j, dummy_d, counts)
         incl = xp.cumsum(counts)
         total = int(incl[-1])
         if max_pairs is not None and total > max_pairs:  # pairs_prefix on the device: whole points that fit
@@ -522,6 +552,12 @@ class CudaSpatialEngine:
             return (*empty, start + m)
         offsets = incl - counts
         out_i, out_j, out_d = xp.empty(total, np.int64), xp.empty(total, np.int64), xp.empty(total, np.float64)
-        self._launch(k.dwithin_write_kernel, m, alon, alat, start, *grid_args, counts, offsets, out_i, out_j, out_d)
+        self._launch("dwithin_write_kernel", m, alon, alat, start, *grid_args, counts, offsets, out_i, out_j, out_d)
         order = xp.lexsort(xp.stack([out_j, out_i]))
-        return _host(out_i[order]), _host(out_j[order]), _host(out_d[order]), start + m
+        out_i, out_j, out_d = out_i[order], out_j[order], out_d[order]
+        in_band = _host(xp.flatnonzero(out_d > lo))
+        i, j, d = _host(out_i), _host(out_j), _host(out_d)
+        if len(in_band):
+            self.counters["band_pairs"] += len(in_band)
+            i, j, d = device_distance.decide_band(i, j, d, in_band, a, b, radius_m)
+        return i, j, d, start + m

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .manager import SpatialManager
@@ -50,7 +49,6 @@ class CudaSpatialHandle(_Handle):
         return CudaSpatialEngine()
 
     async def start(self) -> None:
-        """Compile the kernels at engine start, not on the first request."""
-        engine = self.make()
-        await asyncio.to_thread(engine.warm_up)
-        self.spatial.attach(engine)
+        """Compile and launch every kernel at engine start, on the engine's own thread, not on the first request;
+        a warm-up that fails (a kernel that cannot launch, a wrong answer) fails the start with its reason."""
+        await self.spatial.attach_warmed(self.make())

@@ -12,7 +12,7 @@ import base64
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,6 +69,13 @@ def cut_at_point_boundary(first: np.ndarray, page_size: int, stop: int) -> tuple
     return keep, last_point
 
 
+def _prepare(engine: Any, layer: Layer) -> None:
+    try:
+        engine.prepare(layer.geometry)
+    except Exception:  # noqa: BLE001 - the layer is committed; its first join tries again (or falls back)
+        log.warning("spatial engine %s could not prepare layer %r", engine.name, layer.name, exc_info=True)
+
+
 class SpatialManager:
     def __init__(self, pool: Any, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None,
                  thread_init: Callable[[], None] | None = None) -> None:
@@ -87,6 +94,19 @@ class SpatialManager:
             self.executors[engine.kind] = ThreadPoolExecutor(max_workers=1, initializer=self.thread_init,
                                                              thread_name_prefix=f"spatial-{engine.kind}")
 
+    async def attach_warmed(self, engine: Any) -> None:
+        """Attach an engine and run its warm_up on the thread that will serve it (per-thread device state
+        included); if the warm-up fails the engine is detached and the error raised."""
+        self.attach(engine)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executors[engine.kind], engine.warm_up)
+        except BaseException:
+            self.engines.pop(engine.kind, None)
+            executor = self.executors.pop(engine.kind, None)
+            if executor is not None:
+                executor.shutdown(wait=False)
+            raise
+
     @property
     def ready(self) -> bool:
         return self.loading is not None and self.loading.done()
@@ -102,14 +122,19 @@ class SpatialManager:
             executor.shutdown(wait=True)
 
     async def _load_all(self) -> None:
+        """Every stored layer, made resident in the engines before the manager reports ready."""
+        pending: list[Future] = []
         for name in await self.store.names():
             self.layers[name] = await self.store.load(name)
+            pending += self.prepare(self.layers[name])
+        await asyncio.gather(*map(asyncio.wrap_future, pending))
 
     # -- layers ----------------------------------------------------------------------------------------
     async def create(self, layer: Layer) -> Layer:
         await self.store.save(layer)
         self.forget(self.layers.get(layer.name))
         self.layers[layer.name] = layer
+        self.prepare(layer)  # not awaited: a join queues behind it on the engine's thread
         return layer
 
     async def drop(self, name: str) -> None:
@@ -124,6 +149,12 @@ class SpatialManager:
         for kind, engine in self.engines.items():
             if kind in self.executors and hasattr(engine, "forget"):
                 self.executors[kind].submit(engine.forget, old.geometry)
+
+    def prepare(self, layer: Layer) -> list[Future]:
+        """A new layer's upload and structures (engines with `prepare`: the GPU one), each in its engine's own
+        thread, so that its first join pays none of it. A failure is logged; the join then builds them itself."""
+        return [self.executors[kind].submit(_prepare, engine, layer) for kind, engine in self.engines.items()
+                if kind in self.executors and hasattr(engine, "prepare")]
 
     def layer(self, name: str, kind: str, field: str) -> Layer:
         layer = self.layers.get(name)

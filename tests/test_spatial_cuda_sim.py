@@ -109,9 +109,20 @@ else:
 
     from shapely.geometry import MultiPolygon, Polygon, box
 
+    from spatial import device_distance
     from spatial.cpu_engine import CpuSpatialEngine
-    from spatial.cuda_engine import CudaSpatialEngine, simulator_enabled
-    from spatial.geoarrow import Polygons, points_from_lonlat, polygons_from_shapely
+    from spatial.cuda_engine import _KERNELS, CudaSpatialEngine, simulator_enabled
+    from spatial.geoarrow import Points, Polygons, points_from_lonlat, polygons_from_shapely
+
+    def assert_the_cpu_engines_pairs(got, want):
+        """The distance contract (docs/design/spatial.md): pairs and their order exactly the CPU engine's,
+        distances within DISTANCE_RTOL / DISTANCE_ATOL_M (bit for bit in the simulator, which runs the CPU's
+        math)."""
+        for k in range(2):
+            np.testing.assert_array_equal(got[k], want[k])
+        assert device_distance.agrees(got[2], want[2]), np.abs(np.asarray(got[2]) - want[2]).max()
+        if SIM:
+            np.testing.assert_array_equal(got[2], want[2])
 
     def fixture():
         rng = np.random.default_rng(21)
@@ -164,19 +175,18 @@ else:
             got = gpu.within_distance(a, other, 800.0, 0, len(a), self_join=self_join)
             want = cpu.within_distance(a, other, 800.0, 0, len(a), self_join=self_join)
             assert len(want[0]) > 200
-            for k in range(3):
-                np.testing.assert_array_equal(got[k], want[k])
+            assert_the_cpu_engines_pairs(got, want)
         part = gpu.within_distance(a, a, 800.0, 40, 95, self_join=True)
         whole = cpu.within_distance(a, a, 800.0, 0, len(a), self_join=True)
         sel = (whole[0] >= 40) & (whole[0] < 95)
-        for k in range(3):
-            np.testing.assert_array_equal(part[k], whole[k][sel])
-        for max_pairs in (1, 37, 400):  # a bounded page: the same whole points as the CPU engine's, same next start
+        assert_the_cpu_engines_pairs(part, [w[sel] for w in whole])
+        for max_pairs in (1, 37, 400):  # a bounded page: whole points, the budget kept, the CPU engine's pairs
             got = gpu.within_distance_page(a, a, 800.0, 10, len(a), True, max_pairs)
-            want = cpu.within_distance_page(a, a, 800.0, 10, len(a), True, max_pairs)
-            assert got[3] == want[3] and 10 < got[3] <= len(a)
-            for k in range(3):
-                np.testing.assert_array_equal(got[k], want[k])
+            assert 10 < got[3] <= len(a) and (len(got[0]) <= max_pairs or got[3] == 11)
+            want = cpu.within_distance(a, a, 800.0, 10, got[3], self_join=True)
+            assert_the_cpu_engines_pairs(got[:3], want)
+            if SIM:  # no pair near the radius here: the same cut as the CPU engine's
+                assert got[3] == cpu.within_distance_page(a, a, 800.0, 10, len(a), True, max_pairs)[3]
 
     def test_layers_stay_resident_and_a_write_invalidates_only_its_layer(monkeypatch):
         """A second join on unchanged layers uploads nothing and builds nothing; a new version of the points
@@ -214,7 +224,7 @@ else:
         assert gpu.counters == {"uploads": 2, "builds": 3, "joins": 1} and uploaded == []
         np.testing.assert_array_equal(again[0], first[0])
         for k in range(3):
-            np.testing.assert_array_equal(again[2][k], first[2][k])
+            np.testing.assert_array_equal(again[2][k], first[2][k])  # the same device computed both
 
         x, y = pts.x.copy(), pts.y.copy()
         x[:50] += 0.25  # a write: the layer comes back as a new object
@@ -229,14 +239,116 @@ else:
         for k in range(2):
             np.testing.assert_array_equal(np.concatenate([p[k] for p in pages]), want[k])
         want = cpu.within_distance(pts_now, pts_now, 60_000.0, 0, len(pts_now), self_join=True)
-        for k in range(3):
-            np.testing.assert_array_equal(near[k], want[k])
+        assert_the_cpu_engines_pairs(near, want)
         assert not np.array_equal(counts, first[0])
 
-    def test_warm_up_compiles_and_leaves_nothing_resident():
+    def test_warm_up_launches_every_kernel_checks_its_answers_and_leaves_nothing_resident():
         gpu = CudaSpatialEngine()
-        gpu.warm_up()
-        assert gpu.resident_layers() == 0 and gpu.counters["joins"] == 1
+        stats = gpu.warm_up(None if SIM else 1 << 16)
+        assert gpu.launched == set(_KERNELS)
+        assert gpu.resident_layers() == 0 and gpu.counters["joins"] == 1 and not gpu._joins
+        assert gpu.counters["band_pairs"] > 0  # pairs at the radius itself were decided on the host
+        assert stats["points"] == (320 if SIM else 1 << 16) and stats["distance_points"] > 80
+
+    def lattice():
+        """Rows of points STEP degrees apart along parallels (one across the antimeridian): within a row, every
+        pair k steps apart has the same haversine bit for bit, so a radius can sit exactly on many pairs."""
+        step = 2.0 ** -10
+        k = np.arange(40)
+        lon = np.concatenate([3.0 + k * step, -20.0 + k * step, 50.0 + k * step, 180.0 - 20 * step + k * step])
+        lat = np.repeat([0.0, -45.0, 60.0, 10.0], 40)
+        lon = (lon + 180.0) % 360.0 - 180.0
+        return points_from_lonlat(lon, lat)
+
+    @pytest.mark.parametrize("ulp_below", [False, True])
+    def test_pairs_at_the_radius_itself_are_the_cpu_engines(ulp_below):
+        """A radius equal to the CPU engine's distance of every 3-step pair of the equator's row (or 1 ulp below
+        it): the device returns exactly the CPU engine's pairs, whatever the last bits of its own distances."""
+        pts = lattice()
+        gpu, cpu = CudaSpatialEngine(), CpuSpatialEngine()
+        d3 = float(cpu.within_distance(pts, pts, 400.0, 0, 4, self_join=True)[2][2])  # pair (0, 3)
+        radius = float(np.nextafter(d3, 0.0)) if ulp_below else d3
+        want = cpu.within_distance(pts, pts, radius, 0, len(pts), self_join=True)
+        assert (np.sum(want[2] == d3) == 0) if ulp_below else (np.sum(want[2] == d3) >= 37)
+        got = gpu.within_distance(pts, pts, radius, 0, len(pts), self_join=True)
+        assert_the_cpu_engines_pairs(got, want)
+        assert gpu.counters["band_pairs"] >= 37
+        at = np.isin(got[2], [d3])
+        np.testing.assert_array_equal(got[2][at], want[2][at])  # decided on the host: its distance too
+
+    def test_drop_results_recomputes_on_resident_layers():
+        """What a benchmark times as resident: the join computed again, nothing uploaded or built again."""
+        pts, polys, _ = fixture()
+        gpu = CudaSpatialEngine(max_depth=6, max_size=8)
+        first = gpu.pip_counts(pts, polys)
+        gpu.pip_counts(pts, polys)
+        assert gpu.counters == {"uploads": 2, "builds": 2, "joins": 1}  # the repeat was the cached result
+        gpu.drop_results()
+        np.testing.assert_array_equal(gpu.pip_counts(pts, polys), first)
+        assert gpu.counters == {"uploads": 2, "builds": 2, "joins": 2} and gpu.resident_layers() == 2
+
+    def test_a_written_or_loaded_layer_is_resident_before_its_first_join():
+        """The manager prepares a layer loaded at start and a layer written later in the GPU engine's thread:
+        the first join uploads and builds nothing."""
+        import asyncio
+        import contextlib
+
+        import pyarrow as pa
+
+        from spatial.layers import Layer
+        from spatial.manager import SpatialManager
+
+        class Store:  # PostgreSQL's stand-in
+            def __init__(self, layers):
+                self.layers = layers
+
+            async def save(self, layer):
+                self.layers[layer.name] = layer
+
+            async def names(self):
+                return sorted(self.layers)
+
+            async def load(self, name):
+                return self.layers[name]
+
+        class Guard:
+            def cooling(self, name):
+                return None
+
+            @contextlib.asynccontextmanager
+            async def slot(self, name):
+                yield
+
+            def failed(self, name, exc=None):
+                raise AssertionError(f"{name} failed: {exc!r}")
+
+            def succeeded(self, name):
+                pass
+
+        pts, polys, _ = fixture()
+        # as SpatialStore.load gives them: read-only views of Arrow buffers
+        stored = Points(pa.array(pts.x).to_numpy(), pa.array(pts.y).to_numpy())
+        assert not stored.x.flags.writeable
+
+        async def scenario():
+            manager = SpatialManager(None, Guard())
+            manager.store = Store({"pts": Layer("pts", "points", np.arange(len(pts)), stored)})
+            gpu = CudaSpatialEngine(max_depth=6, max_size=8)
+            manager.attach(gpu)
+            await manager.start()
+            await manager.loading
+            assert manager.ready and gpu.counters == {"uploads": 1, "builds": 1}  # the points and their quadtree
+            await manager.create(Layer("polys", "polygons", np.arange(len(polys)), polys))
+            await asyncio.wrap_future(manager.executors["gpu"].submit(lambda: None))
+            assert gpu.counters == {"uploads": 2, "builds": 2}  # the polygons and their part boxes
+            answer = await manager.point_in_polygon("pts", "polys", "counts", "gpu", None, 100)
+            assert gpu.counters == {"uploads": 2, "builds": 2, "joins": 1}
+            await manager.stop()
+            return answer
+
+        answer = asyncio.run(scenario())
+        assert answer.engine == "cuda-spatial"
+        assert answer.body["counts"] == CpuSpatialEngine().pip_counts(pts, polys).tolist()
 
     def test_the_gpu_checks_spatial_benchmark_runs_and_compares():
         import sys
