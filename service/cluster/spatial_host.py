@@ -8,6 +8,7 @@ checks on every watch from the ingress and before a join that names versions it 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
@@ -20,6 +21,8 @@ from service.process.devices import probe_cuda
 from service.settings import Settings
 from spatial.manager import SpatialEngineNotReady, SpatialManager
 from spatial.partitions import partition_of
+
+log = logging.getLogger("switchyard.cluster")
 
 
 class SpatialHost:
@@ -42,7 +45,10 @@ class SpatialHost:
                 if self.settings.gpu.mode != "off" and probe_cuda(enabled=True).present:
                     from spatial.cuda_engine import CudaSpatialEngine
 
-                    spatial.attach(CudaSpatialEngine())
+                    try:  # compiled and proven before any request; a failure leaves this host on the CPU engine
+                        await spatial.attach_warmed(CudaSpatialEngine())
+                    except Exception:  # noqa: BLE001
+                        log.exception("cuda-spatial failed its warm-up: this host serves on the CPU")
                 from spatial.cpu_engine import CpuSpatialEngine
 
                 spatial.attach(CpuSpatialEngine())
@@ -62,6 +68,7 @@ class SpatialHost:
                 layer = partition_of(await self.spatial.store.load(name), self.part, self.parts)
                 self.spatial.forget(self.spatial.layers.get(name))
                 self.spatial.layers[name] = layer
+                self.spatial.prepare(layer)  # the GPU engine uploads it now, not at its first join
                 self.versions[name] = version
         self.synced = True
 
