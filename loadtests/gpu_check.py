@@ -1,52 +1,99 @@
 """Every GPU check in one command, wherever a CUDA device is: `make gpu-check` (or `python loadtests/gpu_check.py`).
 
-    python loadtests/gpu_check.py [--quick] [--no-tests] [--no-bench] [--out DIR]
+    python loadtests/gpu_check.py [--quick] [--no-tests] [--no-bench] [--runs N] [--device-budget-s S] [--out DIR]
 
-Reports the device and GPU libraries, runs every GPU test set, checks the per-device process layout, and runs the
-GPU side of the spatial, vector and SSB benchmarks against the CPU engines with the answers compared. Writes
-gpu-check-<stamp>.json and .md under results_dir("gpu-check"); skips with reasons where a device or library is
-missing, and never reports a figure it did not measure. What each part covers: docs/gpu.md.
+Reports the device and GPU libraries, runs every GPU test set, checks the per-device process layout, then the GPU
+parts, each in a process of its own and against the CPU engine on the same data with the answers compared:
+spatial in-process (fresh / resident / cached, loadtests/gpu_spatial.py), the first spatial request's profile
+(loadtests/gpu_profile.py), spatial through HTTP (loadtests/gpu_http.py), the CuPy exact vector engine
+(loadtests/gpu_vectors.py: bench(size, runs), where it exists), cuVS and cuDF (loadtests/gpu_rapids.py). The whole
+run keeps to --device-budget-s: a part that would not fit is cut and reported as "cut: out of time", and the report
+is still written (gpu-check-<stamp>.json and .md under results_dir("gpu-check") or --out). Skips with reasons where
+a device or library is missing, and never reports a figure it did not measure. Exits non-zero when a test fails or
+a GPU answer differs from the CPU's. What each part covers, and how to run it on a GPU machine without network
+access (loadtests/device/): docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import platform
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from loadtests import gpu_http, gpu_profile, gpu_rapids, gpu_spatial  # noqa: E402
+from loadtests.gpu_report import markdown  # noqa: E402
+from loadtests.gpu_spatial import bench_spatial, star_polygons  # noqa: E402,F401  (tests import them from here)
 from loadtests.processes import results_dir  # noqa: E402
 
 RESULTS = results_dir("gpu-check")
+DEVICE_BUDGET_S = 450.0  # the whole run, tests included (a lent GPU machine gives a check about 8 minutes)
+TESTS_CAP_S = 180.0  # all the test sets together, at most
+TEST_SET_CAP_S = 120.0  # one test set, at most, within a budget (the next sets get the rest)
+GRACE_S = 15.0  # a part's own clock stops this long before it is killed
 
 LIBRARIES = {  # module -> the distributions that may provide it
     "cupy": ("cupy-cuda12x", "cupy-cuda13x", "cupy"),
+    "numba": ("numba",),
     "numba.cuda": ("numba-cuda",),
     "cuvs": ("cuvs-cu12", "cuvs-cu13", "cuvs"),
     "cudf": ("cudf-cu12", "cudf-cu13", "cudf"),
     "cudf_polars": ("cudf-polars-cu12", "cudf-polars-cu13", "cudf-polars"),
     "rmm": ("rmm-cu12", "rmm-cu13", "rmm"),
 }
-TEST_SETS = [  # (name, pytest arguments, extra environment)
+TEST_SETS = [  # (name, pytest arguments, extra environment); a test file not there is skipped with the reason
     ("spatial kernels on the device", ["tests/test_spatial_cuda_sim.py"], {"SWITCHYARD_GPU_KERNELS": "device"}),
+    ("CuPy exact vector engine", ["tests/test_exact_gpu_index.py"], {}),
     ("cuVS adapter", ["tests/test_cuvs_adapter.py"], {}),
     ("vector conformance, GPU rows", ["tests/test_vectors_conformance.py", "-k", "gpu"], {}),
     ("SSB on cuDF", ["tests/test_ssb_service.py", "-k", "cudf"], {}),
     ("ad-hoc SQL on resident cuDF tables", ["tests/test_frame_sql.py", "-k", "cudf"], {}),
+]
+# The CuPy exact vector engine's benchmark is loadtests/gpu_vectors.py's bench(size, runs) (its SIZES, if it has
+# them, else these): it returns a dict; "failures" (a list), "exact": False or any False "*_equal" value fails it,
+# "cut" lists what it left out. It may take budget_s (seconds it may use) and progress (a callable given partial
+# results).
+CUPY_VECTOR_SIZES = ({"vectors": 1_000_000, "dims": [128, 768], "batches": [1, 16, 256, 2048], "k": 10},
+                     {"vectors": 100_000, "dims": [128], "batches": [1, 16, 256], "k": 10})
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    target: str  # module:function, called in a child process as function(size, runs[, budget_s][, progress])
+    needs: tuple[str, ...]  # modules from LIBRARIES
+    sizes: tuple[Any, Any] | None  # normal, --quick; None: the target module's SIZES
+    cap_s: float  # the most it may take
+    reserve_s: float  # kept for it while earlier parts run
+
+
+PARTS = [
+    Part("spatial", "loadtests.gpu_spatial:bench_spatial", ("cupy", "numba.cuda"), gpu_spatial.SIZES, 150, 60),
+    Part("spatial-first-request", "loadtests.gpu_profile:first_request_profile", ("cupy", "numba.cuda"),
+         gpu_profile.SIZES, 60, 25),
+    Part("spatial-http", "loadtests.gpu_http:bench_http", ("cupy", "numba.cuda"), gpu_http.SIZES, 130, 60),
+    # the CuPy exact vector engine (indexes/): its bench lives in loadtests/gpu_vectors.py, skipped until it exists
+    Part("cupy-vectors", "loadtests.gpu_vectors:bench", ("cupy",), None, 150, 45),
+    Part("vectors", "loadtests.gpu_rapids:bench_vectors", ("cupy", "cuvs"), gpu_rapids.SIZES["vectors"], 90, 40),
+    Part("olap", "loadtests.gpu_rapids:bench_olap", ("cudf",), gpu_rapids.SIZES["olap"], 90, 40),
+    Part("numpy-shim", "loadtests.gpu_profile:warm_up_without_shim", ("numba.cuda",), ({}, {}), 45, 20),
 ]
 
 
@@ -66,6 +113,16 @@ def _installed(module: str) -> dict[str, Any]:
     return {"installed": found, "version": version}
 
 
+def row_stack_status() -> str:
+    """numpy 2.5 removed numpy.row_stack, which numba-cuda 0.30.4 still calls (issue 38)."""
+    row_stack = getattr(np, "row_stack", None)
+    if row_stack is None:
+        return "absent (numpy removed it)"
+    if row_stack is np.vstack:
+        return "added by a shim (numpy.row_stack = numpy.vstack; loadtests/device/on-device.sh --shim)"
+    return "numpy's own"
+
+
 def probe() -> dict[str, Any]:
     from service.process.devices import probe_cuda
 
@@ -73,13 +130,38 @@ def probe() -> dict[str, Any]:
     return {"device": [{"index": d.index, "name": d.name, "memory_bytes": d.total_memory_bytes} for d in cuda.devices],
             "device_reason": None if cuda.present else cuda.reason,
             "libraries": {module: _installed(module) for module in LIBRARIES},
+            "numpy": np.__version__, "numpy_row_stack": row_stack_status(),
             "python": platform.python_version(), "cores": os.cpu_count()}
 
 
+class Budget:
+    """The run's wall-clock allowance (None: unlimited)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.started = time.monotonic()
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.started)
+
+    def allow(self, cap: float, reserved: float, own: float = 0.0) -> float:
+        """Up to `cap`, leaving `reserved` for what comes after, but at least `own` while there is that much."""
+        left = self.left()
+        return max(0.0, min(cap, max(left - reserved, min(own, left))))
+
+
 # -- the tests ---------------------------------------------------------------------------------------------------
-def run_tests(name: str, args: list[str], env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+def run_tests(name: str, args: list[str], env: dict[str, str], timeout_s: float,
+              cut_by_budget: bool = False) -> dict[str, Any]:
+    """One test set in a pytest of its own. `cut_by_budget`: timeout_s is what the run's budget left it, so a set
+    still running then is reported cut, not failed."""
     if importlib.util.find_spec("pytest") is None:
         return {"set": name, "status": "skipped", "reason": "pytest is not installed here"}
+    missing = [a for a in args if a.startswith("tests/") and not (ROOT / a.split("::")[0]).exists()]
+    if missing:
+        return {"set": name, "status": "skipped", "reason": f"{', '.join(missing)} is not there"}
+    if timeout_s < 10:
+        return {"set": name, "status": "cut", "reason": "cut: out of time (the run's --device-budget-s)"}
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         started = time.perf_counter()
@@ -89,6 +171,9 @@ def run_tests(name: str, args: list[str], env: dict[str, str], timeout_s: float)
                                   cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                                   timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
+            if cut_by_budget:
+                return {"set": name, "status": "cut", "reason": f"cut: out of time after {timeout_s:.0f} s "
+                        "(the run's --device-budget-s)", "seconds": round(timeout_s, 1)}
             return {"set": name, "status": "failed", "reason": f"timed out after {timeout_s:.0f} s"}
         took = round(time.perf_counter() - started, 1)
         if not junit.exists():
@@ -158,198 +243,113 @@ def check_layout(here: dict[str, Any]) -> dict[str, Any]:
             "devices": everything, "pins": pins, "seen_by_each_engine": pinned}
 
 
-# -- the benchmarks ----------------------------------------------------------------------------------------------
-def timed(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
-    """Median seconds of `runs` calls after the first, and the last answer."""
-    answer, times = fn(), []
-    for _ in range(runs):
+# -- the parts, each in a child process --------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def _write(path: Path, result: Any, done: bool) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"done": done, "result": result}, default=_plain))
+    tmp.replace(path)
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """One part, in this (child) process: writes its result, and its partial results as they come, as JSON."""
+    module_name, function_name = args.child.split(":")
+    module = importlib.import_module(module_name)
+    fn = getattr(module, function_name)
+    size = json.loads(args.child_size)
+    if size is None:  # the module's own sizes: (normal, quick), or {"full": ..., "quick": ...}
+        sizes = getattr(module, "SIZES", CUPY_VECTOR_SIZES)
+        size = sizes["quick" if args.quick else "full"] if isinstance(sizes, dict) else sizes[1 if args.quick else 0]
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {}
+    if "budget_s" in params:
+        kwargs["budget_s"] = args.child_budget_s
+    if "progress" in params:
+        kwargs["progress"] = lambda partial: _write(args.child_out, partial, False)
+    _write(args.child_out, fn(size, args.runs, **kwargs), True)
+    return 0
+
+
+def verdict(result: dict[str, Any]) -> str | None:
+    """Why a part's answers count as failed (None: they do not)."""
+    if "failures" in result:
+        return "; ".join(result["failures"])[:2000] or None
+    bad: list[str] = ["exact"] if result.get("exact") is False else []
+
+    def scan(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if (k.endswith("_equal") or k == "sql_resident") and v is False:
+                    bad.append(f"{where}{k}")
+                scan(v, f"{where}{k}.")
+
+    scan(result, "")
+    return f"answers differ: {', '.join(bad)}"[:2000] if bad else None
+
+
+def run_part(part: Part, size: Any, runs: int, allowed_s: float, quick: bool) -> dict[str, Any]:
+    """The part in a child process of its own session, killed (with what it started) past allowed_s."""
+    entry: dict[str, Any] = {"bench": part.name, "allowed_s": round(allowed_s, 1)}
+    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{part.name}-") as tmp:
+        result_path, log_path = Path(tmp) / "result.json", Path(tmp) / "log.txt"
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", part.target, "--child-out",
+                   str(result_path), "--child-size", json.dumps(size), "--runs", str(runs),
+                   "--child-budget-s", f"{max(allowed_s - GRACE_S, 5.0):.1f}", *(["--quick"] if quick else [])]
         started = time.perf_counter()
-        answer = fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), answer
-
-
-def star_polygons(n: int, seed: int):
-    """n simple star-shaped polygons (vertices at random radii, in angle order) over a lon/lat box, every third
-    with a star-shaped hole: GeoArrow buffers built with numpy alone."""
-    from spatial.geoarrow import Polygons
-
-    rng = np.random.default_rng(seed)
-    xs, ys, rings, parts = [], [], [0], [0]
-    for g in range(n):
-        cx, cy, r = rng.uniform(-170, 170), rng.uniform(-60, 60), rng.uniform(0.5, 3.0)
-        for radius in ((r, r * 0.3) if g % 3 == 0 else (r,)):
-            k = int(rng.integers(8, 40))
-            angle = np.sort(rng.uniform(0, 2 * np.pi, k))
-            rad = radius * rng.uniform(0.6, 1.0, k)
-            xs.append(cx + rad * np.cos(angle))
-            ys.append(cy + rad * np.sin(angle))
-            rings.append(rings[-1] + k)
-        parts.append(len(rings) - 1)
-    offsets = np.arange(n + 1, dtype=np.int64)
-    return Polygons(np.concatenate(xs), np.concatenate(ys), np.asarray(rings, np.int64), np.asarray(parts, np.int64),
-                    offsets)
-
-
-def bench_spatial(size: dict[str, int], runs: int) -> dict[str, Any]:
-    from spatial.cpu_engine import CpuSpatialEngine
-    from spatial.cuda_engine import CudaSpatialEngine
-    from spatial.geoarrow import points_from_lonlat
-
-    rng = np.random.default_rng(0)
-    polygons = star_polygons(size["polygons"], 1)
-    points = points_from_lonlat(rng.uniform(-180, 180, size["points"]), rng.uniform(-63, 63, size["points"]))
-    cpu, gpu = CpuSpatialEngine(), CudaSpatialEngine()
-    started = time.perf_counter()
-    gpu.warm_up()
-    out: dict[str, Any] = {"points": len(points), "polygons": len(polygons), "compile_s": time.perf_counter() - started}
-    started = time.perf_counter()
-    first = gpu.pip_counts(points, polygons)
-    out["pip_first_call_s"] = time.perf_counter() - started  # uploads, quadtree, join
-    out["pip_resident_s"], counts = timed(lambda: gpu.pip_counts(points, polygons), runs)
-    out["pip_cpu_s"], want = timed(lambda: cpu.pip_counts(points, polygons), runs)
-    page = gpu.pip_pairs(points, polygons, 0, min(len(points), 100_000))
-    want_page = cpu.pip_pairs(points, polygons, 0, min(len(points), 100_000))
-    out["pip_equal"] = bool(np.array_equal(first, want) and np.array_equal(counts, want)
-                            and all(np.array_equal(a, b) for a, b in zip(page, want_page)))
-    out["pip_matched"] = int(want.sum())
-    out["pip_speedup_resident"] = out["pip_cpu_s"] / out["pip_resident_s"]
-
-    centres = np.column_stack([rng.uniform(-180, 180, 400), rng.uniform(-70, 70, 400)])
-    pick = rng.integers(0, len(centres), size["distance_points"])
-    near = points_from_lonlat((centres[pick, 0] + rng.normal(0, 0.05, len(pick)) + 180) % 360 - 180,
-                              np.clip(centres[pick, 1] + rng.normal(0, 0.05, len(pick)), -90, 90))
-    page_of = {"max_pairs": 1_000_000}
-
-    def join(engine):
-        pages, start = [], 0
-        while start < len(near):
-            i, j, d, start = engine.within_distance_page(near, near, 1000.0, start, len(near), True,
-                                                         page_of["max_pairs"])
-            pages.append((i, j, d))
-        return [np.concatenate([p[k] for p in pages]) for k in range(3)]
-
-    started = time.perf_counter()
-    got = join(gpu)
-    out.update(distance_points=len(near), distance_first_call_s=time.perf_counter() - started)
-    out["distance_resident_s"], got = timed(lambda: join(gpu), runs)
-    out["distance_cpu_s"], want = timed(lambda: join(cpu), runs)
-    out["distance_pairs"] = len(want[0])
-    out["distance_equal"] = bool(np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-                                 and np.allclose(got[2], want[2], rtol=1e-12, atol=1e-6))
-    out["distance_speedup_resident"] = out["distance_cpu_s"] / out["distance_resident_s"]
-    out["counters"] = dict(gpu.counters)
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
-
-
-def bench_vectors(size: dict[str, int], runs: int) -> dict[str, Any]:
-    from indexes.ann import IndexConfig, check_params
-    from indexes.cuvs_index import CuvsBackend
-    from indexes.distance import exact_search
-
-    rng = np.random.default_rng(0)
-    n, dim, nq, k = size["vectors"], size["dim"], size["queries"], 10
-    centres = rng.normal(size=(200, dim)).astype(np.float32)
-    data = (centres[rng.integers(0, 200, n)] + 0.3 * rng.normal(size=(n, dim))).astype(np.float32)
-    queries = (centres[rng.integers(0, 200, nq)] + 0.3 * rng.normal(size=(nq, dim))).astype(np.float32)
-    _, truth = exact_search(np, data, queries, k, "l2")
-    out: dict[str, Any] = {"vectors": n, "dim": dim, "queries": nq, "k": k, "indexes": {}}
-    backend = CuvsBackend()
-    for index_type, search in (("brute_force", {}), ("ivf_pq", {"n_probes": 32, "refine_ratio": 2.0}),
-                               ("cagra", {"itopk_size": 64})):
-        config = IndexConfig(index_type, "l2", dim, check_params("build", index_type, None, "index.params"))
-        started = time.perf_counter()
-        index = backend.build(config, data)
-        build_s = time.perf_counter() - started
-        seconds, (_, rows) = timed(lambda: index.search(queries, k, search, None), runs)
-        recall = float(np.mean([len(set(r) & set(t)) / k for r, t in zip(rows.tolist(), truth.tolist())]))
-        out["indexes"][index_type] = {"build_s": round(build_s, 3), "recall_at_10": round(recall, 4),
-                                      "batch_qps": round(nq / seconds, 1), "params": search}
-    return out
-
-
-def bench_olap(size: dict[str, float], runs: int) -> dict[str, Any]:
-    from olap.cudf_engine import CudfEngine
-    from olap.duckdb_engine import DuckDBEngine
-    from olap.generate import generate
-    from olap.queries import QUERIES, render_sql
-
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp) / "ssb"
-        generate(size["sf"], directory)
-        gpu, cpu = CudfEngine(), DuckDBEngine()
-        out: dict[str, Any] = {"sf": size["sf"], "load_s": gpu.load(directory)["load_s"], "queries": {}}
-        cpu.load(directory)
-        for query_id in QUERIES:
-            gpu_s, got = timed(lambda: gpu.run_query(query_id, None), runs)
-            cpu_s, want = timed(lambda: cpu.run_query(query_id, None), runs)
-            # the same query as ad-hoc SQL: olap/frame_sql.py on the resident tables (resident_sql counts it)
-            sql = render_sql(query_id, None)
-            before = gpu.resident_sql
-            sql_s, from_sql = timed(lambda: gpu.run_sql(sql, max_rows=None, timeout_s=None), runs)
-            out["queries"][query_id] = {"cudf_s": round(gpu_s, 5), "duckdb_s": round(cpu_s, 5),
-                                        "speedup": round(cpu_s / gpu_s, 2),
-                                        "equal": got.as_tuples() == want.as_tuples(),
-                                        "cudf_sql_s": round(sql_s, 5), "sql_resident": gpu.resident_sql > before,
-                                        "sql_equal": from_sql.as_tuples() == want.as_tuples()}
-    return out
-
-
-BENCHES = [  # (name, function, what it needs, sizes: normal and --quick)
-    ("spatial", bench_spatial, ("cupy", "numba.cuda"),
-     ({"points": 2_000_000, "polygons": 3_000, "distance_points": 200_000},
-      {"points": 100_000, "polygons": 300, "distance_points": 20_000})),
-    ("vectors", bench_vectors, ("cupy", "cuvs"),
-     ({"vectors": 200_000, "dim": 128, "queries": 10_000}, {"vectors": 20_000, "dim": 64, "queries": 1_000})),
-    ("olap", bench_olap, ("cudf",), ({"sf": 1.0}, {"sf": 0.1})),
-]
-
-
-def run_bench(name: str, fn: Callable, needs: tuple[str, ...], size: dict, runs: int, here: dict) -> dict[str, Any]:
-    if here["device_reason"]:
-        return {"bench": name, "status": "skipped", "reason": here["device_reason"]}
-    missing = [m for m in needs if not here["libraries"][m]["installed"]]
-    if missing:
-        return {"bench": name, "status": "skipped", "reason": f"not installed: {', '.join(missing)}"}
-    try:
-        result = fn(size, runs)
-    except Exception as exc:  # noqa: BLE001 - a failed part is reported, the others still run
-        return {"bench": name, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
-    equal = all(v for k, v in result.items() if k.endswith("_equal")) and all(
-        q["equal"] and q.get("sql_equal", True) and q.get("sql_resident", True)
-        for q in result.get("queries", {}).values())
-    return {"bench": name, "status": "passed" if equal else "failed", **result}
-
-
-# -- the report --------------------------------------------------------------------------------------------------
-def markdown(report: dict[str, Any]) -> str:
-    here = report["here"]
-    lines = [f"# GPU check, {report['stamp']}", ""]
-    if here["device"]:
-        lines += [f"Device: {d['name']} ({d['memory_bytes'] / 2**30:.0f} GiB)" for d in here["device"]]
+        killed = False
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=allowed_s)
+            except subprocess.TimeoutExpired:
+                killed = True
+                for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
+                    try:
+                        os.killpg(proc.pid, sig)
+                        proc.wait(timeout=wait_s)
+                        break
+                    except (ProcessLookupError, subprocess.TimeoutExpired):
+                        continue
+        entry["seconds"] = round(time.perf_counter() - started, 1)
+        saved = json.loads(result_path.read_text()) if result_path.exists() else {"done": False, "result": None}
+        log_tail = log_path.read_text(errors="replace")[-3000:]
+    result = saved["result"] or {}
+    entry.update(result if isinstance(result, dict) else {"result": result})
+    failed = verdict(result) if isinstance(result, dict) else None
+    if failed:
+        entry.update(status="failed", reason=failed)
+    elif killed:
+        entry.update(status="cut", reason=f"cut: out of time after {allowed_s:.0f} s (partial results kept)")
+    elif proc.returncode != 0 or not saved["done"]:
+        last = [line for line in log_tail.splitlines() if line.strip()][-3:]
+        entry.update(status="failed", reason=f"exited with {proc.returncode}: {' / '.join(last)}"[:1500])
+    elif entry.get("cut"):
+        entry.update(status="cut", reason=f"cut: out of time: {len(entry['cut'])} measurement(s) left out")
     else:
-        lines.append(f"Device: none ({here['device_reason']})")
-    lines += ["", "| library | installed | version |", "|---|---|---|"]
-    lines += [f"| {m} | {'yes' if v['installed'] else 'no'} | {v['version'] or ''} |"
-              for m, v in here["libraries"].items()]
-    lines += ["", "## Tests", "", "| set | status | passed | failed | skipped | why skipped or failed |",
-              "|---|---|---|---|---|---|"]
-    for t in report["tests"]:
-        reasons = sorted({c["reason"] for c in t.get("cases", []) if c["outcome"] != "passed" and c["reason"]})
-        why = "; ".join(reasons)[:300] or (t.get("reason") or "")[:300]
-        lines.append(f"| {t['set']} | {t['status']} | {t.get('passed', 0)} | {t.get('failed', 0)} | "
-                     f"{t.get('skipped', 0)} | {why.replace('|', '/')} |")
-    layout = report.get("layout", {})
-    lines += ["", "## Process layout (one engine process per device)", "",
-              f"{layout.get('status', 'not run')}: " + (layout.get("reason") or json.dumps(
-                  {k: v for k, v in layout.items() if k != "status"}))]
-    lines += ["", "## Benchmarks (GPU engine against the CPU engine, same data, answers compared)", ""]
-    for b in report["benches"]:
-        detail = {k: v for k, v in b.items() if k not in ("bench", "status", "reason")}
-        lines.append(f"- **{b['bench']}**: {b['status']}" + (f" ({b['reason']})" if b.get("reason") else ""))
-        if detail:
-            lines.append(f"  `{json.dumps(detail)}`")
-    return "\n".join(lines) + "\n"
+        entry["status"] = "passed"
+    if entry["status"] != "passed":
+        entry["log_tail"] = log_tail
+    return entry
+
+
+def skip_reason(part: Part, here: dict[str, Any]) -> str | None:
+    if here["device_reason"]:
+        return here["device_reason"]
+    if part.sizes is None and importlib.util.find_spec(part.target.split(":")[0]) is None:
+        return f"{part.target.split(':')[0].replace('.', '/')}.py is not there yet"
+    missing = [m for m in part.needs if not here["libraries"][m]["installed"]]
+    if missing:
+        return f"not installed: {', '.join(missing)}"
+    if part.name == "numpy-shim" and "shim" not in here["numpy_row_stack"]:
+        return f"no numpy shim to take away: numpy.row_stack is {here['numpy_row_stack']}"
+    return None
 
 
 def main() -> int:
@@ -357,27 +357,67 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small benchmark sizes")
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--test-timeout", type=float, default=1200.0, help="seconds per test set")
+    ap.add_argument("--runs", type=int, default=3, help="timed calls per measurement (median); slow ones get 1")
+    ap.add_argument("--test-timeout", type=float, default=1200.0, help="seconds per test set, at most")
+    ap.add_argument("--device-budget-s", type=float, default=DEVICE_BUDGET_S,
+                    help=f"wall-clock seconds for the whole run (default {DEVICE_BUDGET_S:.0f}; 0: no limit)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--child-size", default="null", help=argparse.SUPPRESS)
+    ap.add_argument("--child-budget-s", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child_main(args)
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    budget = Budget(args.device_budget_s or None)
     here = probe()
-    report: dict[str, Any] = {"stamp": stamp, "here": here, "tests": [], "benches": []}
-    if not args.no_tests:
-        for name, pytest_args, env in TEST_SETS:
-            print(f"tests: {name} ...", flush=True)
-            report["tests"].append(run_tests(name, pytest_args, env, args.test_timeout))
-    report["layout"] = check_layout(here)
-    if not args.no_bench:
-        for name, fn, needs, sizes in BENCHES:
-            print(f"benchmark: {name} ...", flush=True)
-            report["benches"].append(run_bench(name, fn, needs, sizes[1 if args.quick else 0], args.runs, here))
+    report: dict[str, Any] = {"stamp": stamp, "here": here, "budget_s": budget.seconds, "tests": [], "benches": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-check-{stamp}"
-    path.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    path.with_suffix(".md").write_text(markdown(report))
+
+    def save() -> None:  # after every step: a run stopped from outside still leaves its report so far
+        report["seconds"] = round(time.monotonic() - budget.started, 1)
+        path.with_suffix(".json").write_text(json.dumps(report, indent=2, default=_plain))
+        path.with_suffix(".md").write_text(markdown(report))
+
+    skips = {part.name: skip_reason(part, here) for part in PARTS}
+    runnable = [] if args.no_bench else [part for part in PARTS if not skips[part.name]]
+    reserved = sum(part.reserve_s for part in runnable)
+    if not args.no_tests:
+        tests_until = time.monotonic() + budget.allow(TESTS_CAP_S, reserved)
+        for name, pytest_args, env in TEST_SETS:
+            print(f"tests: {name} ...", flush=True)
+            left = tests_until - time.monotonic()
+            if budget.seconds is not None:
+                left = min(left, TEST_SET_CAP_S)
+            report["tests"].append(run_tests(name, pytest_args, env, min(args.test_timeout, left),
+                                             cut_by_budget=left < args.test_timeout))
+            t = report["tests"][-1]
+            print(f"  {t['status']} ({t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
+                  f"{t.get('skipped', 0)} skipped) in {t.get('seconds', 0)} s", flush=True)
+            save()
+    report["layout"] = check_layout(here)
+    if not args.no_bench:
+        for part in PARTS:
+            if skips[part.name]:
+                report["benches"].append({"bench": part.name, "status": "skipped", "reason": skips[part.name]})
+                continue
+            reserved -= part.reserve_s
+            allowed = budget.allow(part.cap_s, reserved, own=part.reserve_s)
+            if allowed < min(part.reserve_s, 20):
+                report["benches"].append({"bench": part.name, "status": "cut", "reason": (
+                    f"cut: out of time ({max(budget.left(), 0):.0f} s of the run's budget left)")})
+                continue
+            size = part.sizes[1 if args.quick else 0] if part.sizes else None
+            print(f"benchmark: {part.name} (up to {allowed:.0f} s) ...", flush=True)
+            report["benches"].append(run_part(part, size, args.runs, allowed, args.quick))
+            b = report["benches"][-1]
+            print(f"  {b['status']} in {b.get('seconds')} s" + (f": {b['reason'][:300]}" if b.get("reason") else ""),
+                  flush=True)
+            save()
+    save()
     print(markdown(report))
     print(f"wrote {path}.json and .md")
     failed = [t["set"] for t in report["tests"] if t["status"] == "failed"]

@@ -164,15 +164,22 @@ def pgvector_exact(data: np.ndarray, queries: np.ndarray, engine_rows: np.ndarra
         return asyncio.run(run(own))
 
 
-def bench(size: dict[str, Any], runs: int, xp: Any = None, dsn: str | None = None) -> dict[str, Any]:
+def bench(size: dict[str, Any], runs: int, xp: Any = None, dsn: str | None = None, budget_s: float | None = None,
+          progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """`xp`: cupy (default); numpy runs the same code on the CPU (tests). `dsn`: a PostgreSQL with pgvector for its
-    part (default: an embedded one of its own)."""
+    part (default: an embedded one of its own). `budget_s`: a size is started only while at least a third of it
+    is left; `progress` gets the report so far after each size (gpu_check keeps it if the part is cut)."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     if xp is None:
         import cupy as xp
     cp = xp
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"k": K, "client": "in-process (MicroBatcher, one engine thread); no HTTP", "sizes": []}
+    out["cut"] = []
     for n, dim in size["vector_sets"]:
+        if deadline is not None and deadline - time.monotonic() < budget_s / 3:
+            out["cut"].append(f"{n} x {dim}: out of time")
+            continue
         data = host(cp.random.default_rng(1).standard_normal((n, dim), dtype=np.float32))
         queries = rng.standard_normal((4096, dim)).astype(np.float32)
         row: dict[str, Any] = {"rows": n, "dim": dim}
@@ -194,10 +201,12 @@ def bench(size: dict[str, Any], runs: int, xp: Any = None, dsn: str | None = Non
         row["top10_equal_to_anchor"] = _same_sets(got, anchor_rows)
         row["top10_distances_agree_with_faiss"] = _agree(data, queries[:64], got, faiss_rows)
         out["sizes"].append(row)
+        if progress is not None:
+            progress(out)
         del collection, device, scores
         if hasattr(cp, "get_default_memory_pool"):
             cp.get_default_memory_pool().free_all_blocks()
-    if size.get("pgvector_rows"):
+    if size.get("pgvector_rows") and (deadline is None or deadline - time.monotonic() > 20):
         n, dim = size["pgvector_rows"], size["vector_sets"][0][1]
         data = rng.standard_normal((n, dim)).astype(np.float32)
         queries = rng.standard_normal((20, dim)).astype(np.float32)
