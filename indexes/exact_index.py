@@ -63,24 +63,36 @@ def stable_argsort(xp: Any, a: Any) -> Any:
     return np.argsort(a, axis=-1, kind="stable") if xp is np else xp.argsort(a, axis=-1)
 
 
+@functools.lru_cache(maxsize=64)
+def _arange(xp: Any, n: int, step: int = 1) -> Any:
+    """0, step, .. (n-1)*step as int64, made once per (module, n, step): a small search should launch few kernels."""
+    return xp.arange(0, n * step, step, dtype=xp.int64)
+
+
+def _take_rows(xp: Any, a: Any, index: Any) -> Any:
+    """a[i, index[i, j]] for a 2-d `a`: one flat gather (CuPy's take_along_axis builds broadcast index arrays)."""
+    if a.shape[0] == 1:
+        return a.reshape(-1).take(index)
+    return a.reshape(-1).take(index + _arange(xp, a.shape[0], a.shape[1])[:, None])
+
+
 def smallest_k(xp: Any, keys: Any, k: int, full_sort_rows: int = FULL_SORT_ROWS) -> tuple[Any, Any]:
     """Per row of `keys` (b, n; n a multiple of MAX_CHUNK when n >= full_sort_rows), the k smallest keys and their
-    columns, ascending, ties by column. Exact: see the module's note for why the chunk step loses nothing."""
+    columns, ascending. Exact: see the module's note for why the chunk step loses nothing. Equal keys at the k-th
+    place are broken by column where every key is sorted, else by chunk (deterministically either way)."""
     b, n = keys.shape
     k = min(k, n)
     chunk = chunk_for(n, k)
     if n < full_sort_rows or k * chunk * 4 > n or n % chunk:
         order = stable_argsort(xp, keys)[:, :k]
-        return xp.take_along_axis(keys, order, axis=1), order
+        return _take_rows(xp, keys, order), order
     groups = n // chunk
     minima = keys.reshape(b, groups, chunk).min(axis=2)
-    # The k chunks with the smallest minima (ties: the lower chunk), then in row order, so that a stable sort of
-    # their rows breaks ties between equal keys by column as a sort of the whole row would.
-    chosen = xp.sort(stable_argsort(xp, minima)[:, :k], axis=1)
-    columns = (chosen[:, :, None] * chunk + xp.arange(chunk)[None, None, :]).reshape(b, k * chunk)
-    candidates = xp.take_along_axis(keys, columns, axis=1)
+    chosen = stable_argsort(xp, minima)[:, :k]  # the k chunks with the smallest minima
+    columns = (chosen[:, :, None] * chunk + _arange(xp, chunk)[None, None, :]).reshape(b, k * chunk)
+    candidates = _take_rows(xp, keys, columns)
     order = stable_argsort(xp, candidates)[:, :k]
-    return xp.take_along_axis(candidates, order, axis=1), xp.take_along_axis(columns, order, axis=1)
+    return _take_rows(xp, candidates, order), _take_rows(xp, columns, order)
 
 
 class ExactArrayIndex:
@@ -208,13 +220,15 @@ class ExactArrayIndex:
             keys *= xp.float32(-1.0 if self.ip else -2.0)
             keys += base[None, :]
             best, rows = smallest_k(xp, keys, take, self.full_sort_rows)
-            if not self.ip:
-                best = xp.maximum(best + xp.sum(q * q, axis=1, keepdims=True), 0)
-            best_h, rows_h = host(best), host(rows).astype(np.int64)
+            best_h, rows_h = host(best), host(rows).astype(np.int64, copy=False)
             missing = ~np.isfinite(best_h) | (rows_h >= self._size)
-            n_out = min(take, k)
-            out_scores[s:s + len(q), :n_out] = np.where(missing, worst, best_h if not self.ip else -best_h)[:, :n_out]
-            out_rows[s:s + len(q), :n_out] = np.where(missing, -1, rows_h)[:, :n_out]
+            if self.ip:
+                best_h = -best_h
+            else:  # the queries' own squared norms, added on the host: three fewer kernels for a small search
+                norms = np.einsum("ij,ij->i", queries[s:s + len(q)], queries[s:s + len(q)])
+                best_h = np.maximum(best_h + norms[:, None], 0)
+            out_scores[s:s + len(q), :take] = np.where(missing, worst, best_h)
+            out_rows[s:s + len(q), :take] = np.where(missing, -1, rows_h)
         return out_scores, out_rows
 
     # -- persistence -----------------------------------------------------------------------------------
