@@ -158,3 +158,39 @@ def closed_by_server(sock: socket.socket, within_s: float | None = None) -> bool
         return True
     except TimeoutError:
         return False
+
+
+async def migrated_pool(dsn: str):
+    """A small asyncpg pool on `dsn` after the migrations ran: what a CollectionManager is given in the service."""
+    import asyncpg
+
+    from service.database.migrate import apply_migrations
+    from service.database.postgres import open_pool
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_migrations(conn)
+    finally:
+        await conn.close()
+    return await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
+
+
+def run_in_cuda_simulator(test_file) -> None:
+    """Run a test file again in a child pytest with NUMBA_ENABLE_CUDASIM=1 (it must be set before numba is first
+    imported); fail with its output if it fails, skip if nothing ran there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", str(Path(test_file).resolve()), "-q", "-rs",
+                        "-p", "no:cacheprovider"], cwd=Path(__file__).resolve().parent.parent, env=env,
+                       capture_output=True, text=True, check=False, timeout=280)
+    tail = r.stdout[-6000:] + r.stderr[-3000:]
+    if r.returncode != 0:
+        pytest.fail(f"simulator run failed:\n{tail}")
+    if " passed" not in r.stdout:
+        pytest.skip(f"nothing ran in the simulator:\n{tail}")

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import run
 from gated_build import GATE, GatedBackend
+from helpers import migrated_pool
 from indexes.ann import IndexConfig
 from indexes.build_process import BuildFailed, DetachedBuilder
 from indexes.distance import exact_search
@@ -20,8 +21,6 @@ from indexes.faiss_index import FaissBackend
 from indexes.manager import CollectionManager
 from indexes.vectors import Points
 from service.admission.control import Admission
-from service.database.migrate import apply_migrations
-from service.database.postgres import open_pool
 from service.settings import Settings
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -80,14 +79,7 @@ def test_a_build_in_a_child_blocks_no_search(tmp_path, database_url, child_path,
 
 
 async def _searches_go_on_during_a_build(dsn: str, data_dir: Path, gate: Path) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
+    pool = await migrated_pool(dsn)
     manager = CollectionManager(pool, data_dir, dsn=dsn, guard=Admission(Settings(database_url=dsn, data_dir=data_dir)))
     backend = GatedBackend(detached=True)
     manager.attach("gpu", backend)

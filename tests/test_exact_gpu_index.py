@@ -235,21 +235,13 @@ def test_the_engine_follows_the_change_log_through_the_manager(database_url, tmp
 
 
 async def _through_the_manager(dsn: str, data_dir) -> None:
-    import asyncpg
-
+    from helpers import migrated_pool
     from indexes.manager import CollectionManager
     from indexes.vectors import Points
     from service.admission.control import Admission
-    from service.database.migrate import apply_migrations
-    from service.database.postgres import open_pool
     from service.settings import Settings
 
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
-    pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
+    pool = await migrated_pool(dsn)
     data = clustered(2_000, 8, seed=21)
     queries = clustered(5, 8, seed=22)
     payloads = [b'{"group": %d}' % (i % 3) for i in range(2_000)]

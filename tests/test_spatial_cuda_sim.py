@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import run_in_cuda_simulator
+
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 # `make gpu-check` runs this file with SWITCHYARD_GPU_KERNELS=device: the same tests, compiled for a real device.
 DEVICE = not SIM and os.environ.get("SWITCHYARD_GPU_KERNELS") == "device"
@@ -88,15 +90,7 @@ print("ok")
         for module in ("numba", "shapely"):
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"{module} is not installed")
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-rs",
-                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-                           timeout=280)
-        tail = r.stdout[-6000:] + r.stderr[-3000:]
-        if r.returncode != 0:
-            pytest.fail(f"simulator run failed:\n{tail}")
-        if " passed" not in r.stdout:
-            pytest.skip(f"nothing ran in the simulator:\n{tail}")
+        run_in_cuda_simulator(__file__)
 
 else:
     shapely = pytest.importorskip("shapely")

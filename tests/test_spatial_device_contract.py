@@ -15,8 +15,6 @@ import importlib.util
 import logging
 import math
 import os
-import subprocess
-import sys
 import threading
 import tomllib
 from pathlib import Path
@@ -24,6 +22,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+from helpers import run_in_cuda_simulator
 
 pytest.importorskip("numba")
 pytest.importorskip("shapely")
@@ -291,15 +291,7 @@ if not SIM:
 
     def test_in_the_cuda_simulator():
         """The engine-level half of this file, in numba-cuda's simulator (a child pytest)."""
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        r = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-rs",
-                            "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-                           timeout=280)
-        tail = r.stdout[-6000:] + r.stderr[-3000:]
-        if r.returncode != 0:
-            pytest.fail(f"simulator run failed:\n{tail}")
-        if " passed" not in r.stdout:
-            pytest.skip(f"nothing ran in the simulator:\n{tail}")
+        run_in_cuda_simulator(__file__)
 
 else:
     try:
