@@ -147,7 +147,7 @@ class IndexConfig:
 class AnnIndex(Protocol):
     """One engine's index over rows 0..size-1."""
 
-    engine: str  # "faiss" or "cuvs"
+    engine: str  # "faiss", "cuvs" or "exact" (exact_index.py)
     config: IndexConfig
     supports_add: bool  # False: appended rows stay in the exact delta until a rebuild
     supports_filter: bool  # False: deleted / filtered rows are removed by over-fetching
