@@ -5,6 +5,7 @@ that VectorDBBench's environment can use it as well as the runner's."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,13 +94,19 @@ def _ready(url: str) -> bool:
 
 @contextmanager
 def embedded_postgres(folder: Path | None = None) -> Iterator[str]:
-    """A PostgreSQL + pgvector of its own (the project's EmbeddedPostgres) for the run; yields its libpq URL."""
+    """A PostgreSQL + pgvector of its own (the project's EmbeddedPostgres) for the run; yields its libpq URL. Without
+    `folder` its data goes into a temporary directory, removed once the server has stopped."""
     from service.database.postgres import EmbeddedPostgres
 
+    temporary = folder is None
     folder = folder or Path(tempfile.mkdtemp(prefix="pgvector-direct-"))
     print(f"starting an embedded PostgreSQL in {folder} ...", file=sys.stderr)
     server = EmbeddedPostgres(folder / "pgdata")
     try:
         yield server.start()
     finally:
-        server.stop()
+        try:
+            server.stop()
+        finally:
+            if temporary:
+                shutil.rmtree(folder, ignore_errors=True)

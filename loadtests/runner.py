@@ -1,6 +1,7 @@
 """`switchyard loadtest vectors|vectors-mixed|spatial|olap`: prepare data through the API, run Locust headless
 over a sweep, write one report folder (Locust's CSVs and HTML report per point, summary.json, summary.md, PNG
-plots). Locust runs in child processes; this process never imports gevent nor the service."""
+plots). Locust runs in child processes; this process never imports gevent nor runs the service (it reads the
+service's settings models only, to size its default loads: loadtests/capacity.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from loadtests import report
+from loadtests import capacity, report
 from loadtests.client import Api
 from loadtests.processes import ServiceError, local_service, results_dir
 from loadtests.sweep import Point, Sweep
@@ -85,9 +86,8 @@ def vectors(args: argparse.Namespace) -> int:
                            args.collection)
     overrides = _sweep_overrides(args.sweep)
     summary: dict[str, Any] = {"workload": "vectors", "environment": _environment(args), "k": args.k,
-                               "recall_target": args.recall_target, "param_users": args.param_users,
-                               "batch": args.batch, "duration_s": args.duration, "dataset": json.loads(
-                                   (folder / "meta.json").read_text())}
+                               "recall_target": args.recall_target, "batch": args.batch, "duration_s": args.duration,
+                               "dataset": json.loads((folder / "meta.json").read_text())}
     with ExitStack() as stack:
         url = _service(args, stack, out, args.serve_workers)
         api = Api(url, args.api_key)
@@ -116,6 +116,7 @@ def vectors(args: argparse.Namespace) -> int:
             targets.append(_Target("pgvector-direct", "pgvector_direct.py", "ef_search",
                                    overrides.get("pgvector-direct", values), url,
                                    ["--pg-dsn", dsn, "--pg-table", args.baseline_table]))
+        _admitted_loads(args, api, targets, summary)
         sweep = Sweep(out, args.duration, args.processes, args.locust_arg, args.api_key or "", args.record_responses)
         common = ["--dataset", str(folder), "--k", str(args.k), "--batch", str(args.batch)]
         summary["points"] = _sweep_targets(sweep, targets, common, args)
@@ -131,6 +132,7 @@ class _Target:
     def __init__(self, name: str, locustfile: str, param: str | None, values: list, host: str, args: list[str]):
         self.name, self.locustfile, self.param, self.values, self.host, self.args = (
             name, locustfile, param, values, host, args)
+        self.users: list[int] = []  # the users sweep's levels (_admitted_loads)
 
     def point(self, value: Any, users: int, common: list[str], stage: str) -> Point:
         args = [*self.args, *common]
@@ -144,28 +146,44 @@ class _Target:
                      {"target": self.name, "param": self.param, "value": value, "setting": setting, "stage": stage})
 
 
+def _admitted_loads(args: argparse.Namespace, api: Api, targets: list[_Target], summary: dict[str, Any]) -> None:
+    """The loads each target is swept at, unless --users / --param-users say: within what its engine admits
+    (loadtests/capacity.py; the pgvector-direct baseline has no admission control)."""
+    env, processes = capacity.service_env(args)
+    available = capacity.available_engines(api)
+    caps = {t.name: None if t.locustfile == "pgvector_direct.py" else capacity.admitted_users(
+        capacity.engine_gates("vectors", t.name, available), env, processes) for t in targets}
+    if args.param_users is None:
+        args.param_users = capacity.param_users(caps.values())
+    for t in targets:
+        t.users = args.users if args.users is not None else capacity.within(args.default_users, caps[t.name])
+    summary.update(param_users=args.param_users, admitted_users=caps, users={t.name: t.users for t in targets})
+
+
 def _sweep_targets(sweep: Sweep, targets: list[_Target], common: list[str], args: argparse.Namespace) -> list[dict]:
     """VectorDBBench's method: every search setting at --param-users (recall and QPS: the recall/QPS curve), then
-    the users sweep at the cheapest setting that reaches --recall-target (the highest-recall one if none does)."""
-    others = [u for u in args.users if u != args.param_users]
-    sweep.total = sum(len(t.values) + len(others) for t in targets)
+    the users sweep at the cheapest setting that reaches --recall-target with at most 1% of its requests failed
+    (the highest-recall such one if none reaches it; any setting if every one failed more)."""
+    sweep.total = sum(len(t.values) + len([u for u in t.users if u != args.param_users]) for t in targets)
     rows = []
 
     def measure(point: Point) -> dict[str, Any]:
         row = report.point_figures(sweep.run(point), args.k, args.batch)
         recall = "n/a" if row["recall"] is None else f"{row['recall']:.3f}"
-        print(f" {row['qps']:,.0f} QPS, recall {recall}, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
-              f"{row['failures']} failures", file=sys.stderr)
+        print(f" {row['qps']:,.0f} QPS (answers), recall {recall}, p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, "
+              f"{row['failures']} failures ({row['refused']} refused)", file=sys.stderr)
         return row
 
     for target in targets:
         ran = [measure(target.point(v, args.param_users, common, "params")) for v in target.values]
-        good = [r for r in ran if r["recall"] is not None and r["recall"] >= args.recall_target]
-        chosen = good[0] if good else max(ran, key=lambda r: r["recall"] or 0)
+        clean = [r for r in ran if report.headline_eligible(r)] or ran
+        good = [r for r in clean if r["recall"] is not None and r["recall"] >= args.recall_target]
+        chosen = good[0] if good else max(clean, key=lambda r: r["recall"] or 0)
         chosen["chosen"] = True
         rows += ran
-        for users in others:
-            rows.append(measure(target.point(chosen["value"], users, common, "users")))
+        for users in target.users:
+            if users != args.param_users:
+                rows.append(measure(target.point(chosen["value"], users, common, "users")))
     return rows
 
 
@@ -202,7 +220,10 @@ def _common(p: argparse.ArgumentParser, users: str) -> None:
     p.add_argument("--serve-env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the service started here (repeatable), e.g. SWITCHYARD_CONSISTENCY=strong")
     p.add_argument("--data-dir", help="data directory of the service started here (default: a temporary one)")
-    p.add_argument("--users", type=_ints, default=_ints(users), help=f"users per point, closed loop (default {users})")
+    p.add_argument("--users", type=_ints, default=None,
+                   help=f"users per point, closed loop (default {users}, kept to what the engine under test admits "
+                        "without refusing: its concurrency limit and queue)")
+    p.set_defaults(default_users=_ints(users))
     p.add_argument("--duration", type=float, default=15, help="seconds per point (default 15)")
     p.add_argument("--processes", type=int, default=0, help="Locust --processes (load generator processes; 0: one)")
     p.add_argument("--locust-arg", action="append", default=[], help="passed to every Locust run (repeatable)")
@@ -234,7 +255,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="Switchyard engines to sweep (default cpu,pgvector)")
     v.add_argument("--sweep", action="append", default=[], metavar="TARGET=V1,V2",
                    help="search parameter values for one target, e.g. cpu=16,64 or pgvector-direct=40,80")
-    v.add_argument("--param-users", type=int, default=16, help="users while sweeping search settings (default 16)")
+    v.add_argument("--param-users", type=int, default=None,
+                   help="users while sweeping search settings (default 16, or the largest power of two every "
+                        "engine under test admits where that is less: 8 with pgvector at its defaults)")
     v.add_argument("--recall-target", type=float, default=0.95,
                    help="the users sweep runs at the cheapest setting reaching this recall (default 0.95)")
     v.add_argument("--k", type=int, default=10)

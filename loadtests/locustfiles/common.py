@@ -3,8 +3,10 @@
 Locust has one kind of statistic, the request. A figure that is not a latency (recall@k, read-your-writes) is
 recorded as a synthetic request whose "response time" is the figure in percent, so it shows in the web UI, the
 CSVs and the HTML report beside the latencies: its Average column is the mean. Locust rounds the histogram behind
-the percentiles, never the sum behind the mean. The exact counts behind each figure are also kept in a `Tally`
-that workers send to the master with their stats reports and that the master (or a local run) writes as JSON.
+the percentiles, never the sum behind the mean. A figure goes into its own row only, never into Locust's total
+(the "Aggregated" row, and the HTML report's charts): those stay the real requests'. The exact counts behind
+each figure are also kept in a `Tally` that workers send to the master with their stats reports and that the
+master (or a local run) writes as JSON, with the refusals (429, 503) of each request apart from its failures.
 """
 
 from __future__ import annotations
@@ -26,11 +28,22 @@ PERCENT = 100.0
 FIGURES = {"RECALL", "RYW"}  # request types that carry a figure, not a latency
 
 
-def fire_figure(environment: Any, kind: str, name: str, value: float, failure: str | None = None) -> None:
-    """Record `value` (0..1) as a synthetic request `kind name` with response time value x 100."""
-    environment.events.request.fire(
-        request_type=kind, name=name, response_time=value * PERCENT, response_length=0, response=None,
-        context={}, exception=Exception(failure) if failure else None)
+REFUSED = (429, 503)  # answers that say the request was not run: come back later
+
+
+def fire_figure(environment: Any, kind: str, name: str, value: float) -> None:
+    """Record `value` (0..1) as a synthetic request `kind name` with response time value x 100, in that entry of
+    Locust's statistics only: not through events.request, which would also add it to the total (the Aggregated
+    row, and the RPS and response-time charts of the HTML report) as if it were a request."""
+    environment.stats.get(name, kind).log(value * PERCENT, 0)
+
+
+def fail(response: Any, request: str) -> None:
+    """A non-200 answer to `request` ("POST search"): a Locust failure; a refusal (429, 503) is also tallied as
+    `refused:<request>`, so that the report shows it beside the other failures."""
+    if response.status_code in REFUSED:
+        TALLY.add(f"refused:{request}")
+    response.failure(problem_text(response))
 
 
 class Tally:

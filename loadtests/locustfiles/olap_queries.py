@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.locustfiles.common import TALLY, auth_headers, problem_text
+from loadtests.locustfiles.common import TALLY, auth_headers, fail
 from loadtests.ssb_params import GENERATORS, random_params, random_sql
 
 
@@ -37,7 +37,7 @@ class OlapUser(FastHttpUser):
         headers = {"Content-Type": "application/json", **auth_headers(self.environment)}
         with self.client.post(path, data=orjson.dumps(body), name=name, headers=headers, catch_response=True) as r:
             if r.status_code != 200:
-                r.failure(problem_text(r))
+                fail(r, f"POST {name}")
                 return
             answer = orjson.loads(r.content)
         TALLY.add(f"engine:{answer['engine']}")

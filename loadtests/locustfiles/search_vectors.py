@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, problem_text, score, worker_index
+from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fail, score, worker_index
 
 STATE: dict[str, Any] = {}
 
@@ -77,7 +77,7 @@ class VectorSearchUser(FastHttpUser):
         with self.client.post(f"/v1/collections/{options.collection}/search", data=body, headers=headers, name=name,
                               catch_response=True) as response:
             if response.status_code != 200:
-                response.failure(problem_text(response))
+                fail(response, f"POST {name}")
                 return
             answer = orjson.loads(response.content)
             TALLY.add(f"engine:{answer['engine']}")  # what answered: faiss, cuvs, pgvector

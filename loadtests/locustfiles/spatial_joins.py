@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from locust import FastHttpUser, constant, events, task
 
-from loadtests.locustfiles.common import TALLY, auth_headers, problem_text
+from loadtests.locustfiles.common import TALLY, auth_headers, fail
 
 TASKS = ("pip-counts", "pip-pairs", "distance")
 
@@ -47,7 +47,7 @@ class SpatialUser(FastHttpUser):
             with self.client.post(path, data=orjson.dumps(body), name=name, headers=headers,
                                   catch_response=True) as r:
                 if r.status_code != 200:
-                    r.failure(problem_text(r))
+                    fail(r, f"POST {name}")
                     return
                 answer = orjson.loads(r.content)
             TALLY.add(f"pairs:{name}", len(answer.get("pairs", [])))
