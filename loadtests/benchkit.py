@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
+from loadtests.local_ray import local_ray_cluster as local_ray_cluster  # re-exported for tests and benchmarks
 from loadtests.processes import BENCHMARK_ENV
 from loadtests.processes import results_dir as results_dir  # re-exported for the bench_*.py scripts
 
@@ -92,40 +93,6 @@ class Service:
             if p.info["name"] == "postgres" or "postgres" in " ".join(p.info["cmdline"] or [])[:200]:
                 out.add(p.pid)
         return out
-
-
-@contextmanager
-def local_ray_cluster(nodes: int = 2, cpus_per_node: int = 4) -> Iterator[str]:
-    """A Ray cluster of this machine for the scale-out tests and benchmark: a head and nodes - 1 more node
-    processes, loopback only, no auth token (one left in ~/.ray by another local Ray would split the nodes).
-    Yields its address; `ray stop` at the end stops this machine's Ray processes."""
-    import shutil
-    import tempfile
-
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's driver, and every process started below
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": root, "RAY_USAGE_STATS_ENABLED": "0"}
-    common = ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}", "--disable-usage-stats"]
-    try:
-        subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",
-                        *common], env=env, check=True, timeout=180, capture_output=True)
-        for _ in range(nodes - 1):
-            subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{port}", *common], env=env, check=True,
-                           timeout=180, capture_output=True)
-        yield f"127.0.0.1:{port}"
-    finally:
-        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-            sys.modules["ray"].shutdown()
-        subprocess.run([ray_cli, "stop", "--force"], env=env, timeout=120, capture_output=True)
-        shutil.rmtree(temp, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 class JsonClient:

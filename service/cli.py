@@ -38,13 +38,17 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if args.ray:
+        from service.cluster.placement import CannotPlace
         from service.cluster.ray_layer import ray_module, serve_on_ray
 
         try:
             ray_module()
         except RuntimeError as exc:
             sys.exit(str(exc))
-        serve_on_ray(settings, args.address or settings.cluster.ray_address)
+        try:
+            serve_on_ray(settings, args.address or settings.cluster.ray_address, args.num_cpus)
+        except CannotPlace as exc:  # a deployment the cluster cannot hold: the numbers, no traceback
+            sys.exit(f"switchyard serve --ray: {exc}")
         return 0
     return launch(settings)
 
@@ -92,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run on a Ray cluster: the app as a Ray Serve ingress, vector shards as Ray actors (the 'ray' extra)"))
     serve.add_argument("--address", help=(
         "with --ray: the cluster to join (SWITCHYARD_RAY_ADDRESS; default: the one set there, or a local Ray)"))
+    serve.add_argument("--num-cpus", dest="num_cpus", type=int, help=(
+        "with --ray and no --address: logical CPUs of the local Ray (default: what every actor reserves, at least "
+        "the cores; fewer than that is refused)"))
     serve.add_argument("--uds", help="also listen on this unix socket, for local clients (SWITCHYARD_UDS; no fronts)")
     serve.set_defaults(run=_serve)
 

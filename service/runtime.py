@@ -239,7 +239,12 @@ class Runtime:
         loading = self.registry.not_ready()
         if self.vectors is not None and self.registry.started and not self.vectors.ready:
             loading.append("vectors")  # on a cluster: a shard with no replica ready yet
-        engines_ready = self.registry.ready and (self.vectors is None or self.vectors.ready)
+        # On a cluster: SSB and spatial partitions with no replica ready yet (PartitionedOlap, PartitionedSpatial).
+        parts_down = [name for name, manager in (("SSB partitions", self.olap), ("spatial partitions", self.spatial))
+                      if not getattr(manager, "parts_ready", True)]
+        if self.registry.started:
+            loading += parts_down
+        engines_ready = self.registry.ready and (self.vectors is None or self.vectors.ready) and not parts_down
         checks["engines"] = "ok" if engines_ready else (f"loading: {', '.join(loading)}" if loading else "starting")
         ok = checks["database"] == "ok" and checks["migrations"] == "ok" and checks["engines"] == "ok"
         return ok, checks

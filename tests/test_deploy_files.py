@@ -82,7 +82,13 @@ def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
     assert head["ports"] == ["127.0.0.1:8000:8000"] and "ports" not in worker
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["count"] == 1
-    assert worker["environment"]["SWITCHYARD_SHARD_GPUS"].startswith("${SWITCHYARD_SHARD_GPUS:-1}")
+    # Every actor of the default layout (8: 2 x 2 shard replicas, 2 SSB and 2 spatial partitions) fits the two
+    # one-GPU workers of `--scale ray-worker=2`: a deployment that cannot place them all refuses to start.
+    assert worker["environment"]["SWITCHYARD_SHARD_GPUS"].startswith("${SWITCHYARD_SHARD_GPUS:-0.25}")
+    from service.cluster.placement import Footprint
+    from service.settings import Settings
+
+    assert Footprint.of(Settings(data_dir=ROOT / "data", shard_gpus=0.25)).total_gpus == 2
 
 
 def test_the_serve_config_file_names_a_builder_that_makes_the_ingress(monkeypatch):

@@ -1,22 +1,28 @@
-"""Switchyard on a local Ray cluster: a head and a second worker node (loopback, started once for this module),
-vector collections in 2 shards x 2 replicas behind a service process that joined the cluster.
+"""Switchyard on a local Ray cluster: a head and a second worker node (loopback, started once for this module, in
+a temp directory of its own and stopped by its handles: any other Ray of the machine is left alone), vector
+collections, SSB and point layers in 2 parts x 2 replicas behind a service process that joined the cluster.
 
 Shard hosts are Ray actors; the tests check answers against numpy (brute force id for id, HNSW by recall), the
-layout the API reports, and that killing replicas during searches and upserts loses no acknowledged write and
-answers every search with a result or a 503 carrying Retry-After.
+layout the API reports, that killing replicas during searches and upserts loses no acknowledged write and
+answers every search with a result or a 503 carrying Retry-After, that one SIGKILLed actor of each kind is back
+and ready within 30 s, and that `switchyard serve --ray` with its defaults schedules every actor of its own Ray
+and is not ready before they are.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -81,6 +87,34 @@ def _collection(http: httpx.Client, name: str, index: dict, n: int, seed: int) -
 
 def _exact(vectors: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(((vectors[None] - queries[:, None]) ** 2).sum(-1), axis=1, kind="stable")[:, :k]
+
+
+RESTART_S = 30  # a SIGKILLed actor is back and ready within this
+
+
+def _replica(http: httpx.Client, section: str, part: int, replica: int) -> dict:
+    return http.get("/v1/engines").json()[section][part]["replicas"][replica]
+
+
+def _sigkill_and_wait_back(http: httpx.Client, section: str, part: int = 0, replica: int = 0,
+                           during: Callable[[], None] = lambda: None) -> float:
+    """SIGKILL one actor's process (by the pid it reports) and wait until Ray restarted it and it reports ready
+    again; `during` runs meanwhile (requests whose answers the caller checks). Seconds until it was back."""
+    before = _replica(http, section, part, replica)
+    assert before.get("ready") and before.get("pid"), before
+    os.kill(before["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        during()
+        now = _replica(http, section, part, replica)
+        if now.get("ready") and now.get("pid") not in (None, before["pid"]):
+            return time.monotonic() - killed
+        assert time.monotonic() - killed < RESTART_S, f"{section} {part} replica {replica} not back: {now}"
+        time.sleep(0.2)
+
+
+def _ok_or_retry_later(r: httpx.Response) -> None:
+    assert r.status_code == 200 or (r.status_code == 503 and "retry-after" in r.headers), (r.status_code, r.text)
 
 
 def test_sharded_brute_force_equals_exact_search_id_for_id(service):
@@ -209,20 +243,27 @@ def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ra
     for t in [*threads, kill_thread]:
         t.start()
     kill_thread.join(timeout=180)
-    time.sleep(1.0)
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
-    print(counts, "search ms p50 %.1f p99 %.1f max %.1f" % tuple(1000 * np.quantile(search_s, [0.5, 0.99, 1.0])))
+    try:
+        with httpx.Client(base_url=service.url, timeout=60) as http:
+            deadline = time.monotonic() + 120
+            while not _replicas_ready(http):  # every replica back from the churn (each in its reserved bundle)
+                assert time.monotonic() < deadline, "replicas did not come back"
+                time.sleep(0.5)
+            # One SIGKILL (not ray.kill) of one replica's process, traffic still running: back within 30 s.
+            back_s = _sigkill_and_wait_back(http, "shards", 1, 0)
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    print(counts, "search ms p50 %.1f p99 %.1f max %.1f" % tuple(1000 * np.quantile(search_s, [0.5, 0.99, 1.0])),
+          f"SIGKILLed replica back in {back_s:.1f} s")
     assert counts["kills"] >= 20
     assert not problems, problems[:5]
     assert counts["search_ok"] > 0 and counts["upsert_ok"] > 0
 
     with httpx.Client(base_url=service.url, timeout=60) as http:
-        deadline = time.monotonic() + 120
-        while not _replicas_ready(http):
-            assert time.monotonic() < deadline, "replicas did not come back"
-            time.sleep(0.5)
+        assert http.get("/readyz").status_code == 200
         ids = np.array(sorted(acked))
         for start in range(0, len(ids), 200):
             part = ids[start:start + 200]
@@ -235,48 +276,107 @@ def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ra
             assert max(row[0] for row in r.json()["distances"]) < 1e-2
 
 
-def test_serve_ray_runs_the_app_as_a_ray_serve_ingress_and_cleans_up(ray_address, tmp_path):
-    """`switchyard serve --ray`: the same app on Ray Serve, its own shard actors (its own namespace), and at
-    SIGINT the application and the actors are gone."""
-    from service.cluster.ray_layer import actor_name
+def test_a_deployment_the_cluster_cannot_hold_is_refused_with_the_numbers(ray_address):
+    """Actors that the cluster cannot all place: refused with what they need and what the cluster has, and no
+    pending group left behind (it would take the CPUs of whatever comes next)."""
+    from service.cluster.placement import CannotPlace, Footprint, group_name, reserve
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace="switchyard", log_to_driver=False)
+    too_big = Footprint({"vectors": (10, 2)}, 1.0, 0.0)  # 20 CPUs; the module's cluster has 8
+    with pytest.raises(CannotPlace, match=r"20 actors x 1 CPU = 20 CPU\(s\) and the cluster has 8 CPU\(s\)"):
+        reserve(ray, too_big, "vectors", wait_s=2)
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values()
+               if g["name"] == group_name("vectors", 10, 2))
+
+
+def _every_part_ready(engines: dict, every_replica: bool = False) -> bool:
+    """Every vector shard, SSB partition and spatial partition has a ready replica (all of them: every_replica)."""
+    parts = [p for section in ("shards", "partitions", "spatial_partitions") for p in engines.get(section, [])]
+    pick = all if every_replica else any
+    return bool(parts) and all(pick(r.get("ready") for r in p["replicas"]) for p in parts)
+
+
+def test_serve_ray_with_defaults_schedules_every_actor_and_is_ready_only_then(tmp_path):
+    """`switchyard serve --ray` with the default layout (2 x 2 vector shards, 2 SSB and 2 spatial partitions, one
+    ingress: 9 CPUs) on a Ray of its own, which it sizes for them on this machine whatever its cores: every actor
+    is scheduled, /readyz is 200 only once every shard and partition has a ready replica, the same app answers,
+    and at SIGINT its Ray is gone (and nothing else: the module's cluster keeps running)."""
+    import psutil
 
     data = tmp_path / "data"
     port = _free_port()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}, "PYTHONPATH": str(ROOT),
-           "SWITCHYARD_RAY_NAMESPACE": "serve-test", "SWITCHYARD_SHARD_CPUS": "0.25",
-           "SWITCHYARD_SHARD_REPLICAS": "1", "SWITCHYARD_OLAP_PARTITIONS": "0", "SWITCHYARD_SPATIAL_PARTITIONS": "0"}
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # its Ray's files (short: socket paths are limited)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SWITCHYARD_", "RAY_ADDRESS"))},
+           "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--ray", "--address", ray_address,
-                             "--port", str(port), "--data-dir", str(data)], env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--ray", "--port", str(port),
+                             "--data-dir", str(data)], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve --ray not ready in time"
-            time.sleep(0.5)
         with httpx.Client(base_url=url, timeout=60) as http:
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                try:
+                    ready = http.get("/readyz", timeout=5).status_code == 200
+                except httpx.TransportError:
+                    ready = False
+                if ready:
+                    break
+                assert time.monotonic() < deadline, "serve --ray not ready in time"
+                time.sleep(0.5)
+            started = time.monotonic()
+            engines = http.get("/v1/engines").json()
+            assert _every_part_ready(engines), engines  # ready means every part has a ready replica
+            assert [len(engines[s]) for s in ("shards", "partitions", "spatial_partitions")] == [2, 2, 2]
+            while not _every_part_ready(engines := http.get("/v1/engines").json(), every_replica=True):
+                assert time.monotonic() - started < 120, engines  # every actor scheduled: none stays pending
+                time.sleep(0.5)
+            pids = {r["pid"] for s in ("shards", "partitions", "spatial_partitions") for p in engines[s]
+                    for r in p["replicas"]}
+            assert len(pids) == 8
             ids, vectors, _ = _collection(http, "served", {"type": "brute_force"}, 1000, 8)
             queries = np.random.default_rng(9).standard_normal((5, DIM)).astype(np.float32)
             r = http.post("/v1/collections/served/search", json={"vectors": queries.tolist(), "k": 5, "engine": "cpu",
                                                                   "consistency": "strong"})
             assert r.status_code == 200, r.text
             assert r.json()["ids"] == ids[_exact(vectors, queries, 5)].tolist()
-            assert [len(s["replicas"]) for s in http.get("/v1/engines").json()["shards"]] == [1, 1]
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=90)
-    assert code == 0
-    if not ray.is_initialized():
-        ray.init(address=ray_address, namespace="serve-test", log_to_driver=False)
-    for s in range(SHARDS):
-        with pytest.raises(ValueError):
-            ray.get_actor(actor_name(s, SHARDS, 0), namespace="serve-test")
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert "= 9 CPU(s)" in (tmp_path / "serve.log").read_text()  # what it reserved, said at start
+    deadline = time.monotonic() + 30
+    while left := [p for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]:
+        assert time.monotonic() < deadline, [p.info["cmdline"][:3] for p in left]
+        time.sleep(0.5)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_deployment_footprint_sizes_the_local_ray_or_refuses_with_the_numbers(tmp_path):
+    """What `serve --ray` reserves: every actor of every domain plus the ingress; a local Ray of the cores or
+    more, --num-cpus as given (16 on a 2-core machine), and too few refused before anything starts."""
+    from service.cluster.placement import CannotPlace, Footprint, local_cpus
+    from service.settings import Settings
+
+    defaults = Footprint.of(Settings(data_dir=tmp_path), ingress=1)
+    assert (defaults.actors(), defaults.actors("vectors"), defaults.total_cpus) == (8, 4, 9)
+    assert str(defaults) == ("vector shards 2 x 2, SSB partitions 2 x 1, spatial partitions 2 x 1: 8 actors x 1 CPU "
+                             "+ 1 ingress replica(s) x 1 CPU = 9 CPU(s)")
+    assert (local_cpus(defaults, 2), local_cpus(defaults, 16), local_cpus(defaults, 2, 16)) == (9, 16, 16)
+    with pytest.raises(CannotPlace, match="9 CPU"):
+        local_cpus(defaults, 2, 4)
+    small = Footprint({"vectors": (2, 2), "olap": (0, 1), "spatial": (0, 1)}, 0.25, 0, 1)
+    assert (small.total_cpus, local_cpus(small, 2), small.bundle()) == (2.0, 2, {"CPU": 0.25})
+    assert Footprint({"vectors": (1, 1)}, 0, 0).bundle() == {}  # reserves nothing: placed anywhere
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--ray", "--num-cpus", "4", "--data-dir",
+                              str(tmp_path / "data")], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "9 CPU(s)" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "data").exists()  # refused before anything started (no database, no Ray)
 
 
 def test_ssb_queries_over_partitions_equal_the_one_process_answers(service):
@@ -291,19 +391,34 @@ def test_ssb_queries_over_partitions_equal_the_one_process_answers(service):
             assert time.monotonic() < deadline
             time.sleep(0.5)
         assert job["state"] == "succeeded", job
-        while not all(r.get("ready") for p in http.get("/v1/engines").json()["partitions"] for r in p["replicas"]):
+        dataset = next(d["path"] for d in http.get("/v1/olap/ssb/datasets").json() if d["active"])
+        while not all(r.get("ready") and r.get("dataset") == dataset
+                      for p in http.get("/v1/engines").json()["partitions"] for r in p["replicas"]):
             assert time.monotonic() < deadline, http.get("/v1/engines").json()["partitions"]
             time.sleep(0.5)
-        dataset = next(d["path"] for d in http.get("/v1/olap/ssb/datasets").json() if d["active"])
+        while http.get("/readyz").status_code != 200:  # once the ingress's next watch has seen them
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         one_process = DuckDBEngine()
         one_process.load(Path(dataset))
+        expected = {query_id: one_process.run_query(query_id, None) for query_id in QUERIES}
         for query_id in QUERIES:
             r = http.post(f"/v1/olap/ssb/queries/{query_id}", json={"engine": "auto"})
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["engine"] == "duckdb" and body["fallback"] is None, body
-            expected = one_process.run_query(query_id, None)
-            assert body["columns"] == expected.columns and body["rows"] == expected.rows, query_id
+            assert body["columns"] == expected[query_id].columns and body["rows"] == expected[query_id].rows, query_id
+
+        def query() -> None:  # answered meanwhile: by the other replica, or here (a fallback), or 503 + Retry-After
+            r = http.post("/v1/olap/ssb/queries/1.1", json={"engine": "auto"})
+            _ok_or_retry_later(r)
+            if r.status_code == 200:
+                assert r.json()["rows"] == expected["1.1"].rows
+
+        back_s = _sigkill_and_wait_back(http, "partitions", 0, 1, during=query)
+        print(f"SIGKILLed SSB partition actor back with its partition loaded in {back_s:.1f} s")
+        body = http.post("/v1/olap/ssb/queries/2.1", json={"engine": "auto"}).json()
+        assert body["fallback"] is None and body["rows"] == expected["2.1"].rows
 
 
 def test_point_in_polygon_over_point_partitions_equals_shapely(service):
@@ -350,3 +465,15 @@ def test_point_in_polygon_over_point_partitions_equals_shapely(service):
         again = http.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys"}).json()
         assert again["points"] == 50
         assert sum(again["counts"]) == sum(1 for i, _ in truth if i < 50)
+
+        def join() -> None:
+            r = http.post("/v1/spatial/joins/point-in-polygon", json={"points": "pts", "polygons": "polys"})
+            _ok_or_retry_later(r)
+            if r.status_code == 200:
+                assert r.json()["counts"] == again["counts"]
+
+        # A restarted partition actor compiles its kernels again (from numba's cache now) and reads the layers.
+        back_s = _sigkill_and_wait_back(http, "spatial_partitions", 1, 0, during=join)
+        print(f"SIGKILLed spatial partition actor back and warm in {back_s:.1f} s")
+        assert http.post("/v1/spatial/joins/point-in-polygon", json={
+            "points": "pts", "polygons": "polys"}).json()["fallback"] is None

@@ -65,6 +65,7 @@ class ShardSet:
         self._direct: dict[tuple[int, int], tuple[str, bytes]] = {}
         self._clients: dict[str, EngineClient] = {}
         self.kind: str | None = None  # the engine the replicas serve with ("cpu" or "gpu"), once one said
+        self.watched_with: tuple | None = None  # what the last watch that was answered told the replicas
 
     @property
     def shards(self) -> int:
@@ -187,7 +188,9 @@ class ShardSet:
         """Forever: ask every replica to `start(*start_args())` (idempotent: the first call starts a host, and one
         that Ray restarted has no other way to learn it should load) and note which are ready."""
         while True:
-            self.note(await self.on_every_replica("start", *start_args(), timeout_s=WATCH_TIMEOUT_S))
+            args = start_args()
+            self.note(await self.on_every_replica("start", *args, timeout_s=WATCH_TIMEOUT_S))
+            self.watched_with = args
             await asyncio.sleep(WATCH_S)
 
     def note(self, answers: list[list[Any]]) -> None:

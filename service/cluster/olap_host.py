@@ -75,7 +75,8 @@ class OlapHost:
         return {"partition": self.part, "partitions": self.parts, "replica": self.replica,
                 "host": socket.gethostname(), "pid": os.getpid(), "node": _ray_node(),
                 "engine": engines[0] if engines else None, "dataset": self.loaded,
-                "ready": self.loaded is not None and self.loaded == self.wanted, "error": self.error,
+                # Its engines started and hold the dataset the ingress has active (none yet: nothing to hold).
+                "ready": self.olap is not None and self.loaded == self.wanted, "error": self.error,
                 "started_at": self.started_at}
 
     async def run_query(self, dataset: str, query_id: str, params: dict[str, Any]) -> tuple[Result, str]:

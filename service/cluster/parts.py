@@ -27,3 +27,9 @@ class WatchesParts:
 
     async def layout(self) -> list[dict[str, Any]]:
         return await self.parts.layout(self.part_label)
+
+    @property
+    def parts_ready(self) -> bool:
+        """Every part has a replica that said it is ready at the last watch, which told them what the manager
+        holds now (an SSB dataset activated since then is not theirs yet): what /readyz waits for."""
+        return self.parts.every_shard_up() and self.parts.watched_with == self.watch_args()
