@@ -11,8 +11,11 @@ spatial/__pycache__/*.nbi/*.nbc if cpu_engine.py did not change too.
 
 from __future__ import annotations
 
+import fcntl
 import math
+import tempfile
 import threading
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -453,6 +456,7 @@ class CpuSpatialEngine:
         self._pip: list[tuple[Polygons, PipIndex]] = []
         self._grids: list[tuple[Points, float, DistanceGrid]] = []
         self._lock = _PARALLEL_LOCK
+        self.warm = False  # warm_up ran (prepare runs it once)
 
     def pip_index(self, polygons: Polygons) -> PipIndex:
         for poly, index in self._pip:
@@ -475,6 +479,43 @@ class CpuSpatialEngine:
         with self._lock:
             self._pip = [entry for entry in self._pip if entry[0] is not geometry]
             self._grids = [entry for entry in self._grids if entry[0] is not geometry]
+
+    def prepare(self, geometry: Points | Polygons) -> None:
+        """A layer was written or loaded (SpatialManager.prepare, on this engine's thread): warm up once, so that
+        a process holding layers compiles before its first join, and one without any never does."""
+        if not self.warm:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Load (or, on a fresh machine, compile: 10-20 s) the numba kernels a join needs, by joining two points with
+        a square and with each other, for writable point arrays and for read-only ones (Arrow views of a stored
+        layer), which numba compiles separately; the answers are checked. One warm-up per machine at a time: the
+        processes that waited load what the first wrote to numba's cache instead of all compiling at once."""
+        self.warm = True
+        try:
+            lock = open(Path(tempfile.gettempdir()) / "switchyard-cpu-spatial-warm-up.lock", "a")  # noqa: SIM115
+        except OSError:  # another user's file: compile without waiting
+            self._join_a_square()
+            return
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self._join_a_square()
+
+    def _join_a_square(self) -> None:
+        square = Polygons(np.array([0.0, 1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0, 0.0]),
+                          np.array([0, 5], np.int64), np.array([0, 1], np.int64), np.array([0, 1], np.int64))
+        for writable in (True, False):
+            x, y = np.array([0.5, 2.0, 0.5001]), np.array([0.5, 0.5, 0.5])
+            x.flags.writeable = y.flags.writeable = writable
+            points = Points(x, y)
+            counts = self.pip_counts(points, square)
+            first, second = self.pip_pairs(points, square, 0, 3)
+            i, j, _ = self.within_distance(points, points, 1000.0, 0, 3, self_join=True)
+            answers = (counts.tolist(), first.tolist(), second.tolist(), i.tolist(), j.tolist())
+            if answers != ([2], [0, 2], [0, 0], [0], [2]):
+                raise RuntimeError(f"the CPU spatial engine answered its warm-up wrong: {answers}")
+            self.forget(points)
+        self.forget(square)
 
     def drop_results(self) -> None:
         """Nothing to drop: this engine caches structures (PIP indexes, distance grids), never join results, so

@@ -564,3 +564,23 @@ def test_distance_join_with_the_devices_typing_misses_no_pair():
     bi, bj, _ = brute_force_within(a, b, 40.0, self_join=False)
     assert len(bi) > 500
     assert _emulated_gpu_distance_join(a, b, 40.0) == set(zip(bi.tolist(), bj.tolist()))
+
+
+def test_the_cpu_engine_warms_up_once_at_its_first_layer(monkeypatch):
+    """prepare (a layer written or loaded) runs the checked warm-up once: a process with layers compiles before its
+    first join, one without never compiles."""
+    from spatial.cpu_engine import CpuSpatialEngine
+    from spatial.geoarrow import points_from_lonlat
+
+    engine = CpuSpatialEngine()
+    runs = []
+    real = engine.warm_up
+    monkeypatch.setattr(engine, "warm_up", lambda: (runs.append(1), real()))
+    layer = points_from_lonlat([0.5, 1.5], [0.5, 0.5])
+    engine.prepare(layer)
+    engine.prepare(layer)
+    assert runs == [1] and engine.warm
+    wrong = CpuSpatialEngine()
+    monkeypatch.setattr(wrong, "pip_counts", lambda points, polygons: np.array([0]))
+    with pytest.raises(RuntimeError, match="answered its warm-up wrong"):
+        wrong.warm_up()

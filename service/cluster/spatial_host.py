@@ -5,23 +5,18 @@ Layers live in PostgreSQL; a host reads a layer again when its row id there chan
 checks on every watch from the ingress and before a join that names versions it does not hold.
 
 A host reports ready only once its engines have compiled what a join needs (the GPU engine's warm_up; the CPU
-engine's numba kernels, compiled by a join on a tiny layer, warm_up_cpu below) and it holds the current layers:
+engine's numba kernels, compiled by a join on a tiny layer, CpuSpatialEngine.warm_up) and it holds the current layers:
 on a fresh machine the CPU kernels take 10-20 s to compile, which the first join must not pay.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from service.admission.control import Admission
 from service.cluster.shard_host import _ray_node
@@ -80,7 +75,7 @@ class SpatialHost:
             cpu = CpuSpatialEngine()
             spatial.attach(cpu)
             # On the engine's own thread, as its joins run: the actor answers where() meanwhile.
-            await asyncio.get_running_loop().run_in_executor(spatial.executors[cpu.kind], warm_up_cpu, cpu)
+            await asyncio.get_running_loop().run_in_executor(spatial.executors[cpu.kind], cpu.warm_up)
         except Exception as exc:  # noqa: BLE001 - said by where(); the next watch tries again
             log.exception("spatial partition %d replica %d failed to start", self.part, self.replica)
             self.error = f"{type(exc).__name__}: {exc}"
@@ -129,37 +124,3 @@ class SpatialHost:
         assert self.spatial is not None  # start() made it
         answer = await self.spatial.point_in_polygon(points, polygons, mode, engine, cursor, page_size)
         return answer.body, answer.engine
-
-
-def warm_up_cpu(engine: Any) -> None:
-    """Compile the CPU engine's point-in-polygon kernels (counts and pairs) by joining two points with a square,
-    for the point arrays a partition holds: writable copies (a share of a layer) and read-only Arrow views (a
-    whole layer as the store loads it), which numba compiles separately. The answers are checked.
-
-    One warm-up per machine at a time: the replicas that waited load what the first wrote to numba's cache (about
-    1 s) instead of all compiling at once on the same cores."""
-    try:
-        lock = open(Path(tempfile.gettempdir()) / "switchyard-cpu-spatial-warm-up.lock", "a")  # noqa: SIM115
-    except OSError:  # another user's file: compile without waiting
-        _join_a_square(engine)
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        _join_a_square(engine)
-
-
-def _join_a_square(engine: Any) -> None:
-    from spatial.geoarrow import Points, Polygons
-
-    square = Polygons(np.array([0.0, 1.0, 1.0, 0.0, 0.0]), np.array([0.0, 0.0, 1.0, 1.0, 0.0]),
-                      np.array([0, 5], np.int64), np.array([0, 1], np.int64), np.array([0, 1], np.int64))
-    for writable in (True, False):
-        x, y = np.array([0.5, 2.0]), np.array([0.5, 0.5])
-        x.flags.writeable = y.flags.writeable = writable
-        points = Points(x, y)
-        counts = engine.pip_counts(points, square)
-        first, second = engine.pip_pairs(points, square, 0, 2)
-        if np.asarray(counts).tolist() != [1] or np.asarray(first).tolist() != [0] or \
-                np.asarray(second).tolist() != [0]:
-            raise RuntimeError(f"the CPU spatial engine answered its warm-up wrong: {counts}, {first}, {second}")
-    engine.forget(square)
