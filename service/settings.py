@@ -270,8 +270,9 @@ class ClusterSettings(Group):
         "ray://host:10001). Needs the ray extra."))
     ray_namespace: str = setting("switchyard", min_length=1, max_length=64, description=(
         "On Ray: the namespace of this deployment's actors; two Switchyards sharing a cluster need two."))
-    ray_ingress_replicas: int = setting(1, ge=1, le=1024, description=(
-        "`switchyard serve --ray`: Ray Serve replicas of the HTTP ingress."))
+    ray_ingress_replicas: int = setting(2, ge=1, le=1024, description=(
+        "`switchyard serve --ray`: Ray Serve replicas of the HTTP ingress (2 or more: one answers while Ray "
+        "restarts another that died)."))
     shards: int = setting(2, ge=1, le=1024, description="On Ray: shards per vector collection, by id hash.")
     shard_replicas: int = setting(2, ge=1, le=64, description=(
         "On Ray: replicas of each shard; a search goes to one of them, the next one if it is down."))

@@ -172,7 +172,7 @@ def serve_app(args: dict[str, Any]) -> Any:
     by the SWITCHYARD_* variables of the application's runtime_env, which the replicas get too."""
     env = _switchyard_env()
     env.setdefault("SWITCHYARD_RAY_ADDRESS", "auto")
-    return ingress_app(int(args.get("ingress_replicas", 1)), env, float(args.get("num_cpus", INGRESS_CPUS)))
+    return ingress_app(int(args.get("ingress_replicas", 2)), env, float(args.get("num_cpus", INGRESS_CPUS)))
 
 
 def serve_on_ray(settings: Settings, address: str | None, num_cpus: int | None = None) -> None:

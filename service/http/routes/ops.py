@@ -3,6 +3,7 @@ SWITCHYARD_OPS_AUTH=key."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,7 +34,8 @@ async def healthz() -> dict[str, Any]:
 )
 async def readyz(runtime: RuntimeDep) -> JSONResponse:
     ok, checks = await runtime.readiness()
-    body = {"status": "ready" if ok else "not ready", "checks": checks}
+    # pid: which process answered (one of several replicas of a Ray Serve ingress, or of `--workers`)
+    body = {"status": "ready" if ok else "not ready", "checks": checks, "pid": os.getpid()}
     return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "1"})
 
 
