@@ -251,12 +251,22 @@ async def _through_the_manager(dsn: str, data_dir) -> None:
         m.attach("gpu", ExactArrayBackend(np))
         return m
 
+    async def loaded(m: CollectionManager, name: str) -> None:
+        """Until the collection's replica has loaded (a new one loads in the background)."""
+        for _ in range(600):
+            r = m.resident.get(name)
+            if m.ready and r is not None and r.loaded:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{name} never loaded")
+
     first = manager()
     await first.start()
     try:
         await first.create("e", 8, "l2", "hnsw", None, {"type": "none"})
         await first.upsert("e", Points(np.arange(2_000, dtype=np.int64), data, payloads))
         _, seq = await first.delete("e", np.arange(0, 2_000, 10, dtype=np.int64))
+        await loaded(first, "e")
         alive = np.arange(2_000) % 10 != 0
         answer = await first.search("e", queries, 10, "gpu", consistency="session", seq=seq)
         assert answer.engine == "exact-numpy"
@@ -271,10 +281,7 @@ async def _through_the_manager(dsn: str, data_dir) -> None:
     second = manager()
     await second.start()
     try:
-        for _ in range(600):
-            if second.ready:
-                break
-            await asyncio.sleep(0.05)
+        await loaded(second, "e")
         again = await second.search("e", queries, 10, "gpu", consistency="session", seq=seq)
         assert again.result.ids == answer.result.ids
         [snapshot] = (data_dir / "vectors").glob("collection-*.snapshot")
