@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import socket
 import time
@@ -194,3 +195,25 @@ def run_in_cuda_simulator(test_file) -> None:
         pytest.fail(f"simulator run failed:\n{tail}")
     if " passed" not in r.stdout:
         pytest.skip(f"nothing ran in the simulator:\n{tail}")
+
+
+class FreeGuard:
+    """Admission control's stand-in for a manager under test: every slot free, nothing cooling. `strict`: an
+    engine failure raises instead of letting `auto` fall back, so a test sees it."""
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+
+    def cooling(self, name: str) -> None:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def slot(self, name: str):
+        yield
+
+    def failed(self, name: str, exc: BaseException | None = None) -> None:
+        if self.strict:
+            raise AssertionError(f"{name} failed: {exc!r}")
+
+    def succeeded(self, name: str) -> None:
+        pass

@@ -285,10 +285,10 @@ else:
         """The manager prepares a layer loaded at start and a layer written later in the GPU engine's thread:
         the first join uploads and builds nothing."""
         import asyncio
-        import contextlib
 
         import pyarrow as pa
 
+        from helpers import FreeGuard
         from spatial.layers import Layer
         from spatial.manager import SpatialManager
 
@@ -305,27 +305,13 @@ else:
             async def load(self, name):
                 return self.layers[name]
 
-        class Guard:
-            def cooling(self, name):
-                return None
-
-            @contextlib.asynccontextmanager
-            async def slot(self, name):
-                yield
-
-            def failed(self, name, exc=None):
-                raise AssertionError(f"{name} failed: {exc!r}")
-
-            def succeeded(self, name):
-                pass
-
         pts, polys, _ = fixture()
         # as SpatialStore.load gives them: read-only views of Arrow buffers
         stored = Points(pa.array(pts.x).to_numpy(), pa.array(pts.y).to_numpy())
         assert not stored.x.flags.writeable
 
         async def scenario():
-            manager = SpatialManager(None, Guard())
+            manager = SpatialManager(None, FreeGuard(strict=True))
             manager.store = Store({"pts": Layer("pts", "points", np.arange(len(pts)), stored)})
             gpu = CudaSpatialEngine(max_depth=6, max_size=8)
             manager.attach(gpu)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from helpers import run_in_cuda_simulator
+from helpers import FreeGuard, run_in_cuda_simulator
 
 pytest.importorskip("numba")
 pytest.importorskip("shapely")
@@ -171,20 +171,6 @@ if not SIM:
                 caps = [r.specifier for r in parsed if r.name == "numpy"]
                 assert caps and all("2.5.0" not in c and "2.5.2" not in c for c in caps), name
 
-    class Guard:
-        def cooling(self, name):
-            return None
-
-        @contextlib.asynccontextmanager
-        async def slot(self, name):
-            yield
-
-        def failed(self, name, exc=None):
-            pass
-
-        def succeeded(self, name):
-            pass
-
     def square_layers():
         polygons = polygons_from_shapely(np.array([box(0, 0, 2, 2), box(2, 0, 4, 2)], dtype=object))
         points = points_from_lonlat([1.0, 2.0, 3.0, 9.0], [1.0, 1.0, 1.0, 9.0])
@@ -206,7 +192,7 @@ if not SIM:
 
         monkeypatch.setattr(cuda_engine, "_build", lambda: SimpleNamespace(
             **{name: Unlaunchable() for name in cuda_engine._KERNELS}))
-        spatial = SpatialManager(None, Guard())
+        spatial = SpatialManager(None, FreeGuard())
         registry = EngineRegistry(CudaProbe(devices=(CudaDevice(0, "Test GPU", 16 << 30),)),
                                   tuple(s for s in CATALOG if s.name in ("cuda-spatial", "cpu-spatial")))
         registry.probe(None, {})
@@ -267,7 +253,7 @@ if not SIM:
         engine = Recorder()
 
         async def scenario():
-            spatial = SpatialManager(None, Guard())
+            spatial = SpatialManager(None, FreeGuard())
             spatial.store = Store([pts])
             spatial.attach(engine)
             await spatial.start()
