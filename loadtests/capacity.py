@@ -17,11 +17,11 @@ from types import SimpleNamespace
 from typing import Any
 
 PREFIX = "SWITCHYARD_"
-DEFAULT_GATE_LIMIT = 4  # Admission.gate's limit for an engine engine_limits does not name
 
 # The gates a workload's requests take, by its --engine (or a vectors target), as the service names its engines.
 GATES: dict[str, dict[str, tuple[str, ...]]] = {
-    "vectors": {"cpu": ("faiss",), "gpu": ("cuvs",), "pgvector": ("pgvector",), "auto": ("faiss", "cuvs")},
+    "vectors": {"cpu": ("faiss",), "gpu": ("cuvs", "cupy"), "pgvector": ("pgvector",),
+                "auto": ("faiss", "cuvs", "cupy")},
     "spatial": {"cpu": ("cpu-spatial",), "gpu": ("cuda-spatial",), "postgis": ("postgis",),
                 "auto": ("cuda-spatial", "cpu-spatial")},
     "olap": {"cpu": ("duckdb",), "duckdb": ("duckdb",), "gpu": ("cudf",), "cudf": ("cudf",),
@@ -45,15 +45,14 @@ def _settings(env: Mapping[str, str]) -> SimpleNamespace:
 
 def admitted_users(gates: Iterable[str], env: Mapping[str, str] | None = None, processes: int = 1) -> int | None:
     """The most requests the service holds (running and queued) in every one of `gates` without refusing one, with
-    the settings `env` gives it; None where admission control is off or no gate is named."""
-    from service.admission.control import engine_limits
+    the settings `env` gives it: its own Admission's gates; None where admission control is off or no gate is
+    named."""
+    from service.admission.control import Admission
 
-    settings = _settings(env or {})
-    if not settings.admission.enabled:
+    admission = Admission(_settings(env or {}))
+    if not admission.enabled:
         return None
-    limits, depth = engine_limits(settings), settings.admission.queue_depth
-    caps = [limits.get(g, DEFAULT_GATE_LIMIT) + (2 * limits.get(g, DEFAULT_GATE_LIMIT) if depth is None else depth)
-            for g in gates]
+    caps = [(gate := admission.gate(g)).limit + gate.depth for g in gates]
     return min(caps) * max(1, processes) if caps else None
 
 

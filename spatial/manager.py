@@ -151,8 +151,9 @@ class SpatialManager:
                 self.executors[kind].submit(engine.forget, old.geometry)
 
     def prepare(self, layer: Layer) -> list[Future]:
-        """A new layer's upload and structures (engines with `prepare`: the GPU one), each in its engine's own
-        thread, so that its first join pays none of it. A failure is logged; the join then builds them itself."""
+        """What a new layer's first join would pay, done now in each engine's own thread (engines with `prepare`:
+        the GPU one uploads it and builds its structures, the CPU one compiles its kernels once). A failure is
+        logged; the join then does it itself."""
         return [self.executors[kind].submit(_prepare, engine, layer) for kind, engine in self.engines.items()
                 if kind in self.executors and hasattr(engine, "prepare")]
 
