@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,14 +22,10 @@ from typing import Iterator
 
 import psutil
 
+from loadtests.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 STARTED_LINE = "Ray runtime started"  # what `ray start` prints once its node is up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
