@@ -217,3 +217,19 @@ class FreeGuard:
 
     def succeeded(self, name: str) -> None:
         pass
+
+
+class MemoryLayerStore:
+    """The spatial layer store's stand-in (PostgreSQL's): layers by name, in memory."""
+
+    def __init__(self, layers) -> None:
+        self.layers = {layer.name: layer for layer in layers}
+
+    async def save(self, layer) -> None:
+        self.layers[layer.name] = layer
+
+    async def names(self) -> list[str]:
+        return sorted(self.layers)
+
+    async def load(self, name: str):
+        return self.layers[name]

@@ -288,22 +288,9 @@ else:
 
         import pyarrow as pa
 
-        from helpers import FreeGuard
+        from helpers import FreeGuard, MemoryLayerStore
         from spatial.layers import Layer
         from spatial.manager import SpatialManager
-
-        class Store:  # PostgreSQL's stand-in
-            def __init__(self, layers):
-                self.layers = layers
-
-            async def save(self, layer):
-                self.layers[layer.name] = layer
-
-            async def names(self):
-                return sorted(self.layers)
-
-            async def load(self, name):
-                return self.layers[name]
 
         pts, polys, _ = fixture()
         # as SpatialStore.load gives them: read-only views of Arrow buffers
@@ -312,7 +299,7 @@ else:
 
         async def scenario():
             manager = SpatialManager(None, FreeGuard(strict=True))
-            manager.store = Store({"pts": Layer("pts", "points", np.arange(len(pts)), stored)})
+            manager.store = MemoryLayerStore([Layer("pts", "points", np.arange(len(pts)), stored)])
             gpu = CudaSpatialEngine(max_depth=6, max_size=8)
             manager.attach(gpu)
             await manager.start()

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from helpers import FreeGuard, run_in_cuda_simulator
+from helpers import FreeGuard, MemoryLayerStore, run_in_cuda_simulator
 
 pytest.importorskip("numba")
 pytest.importorskip("shapely")
@@ -235,26 +235,13 @@ if not SIM:
             def forget(self, geometry):
                 calls.append(("forget", threading.current_thread().name, geometry))
 
-        class Store:
-            def __init__(self, layers):
-                self.layers = {layer.name: layer for layer in layers}
-
-            async def save(self, layer):
-                self.layers[layer.name] = layer
-
-            async def names(self):
-                return sorted(self.layers)
-
-            async def load(self, name):
-                return self.layers[name]
-
         pts, polys = square_layers()
         again = Layer("pts", "points", np.arange(2), points_from_lonlat([0.5, 1.5], [0.5, 0.5]))
         engine = Recorder()
 
         async def scenario():
             spatial = SpatialManager(None, FreeGuard())
-            spatial.store = Store([pts])
+            spatial.store = MemoryLayerStore([pts])
             spatial.attach(engine)
             await spatial.start()
             await spatial.loading
