@@ -178,13 +178,16 @@ def run_attack(attack: Attack, params: dict[str, Any], target: Target, latency_s
     print(f"== {attack.name} (item {attack.item}) on {target.profile}", file=sys.stderr)
     pace_s = PROFILES[target.profile].get("pace_s", 0.01)
     unloaded: dict[str, Any] | None = None  # latency_s 0: no reference, no latency criterion (CI)
+    # The watch runs through the reference too: its /metrics scrapes cost the service's event loop time, and the
+    # honest client's p99 alone must be measured under the same observer as its p99 under attack.
+    watch = Watch(target)
+    base = watch.start()
     if latency_s > 0:
         settle(target, max_s=settle_s)
         unloaded = HonestClient(target, pace_s).measure(latency_s)
         print(f"   honest client alone: p50 {unloaded['p50_ms']} ms, p99 {unloaded['p99_ms']} ms", file=sys.stderr)
+        base = watch.rebase(peaks=True)
     ctx = Ctx(target, params, attack.budget_s)
-    watch = Watch(target)
-    base = watch.start()
     honest = HonestClient(target, pace_s) if attack.honest else None
     if honest is not None:
         honest.start()

@@ -105,8 +105,8 @@ class Watch:
     """Samples the service while an attack runs: RSS of its processes (summed) and of its largest PostgreSQL
     process, and the in-flight gauges of /metrics."""
 
-    def __init__(self, target: Target, interval_s: float = 0.1) -> None:
-        self.target, self.interval_s = target, interval_s
+    def __init__(self, target: Target, interval_s: float = 0.1, scrape_s: float = 1.0) -> None:
+        self.target, self.interval_s, self.scrape_s = target, interval_s, scrape_s
         self.stop_event = threading.Event()
         self.rss: list[int] = []
         self.pg_rss: list[int] = []
@@ -127,12 +127,14 @@ class Watch:
         self._thread.start()
         return {"rss": own, "pg_rss": pg}
 
-    def rebase(self) -> dict[str, float]:
-        """A new baseline once the attack's setup is done (its collections hold memory of their own): what was
-        sampled before is forgotten."""
+    def rebase(self, peaks: bool = False) -> dict[str, float]:
+        """A new baseline once the attack's setup is done (its collections hold memory of their own): the memory
+        sampled before is forgotten, and with `peaks` the in-flight gauges too (the attack starts)."""
         self._pg = self.target.postgres_processes()
         own, pg = self.sample_memory()
         self.rss, self.pg_rss = [], []
+        if peaks:
+            self.inflight, self.limits = [], []
         return {"rss": own, "pg_rss": pg}
 
     def _run(self) -> None:
@@ -145,7 +147,7 @@ class Watch:
             self.rss.append(own)
             self.pg_rss.append(pg)
             if time.monotonic() >= next_scrape:
-                next_scrape = time.monotonic() + 0.25
+                next_scrape = time.monotonic() + self.scrape_s
                 try:
                     gauges = metrics_gauges(self.target.url, self.target.headers())
                     self.inflight.append(gauges.get("switchyard_inflight", 0.0))
