@@ -171,7 +171,7 @@ class Catalog(Builds):
         for r in list(self.resident.values()):
             await r.stop()
         await self.save_snapshots()
-        for executor in {*self.executors.values(), *self.build_executors.values()}:
+        for executor in {*self.executors.values(), *self.build_executors.values(), self.heavy_executor}:
             executor.shutdown(wait=True)
 
     async def _load_all(self) -> None:

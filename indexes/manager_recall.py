@@ -44,15 +44,14 @@ class Recall(Searches):
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
         # Exact search over every row, in bounded blocks: seconds of CPU for large collections, so off the event loop.
-        truth_scores, truth_rows = await asyncio.to_thread(exact_search_blocked, np, data,
-                                                           prepare(np, queries, c.metric), k, c.metric,
-                                                           SCORE_BLOCK_BYTES)
+        heavy = asyncio.get_running_loop().run_in_executor
+        truth_scores, truth_rows = await heavy(self.heavy_executor, exact_search_blocked, np, data,
+                                               prepare(np, queries, c.metric), k, c.metric, SCORE_BLOCK_BYTES)
         # The same replica state the exact answer came from: no catch-up in between.
         answer = await self.search(name, queries, k, engine, params, consistency="eventually",
                                    recall_target=recall_target)
-        hits = await asyncio.to_thread(count_hits, ids[np.maximum(truth_rows, 0)], truth_rows >= 0,
-                                       from_engine(np, truth_scores, c.metric), answer.result.ids,
-                                       answer.result.distances, k)
+        hits = await heavy(self.heavy_executor, count_hits, ids[np.maximum(truth_rows, 0)], truth_rows >= 0,
+                           from_engine(np, truth_scores, c.metric), answer.result.ids, answer.result.distances, k)
         denominator = len(queries) * min(k, len(ids))
         return {"recall": hits / denominator, "k": k, "queries": len(queries), "engine": answer.engine,
                 "fallback": answer.fallback, "params": params or {}, "search_ms": answer.took_ms,

@@ -57,7 +57,8 @@ class ManagerState:
                  consistency: Consistency | None = None, policy: RebuildPolicy | None = None,
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None,
                  max_payload_keys: int = MAX_PAYLOAD_KEYS, max_payload_value_bytes: int = MAX_PAYLOAD_VALUE_BYTES,
-                 max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES) -> None:
+                 max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES,
+                 thread_init: Callable[[], None] | None = None) -> None:
         self.store = CollectionStore(pool, max_payload_keys, max_payload_value_bytes, max_payload_row_bytes)
         self.pool = pool
         self.data_dir = data_dir
@@ -65,6 +66,10 @@ class ManagerState:
         self.backends: dict[str, IndexBackend] = {}  # "gpu"/"cpu" -> backend that keeps indexes resident
         self.executors: dict[str, ThreadPoolExecutor] = {}  # searches and change applies
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
+        # Heavy work of the heavy class (recall's exact ground truth): its thread starts with `thread_init`, which
+        # the service gives a lower CPU priority (service/admission/priority.py), so searches are not slowed by it.
+        self.heavy_executor = ThreadPoolExecutor(max_workers=1, initializer=thread_init,
+                                                 thread_name_prefix="vectors-heavy")
         self.resident: dict[str, Replica] = {}
         self.write_groups: dict[str, GroupCommit] = {}  # concurrent small upserts, one transaction each group
         self.fallback_builds: set[str] = set()  # collections whose pgvector index is being built in the background

@@ -116,6 +116,7 @@ class Runtime:
                 self.trace = ReplicationTrace(s.replication.trace_dir)
             vector_kwargs: dict[str, Any] = dict(
                 vector_options(s), dsn=self.dsn, on_applied=self._applied, guard=self.admission,
+                thread_init=lower_priority,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
             )
             if s.cluster.ray_address:

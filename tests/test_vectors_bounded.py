@@ -3,6 +3,8 @@ only for rows that have a key, and recall's exact ground truth scores queries x 
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import numpy as np
@@ -12,6 +14,7 @@ from helpers import wait_ready
 from indexes import distance
 from indexes.filters import parse
 from indexes.payloads import PayloadIndex
+from service.admission.priority import HEAVY_NICE
 from vector_data import clustered, oracle
 
 
@@ -113,14 +116,17 @@ def test_a_snapshot_column_past_its_rows_is_refused():
 
 # -- recall's ground truth -----------------------------------------------------------------------------------
 class Spy:
-    """Records the (queries, rows) shape of every exact_search call."""
+    """Records the (queries, rows) shape of every exact_search call, and the CPU priority (nice value) of the
+    thread it ran on."""
 
     def __init__(self, monkeypatch) -> None:
         self.shapes: list[tuple[int, int]] = []
+        self.nice: set[int] = set()
         real = distance.exact_search
 
         def spied(xp, data, queries, k, metric, keep=None):
             self.shapes.append((queries.shape[0], data.shape[0]))
+            self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return real(xp, data, queries, k, metric, keep)
 
         monkeypatch.setattr(distance, "exact_search", spied)
@@ -166,6 +172,9 @@ def test_recall_ground_truth_is_computed_in_bounded_blocks(client, monkeypatch):
     # The ground truth came from blocks of at most `budget` bytes of scores, covering every query and row.
     assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
     assert sum(q * n for q, n in spy.shapes) == 200 * 1500
+    # Heavy work: on a thread of lower CPU priority than the event loop's (this thread's), so searches come first
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert spy.nice == {min(19, mine + HEAVY_NICE)}, (spy.nice, mine)
 
 
 def test_recall_is_bounded_as_a_search_is(client):
