@@ -68,6 +68,8 @@ def test_dockerfile_is_cuda_based_healthy_unprivileged_and_serves():
 
 
 def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
+    from service.cluster.serve_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
     compose = load("compose.ray.yaml")
     services = compose["services"]
     assert set(services) == {"db", "ray-head", "ray-worker"}
@@ -79,6 +81,8 @@ def test_compose_ray_runs_a_head_with_the_ingress_and_gpu_workers():
         assert re.match(r"postgresql://switchyard:.*@db:5432/switchyard$",
                         node["environment"]["SWITCHYARD_DATABASE_URL"])
         assert "switchyard-data:/var/lib/switchyard" in node["volumes"]
+        # Serve's proxies (on any node) answer a request lost with its ingress replica 503, through our hook
+        assert node["environment"][PROXY_CALLBACK_ENV] == PROXY_CALLBACK
     assert head["ports"] == ["127.0.0.1:8000:8000"] and "ports" not in worker
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["count"] == 1

@@ -27,6 +27,7 @@ from service.cluster.placement import (
     reserve,
     reserved,
 )
+from service.cluster.serve_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from service.cluster.shard_host import ShardHost
 from service.database.postgres import EmbeddedPostgres
 from service.settings import Settings
@@ -208,6 +209,8 @@ def serve_on_ray(settings: Settings, address: str | None, num_cpus: int | None =
     placed = served = False
     try:
         if not ray.is_initialized():
+            if address is None:  # Serve's proxy in the local Ray answers a request lost with its replica 503
+                os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
             # "local": a new instance, never one found on this machine (ray.init(None) joins a `ray start` one)
             ray.init(address=address or "local", namespace=c.ray_namespace, ignore_reinit_error=True, **local)
         log.info("this deployment reserves %s on Ray %s (%s)", footprint, ray.__version__,
