@@ -311,6 +311,42 @@ def _ingress_replicas(proc: subprocess.Popen) -> list:
     return found
 
 
+class _HalfSentUpserts:
+    """Upserts whose body is half sent, on connections of their own: each is accepted by an ingress replica (the
+    proxy forwards it at once), which then waits for the rest, so a replica killed meanwhile has them in flight."""
+
+    def __init__(self, url: str, collection: str, n: int = 8) -> None:
+        import json
+
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.ids = list(range(9_000_000, 9_000_000 + n))
+        self.vectors = np.random.default_rng(77).standard_normal((n, DIM)).astype(np.float32)
+        self.parts: list[tuple[socket.socket, bytes]] = []
+        for i, vector in zip(self.ids, self.vectors):
+            body = json.dumps({"ids": [i], "vectors": [vector.tolist()]}).encode()
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall(f"PUT /v1/collections/{collection}/points HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                         f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+            self.parts.append((sock, body[len(body) // 2:]))
+
+    def finish(self) -> list[tuple[int, bool, str]]:
+        """Each request's (status, Retry-After given, body): a request already answered (its replica died) is read
+        as it is; the others get the rest of their body first."""
+        import http.client
+        import select
+
+        answers = []
+        for sock, rest in self.parts:
+            with sock:
+                if not select.select([sock], [], [], 0)[0]:
+                    sock.sendall(rest)
+                response = http.client.HTTPResponse(sock)
+                response.begin()
+                answers.append((response.status, response.getheader("retry-after") is not None,
+                                response.read().decode(errors="replace")))
+        return answers
+
+
 class _Traffic:
     """Upserts (2 clients) and searches (1 client) against a collection until stopped: every answer with when it
     was asked, acknowledged writes kept."""
@@ -373,10 +409,14 @@ def _kill_an_ingress_replica_under_traffic(proc: subprocess.Popen, url: str) -> 
         replicas = _ingress_replicas(proc)
         assert len(replicas) == 2, replicas  # the default: one answers while the other restarts
         with _Traffic(url, "churn") as traffic:
-            time.sleep(1.5)
+            time.sleep(1.0)
+            half_sent = _HalfSentUpserts(url, "churn")
+            time.sleep(0.5)
             victim, survivor = replicas[0].pid, replicas[1].pid
             os.kill(victim, signal.SIGKILL)
             killed = time.monotonic()
+            time.sleep(2.0)  # the proxy learns of the death; the body read deadline (10 s) is far
+            probes = half_sent.finish()
             while True:
                 try:
                     r = http.get("/readyz", timeout=5)
@@ -392,6 +432,14 @@ def _kill_an_ingress_replica_under_traffic(proc: subprocess.Popen, url: str) -> 
         assert sum(1 for a in after if a[2] == 200) > 10, after[:5]
         bad = [(round(asked - killed, 2), kind, status, body) for asked, kind, status, retry, body in traffic.answers
                if not (status == 200 or (status == 503 and retry))]
+        # The half-sent upserts: those on the killed replica are answered 503 replica-lost with Retry-After (the
+        # proxy spreads them over both replicas: all 8 on the survivor has odds of 1 in 256), the others 200.
+        lost = [answer for answer in probes if answer[0] == 503]
+        assert lost and all(retry and "replica-lost" in body for _, retry, body in lost), probes
+        assert all(status == 200 for status, _, _ in probes if status != 503), probes
+        for (status, _, _), i, vector in zip(probes, half_sent.ids, half_sent.vectors):
+            if status == 200:
+                traffic.acked[i] = vector
         ids = np.array(sorted(traffic.acked))
         assert len(ids) > 0
         for start in range(0, len(ids), 200):
@@ -401,10 +449,10 @@ def _kill_an_ingress_replica_under_traffic(proc: subprocess.Popen, url: str) -> 
                 "consistency": "strong"})
             assert r.status_code == 200, r.text
             assert [row[0] for row in r.json()["ids"]] == part.tolist()  # no acknowledged write lost
-    lost = sum(1 for _, _, status, _, body in traffic.answers if status == 503 and "replica-lost" in body)
-    print(f"SIGKILLed ingress replica back and ready in {back_s:.1f} s; {len(traffic.answers)} answers, "
-          f"{lost} of them 503 replica-lost, {len(ids)} acknowledged upserts found; neither 200 nor 503 + "
-          f"Retry-After: {bad}")
+    in_traffic = sum(1 for _, _, status, _, body in traffic.answers if status == 503 and "replica-lost" in body)
+    print(f"SIGKILLed ingress replica back and ready in {back_s:.1f} s; {len(traffic.answers)} answers "
+          f"({in_traffic} of them 503 replica-lost), half-sent upserts lost with the replica {len(lost)} of "
+          f"{len(probes)}; {len(ids)} acknowledged upserts found; neither 200 nor 503 + Retry-After: {bad}")
     return back_s, bad
 
 
