@@ -70,8 +70,9 @@ class Overloaded(Retryable):
 
 
 class Unavailable(Retryable):
-    """503 unavailable, database-unavailable, engine-cooling-down, out-of-memory or engine-failed: an engine, a
-    replica that has not caught up, or the database cannot serve now."""
+    """503 unavailable, database-unavailable, engine-cooling-down, out-of-memory, engine-failed or replica-lost: an
+    engine, a replica that has not caught up (or died under the request, on Ray), or the database cannot serve
+    now."""
 
 
 class DeadlineExceeded(Retryable):
@@ -101,7 +102,7 @@ _BY_TYPE: dict[str, type[SwitchyardError]] = {
     "query-failed": QueryFailed, "query-timeout": QueryFailed, "overloaded": Overloaded,
     "too-many-connections": Overloaded, "database-busy": Overloaded, "unavailable": Unavailable,
     "database-unavailable": Unavailable, "engine-cooling-down": Unavailable, "out-of-memory": Unavailable,
-    "engine-failed": Unavailable, "deadline-exceeded": DeadlineExceeded, "quota-exceeded": QuotaExceeded,
+    "engine-failed": Unavailable, "replica-lost": Unavailable, "deadline-exceeded": DeadlineExceeded, "quota-exceeded": QuotaExceeded,
     "insufficient-storage": InsufficientStorage, "internal-error": ServerError,
 }
 _BY_STATUS: dict[int, type[SwitchyardError]] = {
