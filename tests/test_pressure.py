@@ -32,9 +32,22 @@ def clock(monkeypatch):
 
 
 def answer(limit, kind, seconds, times=1):
-    for _ in range(times):
-        assert limit.admit()
-        limit.leave(kind, seconds)
+    """`times` answers taking `seconds`, as many at once as the limit admits: in waves of min(times, limit) in
+    flight (how much of its limit a class uses is what says whether its latency is its limit's doing)."""
+    done = 0
+    while done < times:
+        wave = 0
+        while wave < times - done and limit.admit():
+            wave += 1
+        assert wave > 0
+        for _ in range(wave):
+            limit.leave(kind, seconds)
+        done += wave
+
+
+def saturate(limit, kind, seconds):
+    """One interval's answers with the whole limit in use (at least MIN_ANSWERS of them)."""
+    answer(limit, kind, seconds, times=max(pressure.MIN_ANSWERS, limit.limit))
 
 
 def fill_and_empty(limit):
@@ -78,7 +91,7 @@ def test_once_load_is_gone_the_limit_doubles_back_to_its_ceiling(clock):
     answer(limit, "search", 0.001, times=4)
     for _ in range(10):  # everything queues: cut to the floor
         clock.now += 0.2
-        answer(limit, "search", 0.01, times=8)
+        saturate(limit, "search", 0.01)
     assert limit.limit == 2
     clock.now += RECOVER_S * 0.9
     assert limit.current() == 2  # not yet: the last cut was under RECOVER_S ago
@@ -216,7 +229,7 @@ def test_the_limit_returns_to_its_maximum_within_ten_seconds_of_the_load_ending(
     answer(light, "search", 0.001, times=4)
     for _ in range(12):  # everything queues: the limit collapses to its floor
         time.sleep(pressure.INTERVAL_S)
-        answer(light, "search", 0.05, times=8)
+        saturate(light, "search", 0.05)
     assert light.limit == 2
 
     def gauge() -> float:
@@ -286,14 +299,29 @@ def test_light_work_slowed_by_heavy_work_cuts_the_heavy_limit_first(clock):
         answer(light, "search", 0.004, times=8)  # searches take four times as long
     assert light.limit == 64 and heavy.limit == heavy.floor == 2  # heavy work gave way (16 -> 6 -> 2), to its floor
     clock.now += 0.2
-    answer(light, "search", 0.004, times=8)
-    assert light.limit < 64  # nothing lower left to cut: light work's own limit
+    saturate(light, "search", 0.004)
+    assert light.limit < 64  # nothing lower left to cut: light work's own limit (in use)
     heavy.inflight = 0
     clock.now += 0.2
     before = light.limit
     answer(classes["write"], "upsert", 0.001, times=4)
-    answer(light, "search", 0.004, times=8)
+    saturate(light, "search", 0.004)
     assert light.limit < before and classes["write"].limit == 32  # idle lower classes are not cut
+
+
+def test_a_class_using_little_of_its_limit_is_not_cut_for_being_slow(clock):
+    """A lone client's requests slowed by something else (a noisy machine): the class uses 1 of its 128 slots, so
+    its latency says nothing of its limit, which stays; the same slowdown with the limit in use cuts it."""
+    limit = ClassLimit("light", ceiling=128, floor=2, tolerance=1.5, max_wait_s=0.1)
+    answer(limit, "search", 0.001, times=4)
+    for _ in range(20):
+        clock.now += 0.2
+        for _ in range(8):
+            answer(limit, "search", 0.01)  # one at a time, ten times its unqueued latency
+    assert limit.limit == 128 and limit.slowdown == pytest.approx(10.0)
+    clock.now += 0.2
+    answer(limit, "search", 0.01, times=64)  # half the limit in flight at once: now it is the limit's doing
+    assert limit.limit == int(128 * 0.25)
 
 
 def test_heavy_threads_run_at_a_lower_priority_than_the_event_loop():

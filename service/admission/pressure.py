@@ -4,7 +4,10 @@ Requests are sorted into work classes (light reads and searches, writes, heavy a
 each with its own limit and FIFO queue, so no class ever waits behind another's backlog. As TCP Vegas does, a
 limit is cut while a class's answered requests take more than `tolerance` times their unqueued latency (per kind
 of request: the least mean of FOUR consecutive answers over WINDOW_S): the limit of the lowest class running beside
-it, while one is above its floor (what slows light work is the heavy work sharing its cores), else its own. A
+it, while one is above its floor (what slows light work is the heavy work sharing its cores), else its own, but
+only if the class used at least half of it in that interval (as Netflix's Vegas limit: a class that leaves most of
+its limit unused is not queueing on it, so its latency says nothing of the limit; on a noisy machine a lone client's
+jitter cut an idle limit to its floor, and a burst was then refused with capacity free). A
 limit grows by a tenth while its class's requests are not slowed and had to wait; once a class's load is gone
 (under half its limit in use, no cut for RECOVER_S) its limit doubles every RECOVER_S back to its ceiling. A request
 that finds its class full waits in the queue (two waiters per slot) for at most WAIT_FACTOR times its kind's
@@ -84,6 +87,7 @@ class ClassLimit:
         self._latency = self._unqueued = 0.0
         self._answers = 0
         self._constrained = False  # whether a request had to wait or was refused in this interval
+        self._peak = 0  # the most requests in flight at once in this interval
 
     def current(self) -> int:
         """The limit in force, recovered first if the class's load is gone."""
@@ -99,6 +103,7 @@ class ClassLimit:
         """A slot now, if one is free and nobody waits for one."""
         if not self.waiters and self.inflight < self.current():
             self.inflight += 1
+            self._peak = max(self._peak, self.inflight)
             return True
         self._constrained = True
         return False
@@ -149,6 +154,7 @@ class ClassLimit:
         """Give free slots to the waiters at the head of the queue."""
         while self.waiters and self.inflight < self.limit:
             self.inflight += 1
+            self._peak = max(self._peak, self.inflight)
             self.waiters.popleft().set_result(True)
 
     def leave(self, kind: Hashable = None, seconds: float = 0.0) -> None:
@@ -179,14 +185,18 @@ class ClassLimit:
         if self.slowdown > self.tolerance:  # cut by a quarter, or in proportion to the excess if it is larger
             cut = max(MAX_DECREASE, min(DECREASE, self.tolerance / self.slowdown))
             # Lower classes running beside this one are what slows it, if any is above its floor: cut the lowest.
-            victim = next((c for c in reversed(self.lower) if c.inflight and c.limit > c.floor), self)
-            victim.limit = max(victim.floor, int(victim.limit * cut))
-            victim._steady_since = now
+            # Else its own limit, if it was in use: half of it or more in flight at once in this interval.
+            victim = next((c for c in reversed(self.lower) if c.inflight and c.limit > c.floor), None)
+            if victim is None and 2 * self._peak >= self.limit:
+                victim = self
+            if victim is not None:
+                victim.limit = max(victim.floor, int(victim.limit * cut))
+                victim._steady_since = now
         elif self._constrained:
             self.limit = min(self.ceiling, self.limit + max(1, int(self.limit * INCREASE)))
             self._hand_over()
         self._latency = self._unqueued = 0.0
-        self._answers, self._constrained = 0, False
+        self._answers, self._constrained, self._peak = 0, False, self.inflight
         self._interval_end = now + INTERVAL_S
 
 
