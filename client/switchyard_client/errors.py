@@ -102,8 +102,8 @@ _BY_TYPE: dict[str, type[SwitchyardError]] = {
     "query-failed": QueryFailed, "query-timeout": QueryFailed, "overloaded": Overloaded,
     "too-many-connections": Overloaded, "database-busy": Overloaded, "unavailable": Unavailable,
     "database-unavailable": Unavailable, "engine-cooling-down": Unavailable, "out-of-memory": Unavailable,
-    "engine-failed": Unavailable, "replica-lost": Unavailable, "deadline-exceeded": DeadlineExceeded, "quota-exceeded": QuotaExceeded,
-    "insufficient-storage": InsufficientStorage, "internal-error": ServerError,
+    "engine-failed": Unavailable, "replica-lost": Unavailable, "deadline-exceeded": DeadlineExceeded,
+    "quota-exceeded": QuotaExceeded, "insufficient-storage": InsufficientStorage, "internal-error": ServerError,
 }
 _BY_STATUS: dict[int, type[SwitchyardError]] = {
     400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 413: PayloadTooLarge,
