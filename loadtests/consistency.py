@@ -14,7 +14,6 @@ against PostgreSQL's. Exits non-zero on any anomaly. The rules: docs/design/veri
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import random
 import sys
@@ -24,10 +23,12 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
-import httpx
 import numpy as np
+
+from switchyard_client import Client, JobFailed, NotFound, RetryPolicy, SwitchyardError, TransportError
+from switchyard_client.errors import PREFIX
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,6 +40,10 @@ ZERO = 0.05
 
 
 NOT_RUN = ("overloaded", "quota-exceeded", "deadline-exceeded", "engine-cooling-down")  # refusals: nothing done
+# The checker records each call as sent once: a call resent after a refusal would stretch one operation over two
+# sendings (harmless for idempotent writes, but the history should say what was sent).
+NO_RETRIES = RetryPolicy(max_retries=0)
+T = TypeVar("T")
 
 
 @dataclass
@@ -218,9 +223,9 @@ class Workload:
         self.rng = np.random.default_rng(config.seed)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _client(self) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.c.api_key}"} if self.c.api_key else {}
-        return httpx.Client(base_url=self.c.url, timeout=30, headers=headers)
+    def _client(self) -> Client:
+        """The project's own client (switchyard_client), as its users call the service; one per thread."""
+        return Client(self.c.url, api_key=self.c.api_key, timeout=30, retry=NO_RETRIES, max_idle_connections=1)
 
     def _new_vectors(self, n: int) -> list[int]:
         with self.lock:
@@ -249,44 +254,47 @@ class Workload:
         return not done
 
     @staticmethod
-    def _call(http: httpx.Client, op: Op, method: str, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    def _call(op: Op, call: Callable[[], T]) -> T | None:
+        """Run one client call for `op`: its answer, or None with the op's status and error recorded (a transport
+        failure leaves it without a completion: it may or may not have taken effect)."""
         try:
-            r = http.request(method, path, json=body)
-        except httpx.HTTPError as exc:
+            answer = call()
+        except SwitchyardError as exc:
+            op.status, op.complete = exc.status, time.monotonic()
+            op.error = f"{PREFIX}{exc.type}: {exc.detail}"[:300]  # `refused` reads the problem type from it
+            return None
+        except JobFailed as exc:
+            op.complete, op.error = time.monotonic(), str(exc)[:300]
+            return None
+        except TransportError as exc:
             op.error = f"{type(exc).__name__}: {exc}"
             return None
-        op.status = r.status_code
-        if r.status_code >= 300:
-            op.complete = time.monotonic()
-            op.error = r.text[:300]
-            return None
         op.complete, op.ok = time.monotonic(), True
-        return r.json()
+        return answer
 
     # -- operations -----------------------------------------------------------------------------------
-    def upsert(self, http: httpx.Client, client: int, rnd: random.Random) -> Op:
+    def upsert(self, sy: Client, client: int, rnd: random.Random) -> Op:
         ids = rnd.sample(range(self.c.n_ids), rnd.randint(1, 4))
         tokens = self._new_vectors(len(ids))
         vectors = np.stack([self.vectors[t] for t in tokens])
         op = Op(client, "upsert", ids, time.monotonic(), tokens=tokens)
-        body = self._call(http, op, "PUT", f"/v1/collections/{self.c.collection}/points",
-                          {"ids": ids, "vectors_b64": base64.b64encode(vectors.astype("<f4").tobytes()).decode()})
-        if body is not None:
-            op.seq = body.get("seq")
+        written = self._call(op, lambda: sy.upsert(self.c.collection, ids, vectors))
+        if written is not None:
+            op.seq = written.seq
         return op
 
-    def delete(self, http: httpx.Client, client: int, rnd: random.Random) -> Op:
+    def delete(self, sy: Client, client: int, rnd: random.Random) -> Op:
         with self.lock:
             stored = list(self.latest)
         pool = stored if stored and rnd.random() < 0.8 else range(self.c.n_ids)
         ids = rnd.sample(list(pool), min(len(pool), rnd.randint(1, 4)))
         op = Op(client, "delete", ids, time.monotonic())
-        body = self._call(http, op, "POST", f"/v1/collections/{self.c.collection}/points/delete", {"ids": ids})
-        if body is not None:
-            op.seq = body.get("seq")
+        written = self._call(op, lambda: sy.delete(self.c.collection, ids))
+        if written is not None:
+            op.seq = written.seq
         return op
 
-    def search(self, http: httpx.Client, client: int, rnd: random.Random) -> Op | None:
+    def search(self, sy: Client, client: int, rnd: random.Random) -> Op | None:
         with self.lock:
             if not self.latest:
                 return None
@@ -294,62 +302,53 @@ class Workload:
             token = self.latest[x][1]
             seq_in_hand = self.seq_in_hand
         level = rnd.choice(self.c.levels)
-        body: dict[str, Any] = {"vector": self.vectors[token].tolist(), "k": 1, "engine": "auto"}
-        if level != "none":
-            body["consistency"] = level
-            if level == "session":
-                body["seq"] = seq_in_hand
+        # "none": no level sent, the service's default ("default" tells the client so, whatever it wrote before)
+        consistency = "default" if level == "none" else level
+        seq = seq_in_hand if level == "session" else None
         op = Op(client, "search", [x], time.monotonic(), level=level, query=token)
-        answer = self._call(http, op, "POST", f"/v1/collections/{self.c.collection}/search", body)
+        answer = self._call(op, lambda: sy.search(self.c.collection, self.vectors[token], k=1, engine="auto",
+                                                  consistency=consistency, seq=seq))
         if answer is not None:
-            op.found = answer["ids"][0] if answer["ids"] else None
-            op.distance = answer["distances"][0] if answer["distances"] else None
-            op.watermark = answer.get("watermark")
+            if len(answer.ids) and answer.ids[0] >= 0:  # a short answer is padded with id -1
+                op.found, op.distance = int(answer.ids[0]), float(answer.distances[0])
+            op.watermark = answer.watermark
         return op
 
-    def build(self, http: httpx.Client) -> Op:
+    def build(self, sy: Client) -> Op:
         op = Op(-1, "build", [], time.monotonic())
-        job = self._call(http, op, "POST", f"/v1/collections/{self.c.collection}/build", {})
-        if job is None:
-            return op
-        op.ok = False
-        while True:
-            state = http.get(job["location"]).json()
-            if state["state"] in ("succeeded", "failed"):
-                op.complete, op.ok = time.monotonic(), state["state"] == "succeeded"
-                op.error = None if op.ok else state.get("message")
-                return op
-            time.sleep(0.02)
+        self._call(op, lambda: sy.build(self.c.collection))
+        return op
 
     # -- loops ----------------------------------------------------------------------------------------
     def client_loop(self, client: int) -> None:
         rnd = random.Random(self.c.seed * 1000 + client)
         kinds, weights = zip(*self.c.weights.items())
-        http = self._client()
+        sy = self._client()
         try:
             while not self.stop.is_set():
                 if rnd.random() < self.c.reconnect_p:  # a fresh connection: it may land on another worker
-                    http.close()
-                    http = self._client()
+                    sy.close()
+                    sy = self._client()
                 kind = rnd.choices(kinds, weights)[0]
-                op = getattr(self, kind)(http, client, rnd)
+                op = getattr(self, kind)(sy, client, rnd)
                 if op is not None and not self._record(op):
                     return
         finally:
-            http.close()
+            sy.close()
 
     def build_loop(self) -> None:
-        with self._client() as http:
+        with self._client() as sy:
             while not self.stop.wait(self.c.build_every_s):
-                self._record(self.build(http))
+                self._record(self.build(sy))
 
     def run(self) -> None:
-        with self._client() as http:
-            http.delete(f"/v1/collections/{self.c.collection}")
-            r = http.post("/v1/collections", json={"name": self.c.collection, "dim": self.c.dim, "metric": "l2",
-                                                   "index": {"type": "brute_force"},
-                                                   "pgvector_index": {"type": "none"}})
-            r.raise_for_status()
+        with self._client() as sy:
+            try:
+                sy.delete_collection(self.c.collection)
+            except NotFound:
+                pass
+            sy.create_collection(self.c.collection, self.c.dim, "l2", index={"type": "brute_force"},
+                                 pgvector_index={"type": "none"})
         threads = [threading.Thread(target=self.client_loop, args=(i,), daemon=True) for i in range(self.c.clients)]
         if self.c.build_every_s > 0:
             threads.append(threading.Thread(target=self.build_loop, daemon=True))
@@ -371,10 +370,8 @@ class Workload:
     def final_digests(self, workers: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """After writes stop and the settle time passes, every worker's digest must equal PostgreSQL's."""
         time.sleep(self.c.settle_s)
-        with self._client() as http:
-            r = http.get(f"/v1/collections/{self.c.collection}", params={"verify": "true"})
-            r.raise_for_status()
-            info = r.json()
+        with self._client() as sy:
+            info = sy.get_collection(self.c.collection, verify=True)
         replication = info.get("replication")
         if replication is None:
             return [], {"checked": False, "why": "the server reports no replication state"}

@@ -107,6 +107,8 @@ def test_a_writer_that_names_no_level_reads_its_writes_from_any_process(where, r
         read_your_writes(sy, name, 30)
         # An explicit level overrides the session's, and another client knows nothing of this one's writes.
         assert sy.search(name, np.zeros(DIM), k=1, consistency="eventually").consistency == "eventually"
+        # "default" sends no level: the service's own default (eventually here), not this client's session
+        assert sy.search(name, np.zeros(DIM), k=1, consistency="default").consistency == "eventually"
     with Client(url, transport="http") as other:
         assert other.search(name, np.zeros(DIM), k=1).consistency == "eventually"
 

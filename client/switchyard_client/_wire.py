@@ -129,6 +129,9 @@ def json_request(method: str, path: str, body: Any = None, idempotent: bool = Tr
     return Request(method, path, data, JSON if data is not None else None, idempotent, timeout)
 
 
+SERVICE_DEFAULT = "default"  # consistency= for a search that sends no level, even after this client's writes
+
+
 @dataclass
 class Sessions:
     """Read-your-writes: the highest change seq this client's writes to each collection were acknowledged with.
@@ -146,7 +149,10 @@ class Sessions:
                 self.seqs[collection] = seq
 
     def level(self, collection: str, consistency: str | None, seq: int | None) -> tuple[str | None, int | None]:
-        """The (consistency, seq) a search sends: an explicit level as given, else the session's."""
+        """The (consistency, seq) a search sends: an explicit level as given (SERVICE_DEFAULT: none at all, so the
+        service's default applies), else the session's."""
+        if consistency == SERVICE_DEFAULT:
+            return None, None
         if consistency is not None:
             return consistency, seq
         held = self.seqs.get(collection)
