@@ -14,6 +14,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import numpy as np
 import pytest
@@ -99,6 +100,14 @@ def test_mixed_read_your_writes_comes_from_real_responses(service, tmp_path: Pat
     assert (out / "read_your_writes.png").stat().st_size > 0
 
 
+LOCUSTFILES = Path(runner.__file__).parent / "locustfiles"
+
+
+def _search_query(path: str) -> dict[str, str]:
+    """The options of a search as switchyard_client sends it: raw float32 in the body, the rest in the URL."""
+    return dict(parse_qsl(path.partition("?")[2]))
+
+
 class _StaleService(BaseHTTPRequestHandler):
     """A service that acknowledges deletes but goes on returning the deleted ids: the harness must catch it."""
 
@@ -131,20 +140,23 @@ class _StaleService(BaseHTTPRequestHandler):
             self._answer({"upserted": len(body["ids"]), "seq": self.seq})
 
     def do_POST(self) -> None:
-        import base64
-
-        body = self._body()
         if self.path.endswith("/points/delete"):
+            body = self._body()
             with self.lock:
                 type(self).seq += 1
                 return self._answer({"deleted": len(body["ids"]), "seq": self.seq})  # ... and forgets nothing
-        query = np.frombuffer(base64.b64decode(body["vectors_b64"]), "<f4")
+        options = _search_query(self.path)
+        query = np.frombuffer(self.rfile.read(int(self.headers["Content-Length"])), "<f4")
         with self.lock:
             ids = list(self.points)
             matrix = np.stack([self.points[i] for i in ids]) if ids else np.zeros((0, len(query)), np.float32)
-        order = np.argsort(((matrix - query) ** 2).sum(1))[: body["k"]]
-        self._answer({"ids": [[ids[i] for i in order]], "engine": "stale", "took_ms": 0, "fallback": None,
-                      "consistency": body.get("consistency", "bounded"), "watermark": self.seq})
+        distances = ((matrix - query) ** 2).sum(1)
+        order = np.argsort(distances)[: int(options["k"])]
+        found, far = [ids[i] for i in order], distances[order].tolist()
+        batch = options.get("batch") == "true"
+        self._answer({"ids": [found] if batch else found, "distances": [far] if batch else far, "engine": "stale",
+                      "took_ms": 0, "fallback": None, "consistency": options.get("consistency", "bounded"),
+                      "watermark": self.seq})
 
 
 def test_mixed_counts_deleted_ids_returned_as_errors(tmp_path: Path) -> None:
@@ -153,8 +165,7 @@ def test_mixed_counts_deleted_ids_returned_as_errors(tmp_path: Path) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _StaleService)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        subprocess.run([sys.executable, "-m", "locust", "-f", str(Path(runner.__file__).parent / "locustfiles" /
-                                                                   "mixed_vectors.py"),
+        subprocess.run([sys.executable, "-m", "locust", "-f", str(LOCUSTFILES / "mixed_vectors.py"),
                         "--headless", "-u", "2", "-r", "2", "-t", "4s", "--host", f"http://127.0.0.1:{server.server_port}",
                         "--csv", str(tmp_path / "run"), "--collection", "c", "--dataset", str(folder),
                         "--write-rate", "30", "--tally-out", str(tmp_path / "tally.json"), "--exit-code-on-error", "0",
@@ -288,11 +299,12 @@ class _RefusingService(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         cls = type(self)
-        body = json.loads(self._body())
+        data = self._body()
         if self.path == "/v1/collections":
             cls.created = True
-            return self._send(201, {"name": body["name"]})
-        ef = body["params"]["ef"]
+            return self._send(201, {"name": json.loads(data)["name"]})
+        options = _search_query(self.path)  # a search, as switchyard_client sends one
+        ef = int(options["ef"])
         with cls.lock:
             refuse = ef == 64 and len(cls.answered.get(ef, [])) % 3 == 0  # the 1st, 4th, 7th, ...
             cls.answered.setdefault(ef, []).append(503 if refuse else 200)
@@ -301,9 +313,10 @@ class _RefusingService(BaseHTTPRequestHandler):
                               {"Retry-After": "1"})
         if ef == 4:  # slower: so that ef=64 would have the higher QPS, were its refusals no bar to a headline
             time.sleep(0.005)
-        query = np.asarray(body["vector"], np.float32)
-        ids = np.argsort(((cls.base - query) ** 2).sum(1), kind="stable")[: body["k"]]
-        self._send(200, {"ids": ids.tolist(), "engine": "faiss", "took_ms": 0.1, "fallback": None})
+        distances = ((cls.base - np.frombuffer(data, "<f4")) ** 2).sum(1)
+        ids = np.argsort(distances, kind="stable")[: int(options["k"])]
+        self._send(200, {"ids": ids.tolist(), "distances": distances[ids].tolist(), "engine": "faiss", "took_ms": 0.1,
+                         "fallback": None, "consistency": "bounded", "watermark": len(cls.base)})
 
 
 def test_report_counts_answers_not_refusals_and_headlines_no_refusing_point(tmp_path: Path) -> None:
@@ -345,6 +358,66 @@ def test_report_counts_answers_not_refusals_and_headlines_no_refusing_point(tmp_
     assert f"{refused:,} of {refused + ok:,}" in md and "refused) ⚠" in md
     for name in ("recall_vs_qps.png", "latency_vs_users.png", "qps_vs_users.png"):
         assert (out / name).stat().st_size > 0
+
+
+class _CountingRefuser(BaseHTTPRequestHandler):
+    """Refuses every request, 503 and 429 in turn, each with `Retry-After: 0` (a client that retried would send it
+    again at once), and counts the requests it received."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    received = 0
+    lock = threading.Lock()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _refuse(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        with self.lock:
+            type(self).received += 1
+            status, kind = (503, "overloaded") if self.received % 2 else (429, "quota-exceeded")
+        data = json.dumps({"type": f"urn:switchyard:problem:{kind}", "title": kind, "status": status,
+                           "detail": "refused: come back later"}).encode()
+        self.send_response(status)
+        for name, value in (("Content-Type", "application/problem+json"), ("Retry-After", "0"),
+                            ("Content-Length", str(len(data)))):
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = _refuse
+
+
+@pytest.mark.parametrize("locustfile", ["search_vectors.py", "mixed_vectors.py", "olap_queries.py",
+                                        "spatial_joins.py"])
+def test_users_never_send_a_refused_request_again(locustfile: str, tmp_path: Path) -> None:
+    """A load generator counts refusals; it must never hide one by sending the request again (the client's retries
+    are off in every user): Locust counted as many requests as the service received, every one a refusal."""
+    args = []
+    if locustfile in ("search_vectors.py", "mixed_vectors.py"):
+        data = datasets.VectorData(*datasets.mixture(500, 20, 8), metric="l2", source="test")
+        folder = datasets.save(tmp_path / "dataset", data, datasets.exact_neighbors(data.base, data.queries, "l2", 10),
+                               "c")
+        args = ["--collection", "c", "--dataset", str(folder)]
+    _CountingRefuser.received = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CountingRefuser)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        subprocess.run([sys.executable, "-m", "locust", "-f", str(LOCUSTFILES / locustfile), "--headless", "-u", "2",
+                        "-r", "2", "-t", "2s", "--stop-timeout", "10", "--host", f"http://127.0.0.1:{server.server_port}",
+                        "--tally-out", str(tmp_path / "tally.json"), "--exit-code-on-error", "0", *args],
+                       check=True, timeout=120, capture_output=True)
+    finally:
+        server.shutdown()
+    stats = {k: v for k, v in json.loads((tmp_path / "final_stats.json").read_text()).items()
+             if k != "None Aggregated"}
+    sent = sum(r["count"] for r in stats.values())
+    assert sent == _CountingRefuser.received > 0, stats  # one request received per request counted: none resent
+    assert sum(r["failures"] for r in stats.values()) == sent
+    refused = {k.removeprefix("refused:"): n for k, n in json.loads((tmp_path / "tally.json").read_text()).items()
+               if k.startswith("refused:")}
+    assert refused == {name: r["count"] for name, r in stats.items()}  # each counted as a refusal of its request
 
 
 def _point(target: str, qps: float, failures: int, requests: int = 1000, recall: float = 0.99) -> dict:

@@ -35,9 +35,9 @@ from .errors import (
                      Unauthorized,
                      Unavailable,
 )
-from .results import Pairs, SearchResult, WriteResult
+from .results import Counts, Pairs, SearchResult, WriteResult
 
-__all__ = ["AsyncClient", "Client", "Conflict", "DeadlineExceeded", "EngineUnavailable", "Forbidden",
+__all__ = ["AsyncClient", "Client", "Conflict", "Counts", "DeadlineExceeded", "EngineUnavailable", "Forbidden",
            "InsufficientStorage", "InvalidRequest", "JobFailed", "NotFound", "Overloaded", "Pairs",
            "PayloadTooLarge", "QueryFailed", "QuotaExceeded", "RetryPolicy", "Retryable", "SearchResult",
            "ServerError", "SwitchyardError", "TransportError", "Unauthorized", "Unavailable", "WriteResult",

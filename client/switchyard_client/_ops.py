@@ -11,7 +11,7 @@ import numpy as np
 
 from ._progress import ProgressArg, Reporter
 from ._wire import ARROW, PARQUET, RAW, Plan, Request, RetryPolicy, Sessions, Sleep, call, dumps, json_request
-from .results import Pairs, SearchResult, WriteResult, neighbours, write_result
+from .results import Counts, Pairs, SearchResult, WriteResult, neighbours, write_result
 
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -235,40 +235,44 @@ class Operations:
     def delete_layer(self, name: str) -> Plan[None]:
         yield from self._call(self._json("DELETE", f"/v1/spatial/layers/{quote(name, safe='')}"))
 
-    def point_in_polygon_counts(self, points: str, polygons: str, engine: str = "auto") -> Plan[Any]:
-        """Points per polygon: (polygon_ids, counts) as int64 arrays."""
+    def point_in_polygon_counts(self, points: str, polygons: str, engine: str = "auto") -> Plan[Counts]:
+        """Points per polygon: (polygon_ids, counts) as int64 arrays, and the answering engine as `.engine`."""
         answer = yield from self._call(self._json("POST", "/v1/spatial/joins/point-in-polygon",
                                             {"points": points, "polygons": polygons, "mode": "counts",
                                              "engine": engine}))
-        return np.asarray(answer["polygon_ids"], np.int64), np.asarray(answer["counts"], np.int64)
+        return Counts(np.asarray(answer["polygon_ids"], np.int64), np.asarray(answer["counts"], np.int64),
+                      answer["engine"])
 
-    def point_in_polygon(self, points: str, polygons: str, engine: str = "auto",
-                         page_size: int = 10_000) -> Plan[Pairs]:
-        """Every (point id, polygon id) pair, all pages followed."""
+    def point_in_polygon(self, points: str, polygons: str, engine: str = "auto", page_size: int = 10_000, *,
+                         cursor: str | None = None, max_pages: int | None = None) -> Plan[Pairs]:
+        """Every (point id, polygon id) pair, all pages followed; or at most `max_pages` pages from `cursor` (a
+        `next_cursor` of an earlier answer), the answer's `next_cursor` saying where to go on."""
         body = {"points": points, "polygons": polygons, "mode": "pairs", "engine": engine, "page_size": page_size}
-        return (yield from self._pages("/v1/spatial/joins/point-in-polygon", body))
+        return (yield from self._pages("/v1/spatial/joins/point-in-polygon", body, cursor, max_pages))
 
     def within_distance(self, left: str, right: str, radius_m: float, engine: str = "auto",
-                        page_size: int = 10_000) -> Plan[Pairs]:
+                        page_size: int = 10_000, *, cursor: str | None = None,
+                        max_pages: int | None = None) -> Plan[Pairs]:
         """Every pair of points within radius_m metres (a self-join when left == right: each pair once), with
-        distances, all pages followed."""
+        distances, all pages followed (or `max_pages` from `cursor`, as point_in_polygon)."""
         body = {"left": left, "right": right, "radius_m": radius_m, "engine": engine, "page_size": page_size}
-        return (yield from self._pages("/v1/spatial/joins/within-distance", body))
+        return (yield from self._pages("/v1/spatial/joins/within-distance", body, cursor, max_pages))
 
-    def _pages(self, path: str, body: dict[str, Any]) -> Plan[Pairs]:
+    def _pages(self, path: str, body: dict[str, Any], cursor: str | None,
+               max_pages: int | None) -> Plan[Pairs]:
         pairs: list[Any] = []
         distances: list[float] = []
-        cursor, engine = None, ""
+        engine, pages = "", 0
         while True:
             answer = yield from self._call(self._json("POST", path, {**body, "cursor": cursor}))
             pairs.extend(answer["pairs"])
             distances.extend(answer.get("distances_m") or ())
-            engine, cursor = answer["engine"], answer.get("next_cursor")
-            if cursor is None:
+            engine, cursor, pages = answer["engine"], answer.get("next_cursor"), pages + 1
+            if cursor is None or (max_pages is not None and pages >= max_pages):
                 break
         matrix = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
         return Pairs(matrix[:, 0], matrix[:, 1], np.asarray(distances, np.float64) if "radius_m" in body else None,
-                     engine)
+                     engine, cursor)
 
     # -- OLAP --------------------------------------------------------------------------------------------------
     def ssb_query(self, query_id: str, params: dict[str, Any] | None = None, engine: str = "auto",

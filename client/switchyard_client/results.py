@@ -35,12 +35,34 @@ class WriteResult:
 @dataclass(frozen=True)
 class Pairs:
     """A spatial join's pairs: `left` and `right` ids (points and polygons for point-in-polygon), and for a
-    distance join `distances_m`."""
+    distance join `distances_m`. `next_cursor`: where the join goes on when `max_pages` stopped it before its
+    last page (pass it back as `cursor=`), else None."""
 
     left: np.ndarray
     right: np.ndarray
     distances_m: np.ndarray | None
     engine: str
+    next_cursor: str | None = None
+
+
+class Counts(tuple[np.ndarray, np.ndarray]):
+    """Points per polygon: unpacks as `(polygon_ids, counts)`, int64 arrays; `engine` names the engine that
+    answered."""
+
+    engine: str
+
+    def __new__(cls, polygon_ids: np.ndarray, counts: np.ndarray, engine: str) -> "Counts":
+        self = super().__new__(cls, (polygon_ids, counts))
+        self.engine = engine
+        return self
+
+    @property
+    def polygon_ids(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self[1]
 
 
 def neighbours(answer: dict[str, Any], batch: bool) -> SearchResult:

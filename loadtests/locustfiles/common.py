@@ -1,4 +1,11 @@
-"""What every Switchyard Locust file shares: custom statistics, exact tallies merged on the master, recall.
+"""What every Switchyard Locust file shares: the user that calls the service through switchyard_client, custom
+statistics, exact tallies merged on the master, recall.
+
+`SwitchyardUser` holds one `switchyard_client.Client` per user, the client users install, over its http.client
+transport: Locust monkey-patches the standard library's sockets with gevent, so users wait for the service
+without blocking one another (libcurl, the client's default transport, does its own I/O and would block the whole
+process while it waits). Retries are off: a load generator counts refusals, it never hides them by sending the
+request again. Each call is reported as Locust's own users report a request (`SwitchyardUser.request`).
 
 Locust has one kind of statistic, the request. A figure that is not a latency (recall@k, read-your-writes) is
 recorded as a synthetic request whose "response time" is the figure in percent, so it shows in the web UI, the
@@ -11,24 +18,31 @@ master (or a local run) writes as JSON, with the refusals (429, 503) of each req
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import numpy as np
-from locust import events
+from locust import User, constant, events
+from locust.exception import CatchResponseError, LocustError
 
 from loadtests.sweep import latency_bucket
+from switchyard_client import Client, RetryPolicy, SwitchyardError, TransportError
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 PERCENT = 100.0
 FIGURES = {"RECALL", "RYW"}  # request types that carry a figure, not a latency
 
 
 REFUSED = (429, 503)  # answers that say the request was not run: come back later
+CLIENT_ERRORS = (SwitchyardError, TransportError)  # a call's failures: an error answer, a connection that failed
+NO_RETRIES = RetryPolicy(max_retries=0)
 
 
 def fire_figure(environment: Any, kind: str, name: str, value: float) -> None:
@@ -38,12 +52,12 @@ def fire_figure(environment: Any, kind: str, name: str, value: float) -> None:
     environment.stats.get(name, kind).log(value * PERCENT, 0)
 
 
-def fail(response: Any, request: str) -> None:
-    """A non-200 answer to `request` ("POST search"): a Locust failure; a refusal (429, 503) is also tallied as
-    `refused:<request>`, so that the report shows it beside the other failures."""
-    if response.status_code in REFUSED:
+def tally_refusal(error: BaseException, request: str) -> None:
+    """`request` ("POST search") failed with `error`: a refusal (an error answer 429 or 503, raised by the client
+    as QuotaExceeded, Overloaded, Unavailable or DeadlineExceeded) is tallied as `refused:<request>`, so that the
+    report shows it beside the other failures."""
+    if isinstance(error, SwitchyardError) and error.status in REFUSED:
         TALLY.add(f"refused:{request}")
-    response.failure(problem_text(response))
 
 
 class Tally:
@@ -162,22 +176,113 @@ def _record_latency(request_type: str, name: str, response_time: float, exceptio
     TALLY.add(f"latency:{request_type} {name}:{latency_bucket(response_time)}")
 
 
-def auth_headers(environment: Any) -> dict[str, str]:
-    key = environment.parsed_options.api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
+class MeteredClient(Client):
+    """switchyard_client.Client adding up the bytes of the answers it received: Locust's response length (the
+    client gives its callers arrays, not bodies). It hooks Client._send, which every request of every call
+    passes through."""
+
+    received = 0
+
+    def __enter__(self) -> "MeteredClient":
+        return self
+
+    def _send(self, request: Any) -> Any:
+        response = super()._send(request)
+        self.received += len(response.body)
+        return response
 
 
-def problem_text(response: Any) -> str:
-    """The detail of a problem+json answer, or the start of the body."""
-    try:
-        body = json.loads(response.content or b"{}")
-        return f"{response.status_code} {body.get('title', '')}: {body.get('detail', '')}".strip()
-    except (ValueError, AttributeError):
-        return f"{response.status_code} {(response.text or '')[:200]}"
+def connect(environment: Any, host: str) -> MeteredClient:
+    """A client of the service under test, as a load generator holds one: http.client (gevent-friendly: never
+    pycurl), no retries, the --api-key. No timeout: no deadline is sent, as before the client."""
+    return MeteredClient(host, api_key=environment.parsed_options.api_key or None, retry=NO_RETRIES,
+                         transport="http")
 
 
-def b64_rows(matrix: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(matrix, dtype="<f4").tobytes()).decode()
+class Call:
+    """One client call reported as one Locust request, as Locust's own users report theirs:
+
+        with self.request("POST", "search") as call:
+            hits = call.run(self.client.search, collection, vector, k=10)
+            ...  # read the answer; call.failure("why") makes the request a failure
+
+    `run` is what is timed (time.perf_counter around the client call alone, not the checks after it); the
+    request is reported when the block ends. A client error raised by `run` (an error answer, a connection that
+    failed) ends the block and is the request's failure (a refusal is also tallied: tally_refusal); any other
+    exception is reported as its failure too, and raised on."""
+
+    def __init__(self, user: "SwitchyardUser", request_type: str, name: str, client: MeteredClient) -> None:
+        self.user, self.request_type, self.name, self.client = user, request_type, name, client
+        self.response_time = 0.0
+        self.response_length = 0
+        self.exception: BaseException | None = None
+        self.start_time = time.time()
+
+    @property
+    def failed(self) -> bool:
+        return self.exception is not None
+
+    def run(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        received = self.client.received
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.response_time = (time.perf_counter() - started) * 1000
+            self.response_length = self.client.received - received
+
+    def failure(self, message: str) -> None:
+        """The answer came, but it is wrong: a failure with this message."""
+        self.exception = CatchResponseError(message)
+
+    def __enter__(self) -> "Call":
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # the user is being stopped (GreenletExit) mid-call: no outcome to report
+        if error is not None:
+            self.exception = error
+            tally_refusal(error, f"{self.request_type} {self.name}")
+        self.user.environment.events.request.fire(
+            request_type=self.request_type, name=self.name, response_time=self.response_time,
+            response_length=self.response_length, exception=self.exception, context=self.user.context(),
+            start_time=self.start_time)
+        return isinstance(error, CLIENT_ERRORS)
+
+
+class SwitchyardUser(User):
+    """A Locust user calling Switchyard through one switchyard_client.Client of its own (`self.client`, see
+    `connect`): closed loop by default."""
+
+    abstract = True
+    wait_time = constant(0)
+
+    def __init__(self, environment: Any) -> None:
+        super().__init__(environment)
+        if not self.host:
+            raise LocustError("give the service's URL with --host (http://host:port, or unix:/path/to.sock)")
+        self.client = self.connect()
+
+    def connect(self) -> MeteredClient:
+        """A new client (and so a new connection) of this user's."""
+        return connect(self.environment, str(self.host))
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def request(self, request_type: str, name: str, client: MeteredClient | None = None) -> Call:
+        """A call to report as the request `request_type name` ("POST search"), made with `client` (this user's
+        by default): see Call."""
+        return Call(self, request_type, name, client or self.client)
+
+
+def id_lists(ids: np.ndarray) -> list[list[int]]:
+    """A search's ids as one list per query, as the service sent them: a 1-D answer is one query; the padding
+    the client adds to a batch's short rows (id -1) is left out."""
+    if ids.ndim == 1:
+        return [ids.tolist()]
+    return [[i for i in row if i >= 0] for row in ids.tolist()]
 
 
 def worker_index(environment: Any) -> int:

@@ -1,17 +1,21 @@
 """Searches while upserts and deletes stream in at a fixed rate (VectorDBBench's streaming case), and
 read-your-writes measured from real answers.
 
+Every request goes through switchyard_client (common.py); a search sends its vector as a batch of one.
+
 - `SearchUser`s (closed loop) search with the dataset's queries and, half the time, with the vector of a point
-  deleted a moment ago. An answer holding an id whose delete was acknowledged before the search was sent is
-  tallied ("deleted id returned"); it is a failure only where the level promised the id gone (strong, session,
-  bounded past its bound: `promised_gone`): within a bounded or eventually level's bound it is what the level
-  allows, counted apart (`deleted_returned:<level>` less `deleted_returned_broken:<level>`).
+  deleted a moment ago, at `--consistency` (none given: none sent, the service's default). An answer holding an
+  id whose delete was acknowledged before the search was sent is tallied ("deleted id returned"); it is a
+  failure only where the level promised the id gone (strong, session, bounded past its bound: `promised_gone`):
+  within a bounded or eventually level's bound it is what the level allows, counted apart
+  (`deleted_returned:<level>` less `deleted_returned_broken:<level>`).
 - One `WriterUser` per load-generator process upserts `--write-batch` new points or deletes some of them,
-  `--write-rate` times a second, each on a new connection (so a multi-worker service routes them anywhere), and
-  right after each acknowledgement probes one consistency level, in turn, with a search on another new
-  connection: the upserted vector must come back (RYW "upsert found <level>"), the deleted id must not (RYW
-  "delete gone <level>"). Those figures are in % like recall; the tally holds the exact counts. A probe that
-  returns the id just deleted is a failure where the level promised it gone, as above.
+  `--write-rate` times a second, each through a new client (a new connection, so a multi-worker service routes
+  it anywhere), and right after each acknowledgement probes one consistency level, in turn, with a search through
+  another new client, naming the level (and for session the write's seq): the upserted vector must come back
+  (RYW "upsert found <level>"), the deleted id must not (RYW "delete gone <level>"). Those figures are in % like
+  recall; the tally holds the exact counts. A probe that returns the id just deleted is a failure where the
+  level promised it gone, as above.
 """
 
 from __future__ import annotations
@@ -22,10 +26,9 @@ import time
 from typing import Any
 
 import numpy as np
-import orjson
-from locust import FastHttpUser, constant, events, task
+from locust import events, task
 
-from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fail, fire_figure, worker_index
+from loadtests.locustfiles.common import TALLY, Dataset, SwitchyardUser, fire_figure, id_lists, worker_index
 from loadtests.workloads import LEVELS, promised_gone
 
 STATE: dict[str, Any] = {}
@@ -57,18 +60,15 @@ def _load(environment: Any, **_: Any) -> None:
                  live={}, deleted={}, recent_deleted=[], last_seq=0, levels=itertools.cycle(LEVELS))
 
 
-def _search_body(options: Any, vector: np.ndarray, level: str | None, seq: int | None = None) -> bytes:
-    body: dict[str, Any] = {"vectors_b64": b64_rows(vector[None, :]), "k": options.k, "engine": options.engine}
-    if level:
-        body["consistency"] = level
-        if level == "session":
-            body["seq"] = seq if seq is not None else STATE["last_seq"]
-    return orjson.dumps(body)
+def _search(client: Any, options: Any, vector: np.ndarray, level: str | None, seq: int) -> list[int]:
+    """The ids found for one vector, sent as a batch of one, at `level` (None: no level sent, the service's
+    default; an explicit level wins over a client's read-your-writes session), with `seq` for session."""
+    hits = client.search(options.collection, vector[None, :], k=options.k, engine=options.engine, consistency=level,
+                         seq=seq if level == "session" else None)
+    return id_lists(hits.ids)[0]
 
 
-class SearchUser(FastHttpUser):
-    wait_time = constant(0)
-
+class SearchUser(SwitchyardUser):
     @task
     def search(self) -> None:
         options = self.environment.parsed_options
@@ -81,13 +81,8 @@ class SearchUser(FastHttpUser):
         level = options.consistency or "bounded"
         session_seq = STATE["last_seq"]
         sent_at = time.monotonic()
-        with self.client.post(f"/v1/collections/{options.collection}/search", name="search", catch_response=True,
-                              data=_search_body(options, vector, options.consistency or None, session_seq),
-                              headers={"Content-Type": "application/json", **auth_headers(self.environment)}) as r:
-            if r.status_code != 200:
-                fail(r, "POST search")
-                return
-            ids = orjson.loads(r.content)["ids"][0]
+        with self.request("POST", "search") as call:
+            ids = call.run(_search, self.client, options, vector, options.consistency or None, session_seq)
             stale = [i for i in ids if i in STATE["deleted"] and STATE["deleted"][i][0] <= sent_at]
             TALLY.add("background_searches")
             if stale:
@@ -96,22 +91,16 @@ class SearchUser(FastHttpUser):
                 TALLY.add(f"deleted_returned:{level}")
                 TALLY.add(f"deleted_returned_broken:{level}", int(bool(broken)))
                 if broken:  # within the level's bound it is no failure: read_your_writes() reports it apart
-                    r.failure(f"deleted id {broken[0]} returned (consistency {level}, which promised it gone)")
+                    call.failure(f"deleted id {broken[0]} returned (consistency {level}, which promised it gone)")
 
 
-class WriterUser(FastHttpUser):
+class WriterUser(SwitchyardUser):
     fixed_count = 1  # one writer per load-generator process, at a fixed rate
 
     def wait_time(self) -> float:
         rate = self.environment.parsed_options.write_rate
         self._due = max(getattr(self, "_due", time.monotonic()) + 1 / rate, time.monotonic() - 1)
         return max(0.0, self._due - time.monotonic())
-
-    def _post(self, path: str, body: bytes, name: str) -> Any:
-        # Connection: close, so that each request may land on any worker process of the service
-        headers = {"Content-Type": "application/json", "Connection": "close", **auth_headers(self.environment)}
-        return self.client.request("PUT" if path.endswith("/points") else "POST", path, data=body, name=name,
-                                   headers=headers, catch_response=True)
 
     @task
     def write(self) -> None:
@@ -124,12 +113,11 @@ class WriterUser(FastHttpUser):
         options = self.environment.parsed_options
         ids = [next(STATE["next_id"]) for _ in range(options.write_batch)]
         vectors = STATE["rng"].standard_normal((len(ids), STATE["data"].queries.shape[1])).astype(np.float32)
-        body = orjson.dumps({"ids": ids, "vectors_b64": b64_rows(vectors)})
-        with self._post(f"/v1/collections/{options.collection}/points", body, "upsert") as r:
-            if r.status_code != 200:
-                fail(r, "PUT upsert")
-                return
-            seq = orjson.loads(r.content)["seq"]
+        with self.connect() as client, self.request("PUT", "upsert", client) as call:  # a new connection
+            seq = call.run(client.upsert, options.collection, ids, vectors).seq
+        if call.failed:
+            return
+        assert seq is not None, "an acknowledged write has its seq"
         STATE["last_seq"] = max(STATE["last_seq"], seq)
         STATE["live"].update(zip(ids, vectors))
         probe = random.randrange(len(ids))
@@ -138,12 +126,11 @@ class WriterUser(FastHttpUser):
     def _delete(self) -> None:
         options = self.environment.parsed_options
         victims = random.sample(sorted(STATE["live"]), k=max(1, options.write_batch // 2))
-        with self._post(f"/v1/collections/{options.collection}/points/delete", orjson.dumps({"ids": victims}),
-                        "delete") as r:
-            if r.status_code != 200:
-                fail(r, "POST delete")
-                return
-            seq = orjson.loads(r.content)["seq"]
+        with self.connect() as client, self.request("POST", "delete", client) as call:
+            seq = call.run(client.delete, options.collection, victims).seq
+        if call.failed:
+            return
+        assert seq is not None, "an acknowledged write has its seq"
         acked_at = time.monotonic()
         STATE["last_seq"] = max(STATE["last_seq"], seq)
         vectors = [STATE["live"].pop(i) for i in victims]
@@ -157,21 +144,17 @@ class WriterUser(FastHttpUser):
         options = self.environment.parsed_options
         level = next(STATE["levels"])
         sent_at = time.monotonic()
-        with self._post(f"/v1/collections/{options.collection}/search", _search_body(options, vector, level, seq),
-                        f"probe {level}") as r:
-            if r.status_code != 200:
-                fail(r, f"POST probe {level}")
-                return
-            ids = orjson.loads(r.content)["ids"][0]
+        with self.connect() as client, self.request("POST", f"probe {level}", client) as call:
+            ids = call.run(_search, client, options, vector, level, seq)
             if kind == "delete" and point_id in ids:
                 acked_at, _ = STATE["deleted"][point_id]
                 broken = promised_gone(level, acked_at, seq, sent_at, seq, options.bound_ms / 1000)
                 TALLY.add(f"deleted_returned_broken:{level}", int(broken))
                 if broken:  # else within the level's bound: counted apart, no failure
-                    r.failure(f"deleted id {point_id} returned right after its delete (consistency {level}, "
-                              "which promised it gone)")
-        ok = (point_id in ids) if kind == "upsert" else (point_id not in ids)
-        TALLY.add(f"ryw:{kind}:{level}:probes")
-        TALLY.add(f"ryw:{kind}:{level}:ok", int(ok))
-        fire_figure(self.environment, "RYW", f"{'upsert found' if kind == 'upsert' else 'delete gone'} {level}",
-                    1.0 if ok else 0.0)
+                    call.failure(f"deleted id {point_id} returned right after its delete (consistency {level}, "
+                                 "which promised it gone)")
+            ok = (point_id in ids) if kind == "upsert" else (point_id not in ids)  # a probe that was answered
+            TALLY.add(f"ryw:{kind}:{level}:probes")
+            TALLY.add(f"ryw:{kind}:{level}:ok", int(ok))
+            fire_figure(self.environment, "RYW", f"{'upsert found' if kind == 'upsert' else 'delete gone'} {level}",
+                        1.0 if ok else 0.0)

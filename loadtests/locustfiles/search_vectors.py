@@ -1,12 +1,14 @@
-"""Vector search load: closed-loop users send single-vector or batch searches and check every answer's ids
-against exact ground truth; recall@k is its own statistic (request type RECALL, "response time" = recall in %).
+"""Vector search load: closed-loop users send single-vector or batch searches through switchyard_client and check
+every answer's ids against exact ground truth; recall@k is its own statistic (request type RECALL, "response
+time" = recall in %).
 
     locust -f loadtests/locustfiles/search_vectors.py --headless -u 16 -t 30s --host http://127.0.0.1:8000 \\
         --collection bench --dataset out/dataset --engine cpu --params '{"ef": 64}'
 
-Works distributed: every worker needs the dataset folder at the same path; the recall tallies are summed on
-the master. `switchyard loadtest vectors` prepares the collection and the dataset and sweeps engines,
-parameters and users.
+The queries travel as the client sends them, raw float32: one vector per request (`--batch 1`, the service's
+micro-batched path), or a matrix of `--batch` rows. Works distributed: every worker needs the dataset folder at
+the same path; the recall tallies are summed on the master. `switchyard loadtest vectors` prepares the collection
+and the dataset and sweeps engines, parameters and users.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import itertools
 import json
 from typing import Any
 
-import orjson
-from locust import FastHttpUser, constant, events, task
+import numpy as np
+from locust import events, task
 
-from loadtests.locustfiles.common import TALLY, Dataset, auth_headers, b64_rows, fail, score, worker_index
+from loadtests.locustfiles.common import TALLY, Dataset, SwitchyardUser, id_lists, score, worker_index
 
 STATE: dict[str, Any] = {}
 
@@ -32,8 +34,6 @@ def _options(parser: Any) -> None:
     group.add_argument("--params", default="", help='search parameters as JSON, e.g. {"ef": 64}')
     group.add_argument("--k", type=int, default=10)
     group.add_argument("--batch", type=int, default=1, help="queries per request (1: single-vector searches)")
-    group.add_argument("--encoding", choices=["json", "b64"], default="json",
-                       help="single searches as {\"vector\": [...]} (json, the micro-batched path) or vectors_b64")
     group.add_argument("--consistency", default="",
                        help="strong | session | bounded | eventually (default: the service's)")
 
@@ -44,44 +44,36 @@ def _load(environment: Any, **_: Any) -> None:
     if not options.dataset:
         raise SystemExit("--dataset is required: a folder with queries.npy, neighbors.npy and meta.json")
     data = Dataset(options.dataset)
-    STATE.update(data=data, batches=_bodies(data, options), counter=itertools.count(worker_index(environment) * 7919))
+    STATE.update(data=data, batches=_batches(data, options.batch), search=_search_options(options),
+                 counter=itertools.count(worker_index(environment) * 7919))
 
 
-def _bodies(data: Dataset, options: Any) -> list[tuple[list[int], bytes]]:
-    """Every request body, encoded once: the load generator should spend its CPU on sending, not on JSON."""
-    extra: dict[str, Any] = {"k": options.k, "engine": options.engine}
-    if options.params:
-        extra["params"] = json.loads(options.params)
-    if options.consistency:
-        extra["consistency"] = options.consistency
-    n, b = len(data.queries), max(1, options.batch)
-    out = []
-    single = b == 1 and options.encoding == "json"  # how an application sends one query: JSON floats
-    for start in range(0, n - b + 1, b):
-        rows = list(range(start, start + b))
-        query = {"vector": data.queries[start].tolist()} if single else {"vectors_b64": b64_rows(data.queries[rows])}
-        out.append((rows, orjson.dumps({**query, **extra})))
-    return out
+def _batches(data: Dataset, batch: int) -> list[tuple[list[int], np.ndarray]]:
+    """Every request's rows and queries, cut once (little-endian float32, as the client sends them, so it copies
+    nothing more): one vector for single searches, else a matrix of `batch` rows."""
+    queries = np.ascontiguousarray(data.queries, dtype="<f4")
+    n, b = len(queries), max(1, batch)
+    return [(list(range(start, start + b)), queries[start] if b == 1 else queries[start:start + b])
+            for start in range(0, n - b + 1, b)]
 
 
-class VectorSearchUser(FastHttpUser):
-    wait_time = constant(0)  # closed loop: concurrency is the user count
+def _search_options(options: Any) -> dict[str, Any]:
+    """The client's search arguments besides the collection and the vectors. No --consistency: none is sent
+    (the service's default; this client never writes, so it has no read-your-writes session either)."""
+    return {"k": options.k, "engine": options.engine, "params": json.loads(options.params) if options.params else None,
+            "consistency": options.consistency or None}
 
+
+class VectorSearchUser(SwitchyardUser):
     @task
     def search(self) -> None:
         options = self.environment.parsed_options
         batches = STATE["batches"]
-        rows, body = batches[next(STATE["counter"]) % len(batches)]
+        rows, queries = batches[next(STATE["counter"]) % len(batches)]
         name = "search" if options.batch == 1 else f"search batch={options.batch}"
-        headers = {"Content-Type": "application/json", **auth_headers(self.environment)}
-        with self.client.post(f"/v1/collections/{options.collection}/search", data=body, headers=headers, name=name,
-                              catch_response=True) as response:
-            if response.status_code != 200:
-                fail(response, f"POST {name}")
-                return
-            answer = orjson.loads(response.content)
-            TALLY.add(f"engine:{answer['engine']}")  # what answered: faiss, cuvs, pgvector
-            if answer.get("fallback"):
-                TALLY.add(f"fallback:{answer['engine']}")
-        ids = answer["ids"] if len(rows) > 1 or options.encoding == "b64" else [answer["ids"]]
-        score(self.environment, STATE["data"], rows, ids, options.k)
+        with self.request("POST", name) as call:
+            hits = call.run(self.client.search, options.collection, queries, **STATE["search"])
+            TALLY.add(f"engine:{hits.engine}")  # what answered: faiss, cuvs, pgvector
+            if hits.fallback:
+                TALLY.add(f"fallback:{hits.engine}")
+            score(self.environment, STATE["data"], rows, id_lists(hits.ids), options.k)

@@ -1,6 +1,7 @@
-"""Geometry join load: point-in-polygon counts, point-in-polygon pairs (paged with next_cursor) and
-within-distance pairs, on layers that `switchyard loadtest spatial` creates (or your own). Each kind of join is
-a task; `--tasks` picks them, `--max-pages` bounds how many pages one paged join reads (each page is a request).
+"""Geometry join load: point-in-polygon counts, point-in-polygon pairs and within-distance pairs, through
+switchyard_client, on layers that `switchyard loadtest spatial` creates (or your own). Each kind of join is a
+task; `--tasks` picks them. A paged join is read a page per request (the client's `max_pages=1`, and its
+`next_cursor` for the next), `--max-pages` pages at most.
 
     locust -f loadtests/locustfiles/spatial_joins.py --headless -u 4 -t 30s --host http://127.0.0.1:8000 \\
         --points-layer lt_points --polygons-layer lt_polygons --distance-layer lt_near --radius-m 200
@@ -8,12 +9,11 @@ a task; `--tasks` picks them, `--max-pages` bounds how many pages one paged join
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-import orjson
-from locust import FastHttpUser, constant, events, task
+from locust import events, task
 
-from loadtests.locustfiles.common import TALLY, auth_headers, fail
+from loadtests.locustfiles.common import TALLY, SwitchyardUser
 
 TASKS = ("pip-counts", "pip-pairs", "distance")
 
@@ -31,9 +31,7 @@ def _options(parser: Any) -> None:
     group.add_argument("--tasks", default=",".join(TASKS), help="which joins: " + ", ".join(TASKS))
 
 
-class SpatialUser(FastHttpUser):
-    wait_time = constant(0)
-
+class SpatialUser(SwitchyardUser):
     def on_start(self) -> None:
         chosen = [t.strip() for t in self.environment.parsed_options.tasks.split(",") if t.strip()]
         unknown = set(chosen) - set(TASKS)
@@ -41,38 +39,36 @@ class SpatialUser(FastHttpUser):
             raise SystemExit(f"--tasks: unknown {sorted(unknown)}; choose among {', '.join(TASKS)}")
         self.tasks = [getattr(SpatialUser, t.replace("-", "_")) for t in chosen]
 
-    def _join(self, path: str, body: dict[str, Any], name: str, pages: int) -> None:
-        headers = {"Content-Type": "application/json", **auth_headers(self.environment)}
-        for _page in range(pages):
-            with self.client.post(path, data=orjson.dumps(body), name=name, headers=headers,
-                                  catch_response=True) as r:
-                if r.status_code != 200:
-                    fail(r, f"POST {name}")
-                    return
-                answer = orjson.loads(r.content)
-            TALLY.add(f"pairs:{name}", len(answer.get("pairs", [])))
-            TALLY.add(f"engine:{name}:{answer['engine']}")
-            cursor = answer.get("next_cursor")
-            if not cursor:
+    @staticmethod
+    def _tally(name: str, pairs: int, engine: str) -> None:
+        TALLY.add(f"pairs:{name}", pairs)
+        TALLY.add(f"engine:{name}:{engine}")
+
+    def _pages(self, name: str, join: Callable[..., Any], *args: Any) -> None:
+        """A paged join, a page per request, --max-pages of them at most."""
+        o = self.environment.parsed_options
+        cursor = None
+        for _page in range(o.max_pages):
+            with self.request("POST", name) as call:
+                page = call.run(join, *args, engine=o.engine, page_size=o.page_size, cursor=cursor, max_pages=1)
+                self._tally(name, len(page.left), page.engine)
+                cursor = page.next_cursor
+            if call.failed or not cursor:
                 return
-            body = {**body, "cursor": cursor}
 
     @task
     def pip_counts(self) -> None:
         o = self.environment.parsed_options
-        self._join("/v1/spatial/joins/point-in-polygon", {"points": o.points_layer, "polygons": o.polygons_layer,
-                                                           "mode": "counts", "engine": o.engine}, "pip counts", 1)
+        with self.request("POST", "pip counts") as call:
+            counts = call.run(self.client.point_in_polygon_counts, o.points_layer, o.polygons_layer, engine=o.engine)
+            self._tally("pip counts", 0, counts.engine)
 
     @task
     def pip_pairs(self) -> None:
         o = self.environment.parsed_options
-        self._join("/v1/spatial/joins/point-in-polygon", {"points": o.points_layer, "polygons": o.polygons_layer,
-                                                           "mode": "pairs", "engine": o.engine,
-                                                           "page_size": o.page_size}, "pip pairs page", o.max_pages)
+        self._pages("pip pairs page", self.client.point_in_polygon, o.points_layer, o.polygons_layer)
 
     @task
     def distance(self) -> None:
         o = self.environment.parsed_options
-        self._join("/v1/spatial/joins/within-distance", {"left": o.distance_layer, "right": o.distance_layer,
-                                                          "radius_m": o.radius_m, "engine": o.engine,
-                                                          "page_size": o.page_size}, "distance page", o.max_pages)
+        self._pages("distance page", self.client.within_distance, o.distance_layer, o.distance_layer, o.radius_m)
