@@ -3,9 +3,9 @@
 Ray Serve 2.60 resends a request to another replica only if the first died before accepting it; once accepted,
 the proxy maps the actor's death to status 500 and sends nothing (`http_util.get_http_response_status`,
 `send_http_response_on_exception`), so uvicorn answers a bare "Internal Server Error" without Retry-After. The
-proxy cannot know whether the request was acted on; neither can we, but a client can resend it: every write is
-idempotent by id or refused as a conflict the second time. So a request the proxy ended without an answer is
-answered 503 problem+json with Retry-After, like every other "try again" of the service.
+proxy cannot know whether the request was acted on; neither can we, but a client can resend it (upserts and
+deletes are idempotent by id; a creation resent is answered 409). So a request the proxy ended without an answer
+is answered 503 problem+json with Retry-After, like every other "try again" of the service.
 
 Installed through Serve's own hook: the proxy actor calls the function named by
 RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (`PROXY_CALLBACK`) at start and wraps its ASGI app in the Starlette
