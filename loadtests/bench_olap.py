@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, results_dir, save_json, versions, wait_for_quiet
+from benchkit import MachineLoad, Service, results_dir, save_json, switchyard, versions, wait_for_quiet
 
 RESULTS = results_dir("olap")
 
@@ -44,18 +44,16 @@ def normalise(rows: list[Any]) -> list[tuple]:
     return [tuple(int(v) if isinstance(v, float) and v.is_integer() else v for v in row) for row in rows]
 
 
-def wait_job(client: JsonClient, location: str) -> dict:
-    message = None
-    while True:
-        job = client.call("GET", location)
-        if job["message"] != message:
-            message = job["message"]
-            print(f"  {job['done']}/{job['total'] or '?'} {message}", flush=True)
-        if job["state"] in ("succeeded", "failed"):
-            if job["state"] == "failed":
-                raise RuntimeError(f"job failed: {job['message']}")
-            return job
-        time.sleep(0.5)
+def job_lines() -> Callable[[int, int, str], None]:
+    """A job's progress as a line each time its message changes (switchyard_client's progress function)."""
+    shown: list[str] = []
+
+    def report(done: int, total: int, message: str) -> None:
+        if shown[-1:] != [message]:
+            shown.append(message)
+            print(f"  {done}/{total or '?'} {message}", flush=True)
+
+    return report
 
 
 def plot(path: Path, report: dict[str, Any]) -> None:
@@ -104,19 +102,18 @@ def main() -> None:
     service = Service(work / "data")
     service.start()
     load = MachineLoad(service.pids)
-    client = JsonClient(service.port)
+    client = switchyard(service.url)
     report: dict[str, Any] = {"benchmark": "ssb", "scale_factor": args.sf, "runs": args.runs,
                               "versions": versions("switchyard", "duckdb", "pyarrow", "pandas", "asyncpg"),
                               "queries": list(QUERIES), "timings": {}, "machine": {}}
     try:
         print(f"generating SF {args.sf:g} through the service (a job that also loads the engines)...")
         started = time.perf_counter()
-        job = wait_job(client, client.call("POST", "/v1/olap/ssb/generate",
-                                           {"scale_factor": args.sf, "seed": args.seed})["location"])
+        generated = client.ssb_generate(args.sf, args.seed, progress=job_lines())
         report["generate_and_load_s"] = round(time.perf_counter() - started, 1)
-        report["dataset"] = job["result"]
-        dataset = Path(job["result"]["dataset"])
-        engines = [e["name"] for e in client.call("GET", "/v1/engines?domain=olap")["engines"] if e["ready"]]
+        report["dataset"] = generated
+        dataset = Path(generated["dataset"])
+        engines = [e["name"] for e in client.engines("olap")["engines"] if e["ready"]]
         report["engines_ready"] = engines
         wait_for_quiet()
 
@@ -126,8 +123,7 @@ def main() -> None:
             report["timings"][system], answers[system] = {}, {}
             with load.measure(report["machine"].setdefault(system, {})):
                 for q in QUERIES:
-                    t, result = timed(lambda: client.call("POST", f"/v1/olap/ssb/queries/{q}", {"engine": engine}),
-                                      args.runs)
+                    t, result = timed(lambda: client.ssb_query(q, engine=engine, output="json"), args.runs)
                     assert result["engine"] == engine, result
                     report["timings"][system][q], answers[system][q] = t, normalise(result["rows"])
             print(f"  {system}: {sum(v['median_ms'] for v in report['timings'][system].values()):.0f} ms")
@@ -161,6 +157,7 @@ def main() -> None:
             report["timings"][system][q] = t
             answers[system][q] = normalise(frame.itertuples(index=False, name=None))
     finally:
+        client.close()
         service.stop()
 
     reference = answers["duckdb in-process"]

@@ -27,7 +27,8 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from benchkit import JsonClient, MachineLoad, Service, results_dir, save_json, versions, wait_for_quiet
+from benchkit import MachineLoad, Service, results_dir, save_json, switchyard, versions, wait_for_quiet
+from switchyard_client import Client
 
 RESULTS = results_dir("spatial")
 
@@ -100,7 +101,7 @@ def main() -> None:
     service = Service(work / "data", env={"SWITCHYARD_MAX_BODY_BYTES": str(512 * 1024 * 1024)})
     service.start()
     load = MachineLoad(service.pids)
-    client = JsonClient(service.port)
+    client = switchyard(service.url)
     engine = CpuSpatialEngine()
     report: dict[str, Any] = {"benchmark": "spatial", "points": args.points, "runs": args.runs,
                               "versions": versions("switchyard", "shapely", "geopandas", "numba", "numpy"),
@@ -116,16 +117,14 @@ def main() -> None:
                                    "vertices": int(shapely.get_num_coordinates(polys.geometry.values).sum())}
             print(f"{name}: {len(polys)} polygons, {args.points} points")
 
-            client.call("PUT", f"/v1/spatial/layers/pts-{name}?kind=points", geoparquet(point_geoms),
-                        "application/vnd.apache.parquet")
-            client.call("PUT", f"/v1/spatial/layers/poly-{name}?kind=polygons", geoparquet(polys.geometry.values),
-                        "application/vnd.apache.parquet")
+            client.upload_geoparquet(f"pts-{name}", "points", geoparquet(point_geoms))
+            client.upload_geoparquet(f"poly-{name}", "polygons", geoparquet(polys.geometry.values))
             wait_for_quiet()
             counts: dict[str, list[int]] = {}
             with load.measure(report["machine"].setdefault(f"{name} switchyard http", {})):
-                t, body = timed(lambda: client.call("POST", "/v1/spatial/joins/point-in-polygon", {
-                    "points": f"pts-{name}", "polygons": f"poly-{name}", "mode": "counts", "engine": "cpu"}), args.runs)
-            out["switchyard cpu (HTTP)"], counts["switchyard cpu (HTTP)"] = t, body["counts"]
+                t, answer = timed(lambda: client.point_in_polygon_counts(f"pts-{name}", f"poly-{name}", engine="cpu"),
+                                  args.runs)
+            out["switchyard cpu (HTTP)"], counts["switchyard cpu (HTTP)"] = t, answer.counts.tolist()
 
             points = points_from_lonlat(lon, lat)
             polygons = polygons_from_shapely(polys.geometry.values)
@@ -161,6 +160,7 @@ def main() -> None:
 
         report["distance"] = _distance(client, engine, args, load, report)
     finally:
+        client.close()
         service.stop()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,7 @@ def main() -> None:
     print(f"wrote {args.out / f'bench_spatial-{stamp}.json'} and .png")
 
 
-def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: MachineLoad,
+def _distance(client: Client, engine: Any, args: argparse.Namespace, load: MachineLoad,
               report: dict) -> dict[str, Any]:
     """Clustered points (cities-like, some across the antimeridian), R metres, checked on a sample."""
     rng = np.random.default_rng(args.seed + 1)
@@ -178,20 +178,12 @@ def _distance(client: JsonClient, engine: Any, args: argparse.Namespace, load: M
     pick = rng.integers(0, len(centers), args.distance_points)
     lon = (centers[pick, 0] + rng.normal(0, 0.05, args.distance_points) + 180) % 360 - 180
     lat = np.clip(centers[pick, 1] + rng.normal(0, 0.05, args.distance_points), -90, 90)
-    client.call("POST", "/v1/spatial/layers",
-                {"name": "dist", "kind": "points", "lon": lon.tolist(), "lat": lat.tolist()})
-    pairs: list[tuple[int, int]] = []
+    client.create_points("dist", lon, lat)
     started = time.perf_counter()
     with load.measure(report["machine"].setdefault("distance join http", {})):
-        cursor = None
-        while True:
-            body = client.call("POST", "/v1/spatial/joins/within-distance", {
-                "left": "dist", "right": "dist", "radius_m": args.radius_m, "cursor": cursor, "page_size": 100_000})
-            pairs.extend((i, j) for i, j in body["pairs"])
-            cursor = body["next_cursor"]
-            if cursor is None:
-                break
+        joined = client.within_distance("dist", "dist", args.radius_m, page_size=100_000)  # every page
     took = time.perf_counter() - started
+    pairs = list(zip(joined.left.tolist(), joined.right.tolist()))
     sample = rng.choice(args.distance_points, 500, replace=False)
     by_point: dict[int, set[int]] = {int(i): set() for i in sample}
     for i, j in pairs:

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import http.client
-import io
 import tempfile
 import time
 from pathlib import Path
@@ -26,13 +23,14 @@ import numpy as np
 import orjson
 
 from benchkit import (
-    JsonClient,
     MachineLoad,
     Service,
+    client_label,
     repeat,
     results_dir,
     run_clients,
     save_json,
+    switchyard,
     versions,
     wait_for_quiet,
 )
@@ -57,45 +55,36 @@ def recall_at(found: list[list[int]], truth: np.ndarray, k: int) -> float:
     return float(np.mean([len(set(f[:k]) & set(t[:k].tolist())) / k for f, t in zip(found, truth)]))
 
 
-# -- Switchyard over HTTP -----------------------------------------------------------------------------
-def http_search_all(port: int, collection: str, queries: np.ndarray, k: int, engine: str,
+# -- Switchyard over HTTP, through switchyard_client ---------------------------------------------------
+def http_search_all(url: str, collection: str, queries: np.ndarray, k: int, engine: str,
                     params: dict[str, Any]) -> list[list[int]]:
-    client = JsonClient(port)
-    found: list[list[int]] = []
-    for start in range(0, len(queries), 100):
-        body = {"vectors_b64": base64.b64encode(queries[start:start + 100].astype("<f4").tobytes()).decode(),
-                "k": k, "engine": engine, "params": params}
-        found.extend(client.call("POST", f"/v1/collections/{collection}/search", body)["ids"])
-    return found
+    with switchyard(url) as api:
+        return [row for start in range(0, len(queries), 100)
+                for row in api.search(collection, queries[start:start + 100], k, params=params,
+                                      engine=engine).ids.tolist()]
 
 
-def http_modes(port: int, collection: str, queries: np.ndarray, k: int, engine: str, params: dict[str, Any],
+def http_modes(url: str, collection: str, queries: np.ndarray, k: int, engine: str, params: dict[str, Any],
                clients: int, batch: int, duration: float, runs: int, load: MachineLoad) -> dict[str, Any]:
-    path = f"/v1/collections/{collection}/search"
-    singles = [orjson.dumps({"vector": q, "k": k, "engine": engine, "params": params},
-                            option=orjson.OPT_SERIALIZE_NUMPY) for q in queries]
-    batches = [orjson.dumps({"vectors_b64": base64.b64encode(queries[s:s + batch].astype("<f4").tobytes()).decode(),
-                             "k": k, "engine": engine, "params": params})
-               for s in range(0, len(queries), batch)]
+    """One switchyard_client Client per thread (its keep-alive connection), raw float32 queries: single vectors
+    and batches of `batch`."""
+    singles = list(queries)
+    batches = [queries[s:s + batch] for s in range(0, len(queries), batch)]
 
-    class Client:
-        def __init__(self, bodies: list[bytes], per_call: int) -> None:
-            self.bodies, self.per_call = bodies, per_call
-            self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    class SyClient:
+        def __init__(self, vectors: list[np.ndarray], per_call: int) -> None:
+            self.vectors, self.per_call = vectors, per_call
+            self.api = switchyard(url)
 
         def __call__(self, i: int) -> int:
-            self.conn.request("POST", path, self.bodies[i % len(self.bodies)], {"Content-Type": "application/json"})
-            r = self.conn.getresponse()
-            r.read()
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}")
+            self.api.search(collection, self.vectors[i % len(self.vectors)], k, params=params, engine=engine)
             return self.per_call
 
         def close(self) -> None:
-            self.conn.close()
+            self.api.close()
 
-    def client_for(bodies: list[bytes], per_call: int) -> ClientFactory:
-        return lambda _: Client(bodies, per_call)
+    def client_for(vectors: list[np.ndarray], per_call: int) -> ClientFactory:
+        return lambda _: SyClient(vectors, per_call)
 
     return measure_modes(client_for(singles, 1), client_for(batches, batch), clients, batch, duration, runs, load)
 
@@ -180,46 +169,15 @@ def parse_params(text: str) -> dict[str, Any]:
     return out
 
 
-def progress_bar(label: str, done: int, total: int | None) -> None:
-    width = 30
-    filled = int(width * done / total) if total else 0
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total or '?'} {label:<60}", end="", flush=True)
-
-
 def bulk_load(port: int, collection: str, base: np.ndarray, payloads: list[str] | None = None) -> dict[str, Any]:
-    """One Arrow bulk load (ids 0..n-1, optional JSON payloads) as a job, followed to its end with a progress bar."""
-    import pyarrow as pa
-
-    ids = pa.array(np.arange(len(base), dtype=np.int64))
-    vectors = pa.FixedSizeListArray.from_arrays(pa.array(base.reshape(-1)), base.shape[1])
-    columns = {"id": ids, "vector": vectors, **({"payload": pa.array(payloads)} if payloads is not None else {})}
-    table = pa.table(columns)
-    sink = io.BytesIO()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    """One Arrow bulk load (ids 0..n-1, optional JSON payloads) through switchyard_client, followed to its end with
+    its progress report; the job's result and total_s (the Arrow stream's writing included)."""
     started = time.perf_counter()
-    # ?pgvector=wait: the job ends when pgvector's index is built too, so both build times are measured
-    conn.request("PUT", f"/v1/collections/{collection}/points?pgvector=wait", sink.getvalue(),
-                 {"Content-Type": "application/vnd.apache.arrow.stream"})
-    r = conn.getresponse()
-    accepted = orjson.loads(r.read())
-    if r.status != 202:
-        raise RuntimeError(f"bulk load refused: {accepted}")
-    message = ""
-    while True:
-        conn.request("GET", accepted["location"])
-        job = orjson.loads(conn.getresponse().read())
-        if job["message"] != message:
-            message = job["message"] or ""
-            progress_bar(message, job["done"], job["total"])
-        if job["state"] in ("succeeded", "failed"):
-            break
-        time.sleep(0.5)
-    print()
-    if job["state"] != "succeeded":
-        raise RuntimeError(f"bulk load failed: {job['message']}")
-    return {**job["result"], "total_s": round(time.perf_counter() - started, 2)}
+    with switchyard(f"http://127.0.0.1:{port}") as api:
+        # pgvector="wait": the job ends when pgvector's index is built too, so both build times are measured
+        result = api.load(collection, np.arange(len(base), dtype=np.int64), base,
+                          None if payloads is None else [orjson.loads(p) for p in payloads], pgvector="wait")
+    return {**result, "total_s": round(time.perf_counter() - started, 2)}
 
 
 def best_at(results: list[dict[str, Any]], mode: str, target: float) -> dict[str, Any] | None:
@@ -294,21 +252,22 @@ def main() -> None:
     (work / "data").mkdir()
     service.start()
     load = MachineLoad(service.pids)
+    api = switchyard(service.url)
     report: dict[str, Any] = {
         "benchmark": "vectors", "k": args.k, "recall_target": args.recall_target,
         "data": {"n": n, "dim": dim, "queries": len(queries), "source": source, "metric": "l2"},
-        "client": f"Python threads, one keep-alive connection each (http.client / asyncpg), on the same "
-                  f"{versions()['cores']} cores as the servers",
+        "client": f"Switchyard: {client_label(api)}, raw float32 queries; pgvector: asyncpg, prepared statements; "
+                  f"Python threads, one keep-alive connection each, on the same {versions()['cores']} cores as the "
+                  f"servers",
         "versions": versions("switchyard", "faiss-cpu", "fastapi", "uvicorn", "asyncpg", "pgvector", "numpy"),
         "modes": ["single_1_client", f"single_{args.clients}_clients", f"batch_{args.batch}"],
         "engines": {},
     }
     try:
-        conn = JsonClient(service.port)
-        build = parse_params(args.cpu_build)
-        conn.call("POST", "/v1/collections", {"name": "bench", "dim": dim, "metric": "l2",
-                                      "index": {"type": args.cpu_index, "params": build},
-                                      "pgvector_index": {"type": "hnsw", "m": 16, "ef_construction": 64}})
+        with api:
+            api.create_collection("bench", dim, "l2", index={"type": args.cpu_index,
+                                                             "params": parse_params(args.cpu_build)},
+                                  pgvector_index={"type": "hnsw", "m": 16, "ef_construction": 64})
         print("bulk load (stores, builds the resident index and pgvector's HNSW index)...")
         loaded = bulk_load(service.port, "bench", base)
         report["build"] = loaded
@@ -323,10 +282,10 @@ def main() -> None:
         cpu_rows = []
         for value in [int(v) if "." not in v else float(v) for v in args.cpu_sweep.split(",")]:
             params = {args.cpu_param: value}
-            found = http_search_all(service.port, "bench", queries, args.k, "cpu", params)
+            found = http_search_all(service.url, "bench", queries, args.k, "cpu", params)
             row = {"param": f"{args.cpu_param}={value}", "params": params,
                    "recall": round(recall_at(found, truth, args.k), 4)}
-            row["modes"] = http_modes(service.port, "bench", queries, args.k, "cpu", params, args.clients, args.batch,
+            row["modes"] = http_modes(service.url, "bench", queries, args.k, "cpu", params, args.clients, args.batch,
                                       args.duration, args.runs, load)
             cpu_rows.append(row)
             print(f"  cpu {row['param']}: recall {row['recall']}; " + ", ".join(

@@ -28,6 +28,8 @@ import psutil
 from loadtests.local_ray import local_ray_cluster as local_ray_cluster  # re-exported for tests and benchmarks
 from loadtests.processes import BENCHMARK_ENV
 from loadtests.processes import results_dir as results_dir  # re-exported for the bench_*.py scripts
+from switchyard_client import Client, RetryPolicy
+from switchyard_client import __version__ as client_version
 
 
 def free_port() -> int:
@@ -119,6 +121,19 @@ class JsonClient:
         if response.status >= 300:
             raise RuntimeError(f"{method} {path}: HTTP {response.status}: {payload[:300]!r}")
         return orjson.loads(payload) if payload else {}
+
+
+def switchyard(url: str, transport: str = "auto") -> Client:
+    """Switchyard through the client its users install, as a benchmark drives it: its fastest transport ("auto":
+    libcurl when pycurl is installed), retries off (a refusal is counted, not hidden; typed exceptions carry
+    .status) and no deadline sent (the socket waits up to the client's 300 s)."""
+    return Client(url, retry=RetryPolicy(max_retries=0), transport=transport)
+
+
+def client_label(client: Client) -> str:
+    """What the results say drove Switchyard: `switchyard_client <version>, <transport>, <TCP or unix socket>`."""
+    where = "unix socket" if client.url.startswith("unix:") else "TCP"
+    return f"switchyard_client {client_version}, {client.transport}, {where}"
 
 
 class MachineLoad:

@@ -275,6 +275,15 @@ class Operations:
                      engine, cursor)
 
     # -- OLAP --------------------------------------------------------------------------------------------------
+    def ssb_generate(self, scale_factor: float, seed: int = 0, *, progress: ProgressArg = False,
+                     wait: bool = True) -> Plan[Any]:
+        """Generate an SSB dataset of `scale_factor` (1: 6 million lineorder rows) and load it into the OLAP
+        engines, as a job followed to its end (`progress` as in load()); the job's result (`dataset`: its directory,
+        `rows`: per table, `engines`: what each engine loaded), or with wait=False its first state."""
+        job = yield from self._call(self._json("POST", "/v1/olap/ssb/generate",
+                                               {"scale_factor": scale_factor, "seed": seed}, idempotent=False))
+        return (yield from self.wait_job(job["job"], progress, f"generate SSB SF {scale_factor:g}")) if wait else job
+
     def ssb_query(self, query_id: str, params: dict[str, Any] | None = None, engine: str = "auto",
                   output: str = "arrow") -> Plan[Any]:
         """Run SSB query `query_id` (1.1 ... 4.3): a pyarrow Table (output="arrow", the engine and took_ms in its

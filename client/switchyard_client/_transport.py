@@ -32,6 +32,8 @@ class Endpoint:
 
 
 class Transport(Protocol):
+    name: str  # "pycurl" or "http"
+
     def send(self, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str], timeout: float,
              idempotent: bool) -> Response: ...
 
@@ -58,6 +60,8 @@ class HttpPool:
     """Idle keep-alive connections, newest first, at most `max_idle` of them; any number in use at once (one per
     calling thread). One the service may have closed for idleness is not reused for a call that is unsafe to
     send twice; an idempotent call on a stale one is sent once more on a fresh connection."""
+
+    name = "http"
 
     def __init__(self, endpoint: Endpoint, max_idle: int = 32, idle_s: float = 1.0) -> None:
         self.endpoint = endpoint
@@ -156,6 +160,8 @@ class _Handle:
 
 class CurlPool:
     """libcurl (pycurl), one handle per calling thread: it keeps its connection alive and reconnects by itself."""
+
+    name = "pycurl"
 
     def __init__(self, endpoint: Endpoint) -> None:
         import pycurl

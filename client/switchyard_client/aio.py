@@ -102,5 +102,6 @@ class AsyncClient:
     point_in_polygon_counts = awaitable(Operations.point_in_polygon_counts)
     point_in_polygon = awaitable(Operations.point_in_polygon)
     within_distance = awaitable(Operations.within_distance)
+    ssb_generate = awaitable(Operations.ssb_generate)
     ssb_query = awaitable(Operations.ssb_query)
     sql = awaitable(Operations.sql)

@@ -27,6 +27,11 @@ class Client:
         self._transport: Transport = transport_for(url, transport, max_idle_connections)
         self._ops = Operations(Sessions(), timeout, retry)
 
+    @property
+    def transport(self) -> str:
+        """The transport in use: "pycurl" (libcurl) or "http" (http.client); what "auto" chose."""
+        return self._transport.name
+
     def with_options(self, *, timeout: float | None = None, retry: RetryPolicy | None = None) -> "Client":
         """A client sharing this one's connections and read-your-writes memory, with another timeout or retry
         policy: `client.with_options(timeout=0.5).search(...)`."""
@@ -87,5 +92,6 @@ class Client:
     point_in_polygon_counts = blocking(Operations.point_in_polygon_counts)
     point_in_polygon = blocking(Operations.point_in_polygon)
     within_distance = blocking(Operations.within_distance)
+    ssb_generate = blocking(Operations.ssb_generate)
     ssb_query = blocking(Operations.ssb_query)
     sql = blocking(Operations.sql)
