@@ -99,19 +99,34 @@ class Builds(ManagerState):
         name = c.name
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
-        out = await self.rebuild_resident(name, lambda message: say(0, None, message))
+        resident = self.rebuild_resident(name, lambda message: say(0, None, message))
         if name in self.fallback_builds or await pgvector_search.has_index(self.pool, c):
-            return out
-        if fallback == "background" and r is not None and r.loaded and r.index.index is not None:
-            out["pgvector_index"] = "building"
-            self.fallback_builds.add(name)
-            self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
-            return out
-        say(0, None, "building the pgvector index")
-        started = time.perf_counter()
-        out["pgvector_index"] = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
-        out["pgvector_build_s"] = round(time.perf_counter() - started, 3)
+            return await resident
+        if fallback == "wait":
+            # Both indexes wanted now: built side by side, the resident one on its build thread, pgvector's in
+            # PostgreSQL's processes (one after the other, a load took their sum).
+            say(0, None, "building the pgvector index")
+            built = await asyncio.gather(resident, self._timed_pgvector_build(c), return_exceptions=True)
+            for result in built:  # both ran to their end; the first failure is the build's
+                if isinstance(result, BaseException):
+                    raise result
+            out, (kind, seconds) = built
+        else:
+            out = await resident
+            if r is not None and r.loaded and r.index.index is not None:
+                out["pgvector_index"] = "building"
+                self.fallback_builds.add(name)
+                self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
+                return out
+            say(0, None, "building the pgvector index")  # pgvector serves this collection: needed now
+            kind, seconds = await self._timed_pgvector_build(c)
+        out["pgvector_index"], out["pgvector_build_s"] = kind, seconds
         return out
+
+    async def _timed_pgvector_build(self, c: Collection) -> tuple[str | None, float]:
+        started = time.perf_counter()
+        kind = await pgvector_search.build_index(self.pool, c, await self.store.count(c))
+        return kind, round(time.perf_counter() - started, 3)
 
     async def rebuild_resident(self, name: str, say: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Compact and rebuild this process's resident index of the collection, if it holds one."""

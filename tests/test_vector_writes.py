@@ -95,6 +95,45 @@ def test_service_groups_concurrent_upserts_and_stores_each_acknowledged_vector(c
     assert client.get("/v1/collections/gc").json()["count"] == len(data)
 
 
+def test_a_build_that_waits_for_pgvector_builds_both_indexes_side_by_side(client, monkeypatch):
+    """With pgvector=wait the resident index and pgvector's are built at once (one after the other, a load took
+    their sum): pgvector's build starts while the resident rebuild is still running."""
+    from indexes import manager_builds, pgvector_search
+
+    events: list[str] = []
+    real_resident, real_pgvector = manager_builds.Builds.rebuild_resident, pgvector_search.build_index
+
+    async def resident(self, name, say=None):
+        events.append("resident started")
+        await asyncio.sleep(0.3)  # long enough for the other build to start, if it runs beside this one
+        try:
+            return await real_resident(self, name, say)
+        finally:
+            events.append("resident done")
+
+    async def pgvector(*args, **kwargs):
+        events.append("pgvector started")
+        return await real_pgvector(*args, **kwargs)
+
+    monkeypatch.setattr(manager_builds.Builds, "rebuild_resident", resident)
+    monkeypatch.setattr(pgvector_search, "build_index", pgvector)
+    wait_ready(client)
+    data = clustered(2000, 8, seed=5)
+    assert client.post("/v1/collections", json={"name": "both", "dim": 8, "index": {"type": "hnsw"}}).status_code == 201
+    assert client.put("/v1/collections/both/points",
+                      json={"ids": list(range(2000)), "vectors": data.tolist()}).status_code == 200
+    job = client.post("/v1/collections/both/build?pgvector=wait").json()
+    deadline = time.monotonic() + 60
+    while (state := client.get(job["location"]).json())["state"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert state["state"] == "succeeded", state
+    assert state["result"]["resident_index"] == "hnsw" and state["result"]["pgvector_index"] == "hnsw"
+    assert events.index("pgvector started") < events.index("resident done"), events
+    r = client.post("/v1/collections/both/search", json={"vector": data[11].tolist(), "k": 1, "engine": "pgvector"})
+    assert r.json()["ids"] == [11]
+
+
 def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(client):
     wait_ready(client)
     dim = 8
