@@ -294,6 +294,19 @@ def check_arrow(path: str | Path, dim: int, metric: str = "l2") -> int:
     return scan_arrow(path, dim, metric)[0]
 
 
+ARROW_CONTINUATION = b"\xff\xff\xff\xff"  # what every message of an Arrow IPC stream (format >= 0.15) starts with
+
+
+def check_arrow_stream_start(head: bytes) -> None:
+    """The first bytes of a body said to be an Arrow IPC stream, checked before the rest is read: a JSON body sent
+    with the Arrow content type is refused at once instead of after megabytes. A stream starts with the
+    continuation marker, or (the legacy format) with its first message's length, a small positive int32."""
+    if len(head) < 4 or head[:4] == ARROW_CONTINUATION:
+        return
+    if not 0 < int.from_bytes(head[:4], "little", signed=True) < 1 << 24:
+        raise InvalidInput(f"the body is not an Arrow IPC stream (it starts with {head[:16]!r})", field="body")
+
+
 def scan_arrow(path: str | Path, dim: int, metric: str = "l2",
                check: Callable[[list[bytes | None] | None, int], None] | None = None) -> tuple[int, set[str]]:
     """check_arrow's reading, also giving the distinct top-level payload keys of the stream (the store bounds

@@ -142,3 +142,43 @@ def test_a_bulk_load_cancelled_while_queued_removes_its_file(make_client, tmp_pa
     assert wait_job(client, first.headers["location"])["state"] == "succeeded"
     assert cancelled["state"] in ("cancelled", "succeeded")  # it may have run before the cancel came
     assert not list(spool.spool_dir(tmp_path / "data").iterdir())
+
+
+class _Body:
+    """A request whose body is `first`, then more that must not be read (the test fails if it is)."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.headers = {"content-length": str(70 * 2**20)}
+
+    async def stream(self):
+        yield self.first
+        raise AssertionError("the body was read past its first piece")
+
+
+@pytest.mark.parametrize("first", [b'{"ids": [1], "vectors": [[1, 0, 0, 0]], "payloads": [{"pad": "xxxx',
+                                   b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x04\x15\x00\x12\x00"])
+def test_a_body_that_is_no_arrow_stream_is_refused_from_its_first_bytes(tmp_path, first):
+    """JSON (or Parquet) sent with the Arrow content type: refused once its first bytes are in, before the rest
+    of a 70 MB body is read or written to disk, and no spool file is left."""
+    from conftest import run
+    from indexes.vectors import check_arrow_stream_start
+    from service.jobs.disk import DiskLedger
+
+    ledger = DiskLedger(tmp_path, 0, None)
+    with pytest.raises(InvalidInput, match="not an Arrow IPC stream") as refused:
+        run(spool.spool(_Body(first), ledger, "a bulk load", check_start=check_arrow_stream_start))
+    assert refused.value.field == "body"
+    assert not list(spool.spool_dir(tmp_path).iterdir())
+
+
+def test_a_real_stream_passes_the_check_of_its_first_bytes():
+    from indexes.vectors import check_arrow_stream_start
+
+    data = stream(batches(clustered(10, DIM, seed=2)))
+    check_arrow_stream_start(data[:spool.START_BYTES])  # the continuation marker
+    legacy = pa.BufferOutputStream()
+    schema = pa.schema([("id", pa.int64())])
+    with pa.ipc.new_stream(legacy, schema, options=pa.ipc.IpcWriteOptions(use_legacy_format=True)) as writer:
+        writer.write_batch(pa.record_batch([pa.array([1, 2])], schema=schema))
+    check_arrow_stream_start(legacy.getvalue().to_pybytes()[:spool.START_BYTES])  # the legacy format: a length

@@ -13,6 +13,7 @@ import asyncio
 import os
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from starlette.requests import Request
 
@@ -20,6 +21,7 @@ from indexes.build_process import pid_alive
 from service.jobs.disk import DiskLedger
 
 FLUSH_BYTES = 8 * 2**20
+START_BYTES = 16  # what check_start is given
 
 
 def spool_dir(data_dir: Path) -> Path:
@@ -35,9 +37,11 @@ def clear(data_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-async def spool(request: Request, ledger: DiskLedger, what: str) -> Path:
+async def spool(request: Request, ledger: DiskLedger, what: str,
+                check_start: Callable[[bytes], None] | None = None) -> Path:
     """Write the request's body to a new file under the spool directory and return its path. On any failure
-    (a client gone mid-body, a full disk, the body limit) the file is removed."""
+    (a client gone mid-body, a full disk, the body limit, `check_start` refusing the body's first bytes before the
+    rest is read) the file is removed."""
     directory = spool_dir(ledger.data_dir)
     directory.mkdir(parents=True, exist_ok=True)
     declared = request.headers.get("content-length", "")
@@ -48,6 +52,9 @@ async def spool(request: Request, ledger: DiskLedger, what: str) -> Path:
         buffer = bytearray()
         async for piece in request.stream():
             buffer += piece
+            if check_start is not None and len(buffer) >= START_BYTES:
+                check_start(bytes(buffer[:START_BYTES]))
+                check_start = None
             if len(buffer) >= FLUSH_BYTES:
                 await asyncio.to_thread(file.write, buffer)
                 buffer = bytearray()

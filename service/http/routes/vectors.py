@@ -14,6 +14,7 @@ from indexes.vectors import (
     MAX_K,
     arrow_chunks,
     as_matrix,
+    check_arrow_stream_start,
     check_batch,
     check_finite,
     check_ids,
@@ -215,7 +216,7 @@ async def start_bulk_load(runtime: Any, name: str, request: Request, fallback: s
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(name)
     jobs = domain(runtime, "jobs")
-    path = await spool(request, jobs.disk, "the bulk load's body")
+    path = await spool(request, jobs.disk, "the bulk load's body", check_start=check_arrow_stream_start)
     try:
         rows, keys = await asyncio.to_thread(scan_arrow, path, c.dim, c.metric, vectors.store.check_payload_sizes)
         await vectors.store.check_keys(c, keys)
