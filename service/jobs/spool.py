@@ -18,6 +18,8 @@ from typing import Callable
 from starlette.requests import Request
 
 from indexes.build_process import pid_alive
+from indexes.errors import InvalidInput
+from service.errors import Unprocessable
 from service.jobs.disk import DiskLedger
 
 FLUSH_BYTES = 8 * 2**20
@@ -53,7 +55,10 @@ async def spool(request: Request, ledger: DiskLedger, what: str,
         async for piece in request.stream():
             buffer += piece
             if check_start is not None and len(buffer) >= START_BYTES:
-                check_start(bytes(buffer[:START_BYTES]))
+                try:
+                    check_start(bytes(buffer[:START_BYTES]))
+                except InvalidInput as exc:  # the rest is not read: the connection closes, nothing drains it
+                    raise Unprocessable(str(exc), field=exc.field, headers={"Connection": "close"}) from None
                 check_start = None
             if len(buffer) >= FLUSH_BYTES:
                 await asyncio.to_thread(file.write, buffer)
