@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import wait_ready
+from helpers import wait_job, wait_ready
 from indexes.group_commit import GroupCommit, merge
 from indexes.vectors import Points
 from vector_data import clustered
@@ -122,11 +122,7 @@ def test_a_build_that_waits_for_pgvector_builds_both_indexes_side_by_side(client
     assert client.post("/v1/collections", json={"name": "both", "dim": 8, "index": {"type": "hnsw"}}).status_code == 201
     assert client.put("/v1/collections/both/points",
                       json={"ids": list(range(2000)), "vectors": data.tolist()}).status_code == 200
-    job = client.post("/v1/collections/both/build?pgvector=wait").json()
-    deadline = time.monotonic() + 60
-    while (state := client.get(job["location"]).json())["state"] not in ("succeeded", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    state = wait_job(client, client.post("/v1/collections/both/build?pgvector=wait").json()["location"], 60)
     assert state["state"] == "succeeded", state
     assert state["result"]["resident_index"] == "hnsw" and state["result"]["pgvector_index"] == "hnsw"
     assert events.index("pgvector started") < events.index("resident done"), events
@@ -141,11 +137,8 @@ def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(cli
     data = clustered(3000, dim, seed=4)
     assert client.put("/v1/collections/fb/points",
                       json={"ids": list(range(3000)), "vectors": data.tolist()}).status_code == 200
-    job = client.post("/v1/collections/fb/build").json()
+    state = wait_job(client, client.post("/v1/collections/fb/build").json()["location"], 60)
     deadline = time.monotonic() + 60
-    while (state := client.get(job["location"]).json())["state"] not in ("succeeded", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
     assert state["state"] == "succeeded", state
     assert state["result"]["resident_index"] == "hnsw"
     assert state["result"]["pgvector_index"] == "building" and "pgvector_build_s" not in state["result"]
