@@ -102,8 +102,7 @@ class ClassLimit:
     def admit(self) -> bool:
         """A slot now, if one is free and nobody waits for one."""
         if not self.waiters and self.inflight < self.current():
-            self.inflight += 1
-            self._peak = max(self._peak, self.inflight)
+            self._take_slot()
             return True
         self._constrained = True
         return False
@@ -153,9 +152,12 @@ class ClassLimit:
     def _hand_over(self) -> None:
         """Give free slots to the waiters at the head of the queue."""
         while self.waiters and self.inflight < self.limit:
-            self.inflight += 1
-            self._peak = max(self._peak, self.inflight)
+            self._take_slot()
             self.waiters.popleft().set_result(True)
+
+    def _take_slot(self) -> None:
+        self.inflight += 1
+        self._peak = max(self._peak, self.inflight)
 
     def leave(self, kind: Hashable = None, seconds: float = 0.0) -> None:
         """Count one request out; `kind` and its latency if it succeeded (failures say nothing of queueing: many
