@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Union
@@ -85,8 +86,12 @@ def instant(text: str) -> float | None:
 
 PARSED_ENTRIES = 1024  # filters remembered by their JSON text (a client sends the same one with many searches)
 PARSED_TEXT_BYTES = 4096  # ... when their text is at most this long: caches hold entries, not megabytes of filters
-KEY_CHARS = 256  # a longer filter is keyed by a digest of its repr, so no cache keeps the filter itself
+# Longer filters: the most recent ones, up to this much text in all. One request parses its filter more than once
+# (where it is read, and where it is searched), and a long $in costs far more to parse than to look up.
+RECENT_LARGE_BYTES = 2**20
+KEY_CHARS = 256  # a longer filter is keyed by a digest, so no cache keeps the filter itself
 _parsed: dict[bytes, Node] = {}
+_recent_large: OrderedDict[bytes, Node] = OrderedDict()
 
 
 def parse(raw: Any, path: str = "filter") -> Node | None:
@@ -98,16 +103,33 @@ def parse(raw: Any, path: str = "filter") -> Node | None:
         text: bytes | None = orjson.dumps(raw)  # 1, 1.0 and true stay apart, as they must
     except TypeError:  # not JSON (a Python caller's own objects): parsed every time
         text = None
-    if text is not None and len(text) > PARSED_TEXT_BYTES:  # parsed each time: the work is in proportion anyway
-        text = None
-    node = _parsed.get(text) if text is not None else None
-    if node is None:
-        node = _object(raw, path, 0, [0])
-        if text is not None:
-            if len(_parsed) >= PARSED_ENTRIES:
-                _parsed.clear()
-            _parsed[text] = node
+    if text is None:
+        return _object(raw, path, 0, [0])
+    small = len(text) <= PARSED_TEXT_BYTES
+    node = _parsed.get(text) if small else _recent_large.get(text)
+    if node is not None:
+        return node
+    node = _object(raw, path, 0, [0])
+    if small:
+        if len(_parsed) >= PARSED_ENTRIES:
+            _parsed.clear()
+        _parsed[text] = node
+    elif len(text) <= RECENT_LARGE_BYTES:
+        # Its key from its text, which is shorter to digest than its repr; the same text, the same meaning.
+        object.__setattr__(node, "_key", "json:" + _digest(text))
+        _remember_large(text, node)
     return node
+
+
+def _remember_large(text: bytes, node: Node) -> None:
+    """Keeps `node` among the recent large filters, forgetting the oldest past RECENT_LARGE_BYTES of text."""
+    _recent_large[text] = node
+    held = sum(map(len, _recent_large))
+    while held > RECENT_LARGE_BYTES and _recent_large:
+        try:
+            held -= len(_recent_large.popitem(last=False)[0])
+        except KeyError:  # another thread emptied it first
+            break
 
 
 def portable(raw: Any) -> Any:
@@ -132,14 +154,20 @@ def _floats(value: Any) -> Any:
 
 def key(node: Node) -> str:
     """What identifies a filter's meaning in caches: its repr, not the tree (True == 1.0 in Python, but
-    {"f": true} is no {"f": 1}), or past KEY_CHARS a 128-bit digest of it; computed once per tree."""
+    {"f": true} is no {"f": 1}), or past KEY_CHARS a 128-bit digest of it (of its JSON text, for a large filter
+    parse() remembered); computed once per tree."""
     found = node.__dict__.get("_key")
     if found is None:
         found = repr(node)
         if len(found) > KEY_CHARS:
-            found = "blake2b:" + hashlib.blake2b(found.encode(), digest_size=16).hexdigest()
+            found = "repr:" + _digest(found.encode())
         object.__setattr__(node, "_key", found)  # frozen, and not a field: equality and hashing ignore it
     return found
+
+
+def _digest(data: bytes) -> str:
+    """128 bits of SHA-256 (which CPUs compute in hardware: twice as fast as BLAKE2 here) as hex."""
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _object(raw: Any, path: str, depth: int, counter: list[int]) -> Node:
@@ -184,7 +212,7 @@ def _field(name: str, raw: Any, path: str, counter: list[int]) -> Node:
                 raise InvalidInput(f"{op} takes a list of values", field=here)
             if len(value) > MAX_IN:
                 raise InvalidInput(f"{op} takes at most {MAX_IN} values", field=here)
-            node = Cond(name, "in", tuple(dict.fromkeys(_scalar(v, f"{here}[{i}]") for i, v in enumerate(value))))
+            node = Cond(name, "in", _values(value, here))
         elif op == "$exists":
             if not isinstance(value, bool):
                 raise InvalidInput("$exists takes true or false", field=here)
@@ -194,6 +222,15 @@ def _field(name: str, raw: Any, path: str, counter: list[int]) -> Node:
         negated = op in ("$ne", "$nin") or (op == "$exists" and value is False)
         items.append(_count(Not(node) if negated else node, counter, here))
     return items[0] if len(items) == 1 else And(tuple(items))
+
+
+def _values(values: list[Any], path: str) -> tuple[Scalar, ...]:
+    """The distinct scalars of an $in / $nin list. A list of strings alone (the common long one) is checked in
+    one pass over its joined text; anything else value by value, each named by its index where it is refused."""
+    if all(type(v) is str for v in values) and "\x00" not in "".join(values):
+        return tuple(dict.fromkeys(values))
+    scalars = (_scalar(v, f"{path}[{i}]") for i, v in enumerate(values))
+    return tuple({(type(v), v): v for v in scalars}.values())  # by type too: true == 1.0 in Python, not here
 
 
 def _count(node: Node, counter: list[int], path: str) -> Node:

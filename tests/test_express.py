@@ -68,3 +68,44 @@ def test_a_request_without_the_key_is_refused_before_it_takes_a_slot_or_sends_it
         assert sent[0]["status"] == 401, (path, sent)
         assert (b"www-authenticate", b'Bearer realm="switchyard"') in sent[0]["headers"]
         assert classes is not None and not any(work.inflight for work in classes.values())
+
+
+def test_a_search_the_inline_lane_declines_is_parsed_once(monkeypatch):
+    """A search parsed for an inline answer and declined there (its cost not learnt yet, say) reaches the app's path
+    with its parsed call: a large filter's parse is paid once, not once per lane."""
+    from service.http import express as express_module
+    from service.http.express import PARSED_CALL
+    from service.process.messages import Reply
+
+    ran: list[object] = []
+
+    class Declining:
+        def run_inline(self, call, respond) -> bool:
+            return False
+
+        async def run(self, call, spent_s, scope) -> Reply:
+            ran.append(call)
+            return Reply(0, 200, b"{}")
+
+    ex = Express(app=None, settings=Settings(), runner=Declining(), inline=True)  # type: ignore[arg-type]
+    body = b'{"vector": [1.0, 2.0], "k": 3, "filter": {"tag": {"$in": ["a", "b"]}}}'
+    answered, call = ex.answer_inline(Claim("c1", "application/json", ""), body, [].append, [].append)
+    assert not answered and call is not None and call.k == 3 and call.filter == {"tag": {"$in": ["a", "b"]}}
+
+    def parse_again(*args: object) -> None:
+        raise AssertionError("the app's path parsed the body again")
+
+    monkeypatch.setattr(express_module, "parse_call", parse_again)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/collections/c1/search", "query_string": b"",
+             "headers": [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")],
+             PARSED_CALL: call}
+    asyncio.run(ex(scope, receive, send))
+    assert ran == [call] and sent[0]["status"] == 200

@@ -101,6 +101,7 @@ with np.errstate(invalid="ignore"):
         ({"flag": None}, FLAG_NULL),
         ({"flag": 1}, np.zeros(N, dtype=bool)),  # booleans are not numbers (and True == 1 must not share a cache entry)
         ({"flag": True}, FLAG_TRUE),
+        ({"flag": {"$in": [1, True]}}, FLAG_TRUE),  # true is kept beside 1 (equal in Python, not here)
         ({"tags": {"$exists": True}}, HAS & ATTR["tags"]),
         ({"tags": "a"}, np.zeros(N, dtype=bool)),  # arrays match only $exists
         ({"$and": [{"n": {"$lt": 50}}, {"$not": {"color": "green"}}]}, NUM & (ATTR["n"] < 50) & (COLOR != "green")),
@@ -280,16 +281,39 @@ def test_a_repeated_filter_is_parsed_once_and_lookalikes_stay_apart():
             filters.parse({"flag": {"$gt": True}})
 
 
-def test_large_filters_are_neither_remembered_nor_kept_as_keys():
-    """Distinct large filters (a long $in) must not grow the parse cache, and what other caches (the filter rows,
-    the micro-batcher's learnt costs) key them by stays small: a digest, which still tells filters apart."""
+def test_large_filters_are_remembered_within_a_byte_budget_and_never_kept_as_keys(monkeypatch):
+    """Distinct large filters (a long $in) must not grow the parse caches past their budget, and what other caches
+    (the filter rows, the micro-batcher's learnt costs) key them by stays small: a digest, which still tells
+    filters apart. The most recent ones are remembered: one request parses its filter more than once."""
+    monkeypatch.setattr(filters, "RECENT_LARGE_BYTES", 20_000)
+    monkeypatch.setattr(filters, "_recent_large", type(filters._recent_large)())
     before = len(filters._parsed)
-    trees = [filters.parse({"tag": {"$in": [f"{i}-{j:04d}".ljust(48, "x") for j in range(100)]}}) for i in range(3)]
+
+    def large(i):
+        return {"tag": {"$in": [f"{i}-{j:04d}".ljust(48, "x") for j in range(100)]}}  # about 5.5 KB of JSON
+
+    trees = [filters.parse(large(i)) for i in range(8)]
     assert len(filters._parsed) == before
+    assert 0 < sum(map(len, filters._recent_large)) <= 20_000 and len(filters._recent_large) < 8
     keys = {filters.key(tree) for tree in trees}
-    assert len(keys) == 3 and all(len(key) <= filters.KEY_CHARS for key in keys)
-    again = filters.parse({"tag": {"$in": [f"0-{j:04d}".ljust(48, "x") for j in range(100)]}})
-    assert again is not trees[0] and filters.key(again) == filters.key(trees[0])
+    assert len(keys) == 8 and all(len(key) <= filters.KEY_CHARS for key in keys)
+    assert filters.parse(large(7)) is trees[7]  # the most recent: a look-up
+    again = filters.parse(large(0))  # forgotten: parsed again, to an equal tree with the same key
+    assert again is not trees[0] and again == trees[0] and filters.key(again) == filters.key(trees[0])
+    # A large filter too long to remember is parsed every time, and its key is still a digest.
+    monkeypatch.setattr(filters, "RECENT_LARGE_BYTES", 1_000)
+    assert filters.parse(large(9)) is not filters.parse(large(9))
+    assert len(filters.key(filters.parse(large(9)))) <= filters.KEY_CHARS
+
+
+def test_a_long_in_list_refuses_the_value_it_cannot_hold_by_its_index():
+    values = [f"v{j}" for j in range(500)]
+    for bad, message in (("a\x00b", "NUL"), ({"x": 1}, "must be a string")):
+        with pytest.raises(InvalidInput, match=message) as refused:
+            filters.parse({"tag": {"$nin": [*values[:300], bad, *values[300:]]}})
+        assert refused.value.field == "filter.tag.$nin[300]"
+    mixed = filters.parse({"tag": {"$in": ["a", 1, True, None, "a", 1.0]}})
+    assert mixed.value == ("a", 1.0, True, None)  # distinct, numbers as floats, true apart from 1
 
 
 def test_a_filtered_search_on_the_resident_path_asks_postgresql_nothing(app, monkeypatch):

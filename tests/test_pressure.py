@@ -281,11 +281,11 @@ def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_pa
     full(classes["light"])
     answers, refusals = [], []
     claim = Claim("c1", "application/json", "")
-    assert app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
+    assert app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert not answers and refusals[0].status == 503 and ("retry-after", "1") in refusals[0].headers
     assert b'"reason":"inflight"' in refusals[0].body.replace(b" ", b"")
     classes["light"].waiters.clear()  # the queue has room: the search waits on the app's path instead
-    assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
+    assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert len(refusals) == 1
 
 

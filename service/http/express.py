@@ -49,6 +49,7 @@ INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: 
 # An inline answer takes microseconds (SWITCHYARD_INLINE_SEARCH_US): a deadline at least this far off cannot pass
 # while it runs, so a request carrying one may still be answered inline (clients that always send their timeout).
 INLINE_MIN_DEADLINE_S = 1.0
+PARSED_CALL = "switchyard.parsed_call"  # the scope key of a search answer_inline parsed but left unanswered
 
 
 class Headers(NamedTuple):
@@ -158,18 +159,19 @@ class Express:
         return Claim(match.group(1), h.media.decode(), query.decode("latin-1"))
 
     def answer_inline(self, claim: Claim, raw: bytes, respond: Callable[[bytes], None],
-                      refuse: Callable[[Reply], None]) -> bool:
+                      refuse: Callable[[Reply], None]) -> tuple[bool, SearchCall | None]:
         """The claimed search answered at once, admitted and counted as __call__ would: whether its answer went to
-        `respond` (False: nothing was sent, and the request goes through __call__)."""
+        `respond` (False: nothing was sent, and the request goes through __call__), and the call it was parsed to,
+        if it was: __call__ finds it in its scope (PARSED_CALL), and does not parse the body again."""
         ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
         if self.admission is not None and ticket is None:
             try:  # no slot now: wait for one on the app's path, or, with the queue full, be refused here at once
                 self.admission.check_room(LIGHT)
             except ProblemError as exc:
                 refuse(problem_of(exc, {"method": "POST", "path": f"/v1/collections/{claim.collection}/search"}))
-                return True
-            return False
-        answered = False
+                return True, None
+            return False, None
+        answered, call = False, None
         try:
             call = parse_search(claim.collection, raw, claim.media, claim.query)
             answered = self.runner.run_inline(call, respond)
@@ -181,7 +183,7 @@ class Express:
         if answered and self.sample and random.random() < self.sample:
             log_request({"client": None, "method": "POST", "path": f"/v1/collections/{claim.collection}/search",
                          "query_string": claim.query.encode("latin-1")}, 200, 0.0, sampled=True)
-        return answered
+        return answered, call
 
     # -- ASGI ------------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,7 +258,8 @@ class Express:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        call = parse_call(search, match.group(1), raw, h.media.decode(), scope["query_string"].decode("latin-1"))
+        call = scope.get(PARSED_CALL) or parse_call(search, match.group(1), raw, h.media.decode(),
+                                                   scope["query_string"].decode("latin-1"))
         reply = await self.runner.run(call, time.perf_counter() - started, scope)
         await _send_reply(send, reply)
         if (self.log_failures and reply.status != 200) or (self.sample and random.random() < self.sample):
