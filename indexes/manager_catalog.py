@@ -13,6 +13,7 @@ from .ann import INDEX_TYPES, check_build_shape, check_params
 from .distance import METRICS
 from .errors import InvalidInput
 from .manager_builds import Builds, build_and_calibrate
+from .manager_state import HEAVY_WORK
 from .replica import Replica
 from .resident import Changes, ResidentCollection
 from .store import Collection
@@ -73,7 +74,9 @@ class Catalog(Builds):
                                       self.policy)
 
         async def run(fn: Callable[..., Any], *args: Any) -> Any:
-            return await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
+            heavy = kind == "cpu" and HEAVY_WORK.get()  # the GPU's work stays on the thread that holds its context
+            executor = self.heavy_executor if heavy else self.executors[kind]
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
         async def read_changes(since: int) -> Changes:
             changes = await self.store.read_changes(c, since)

@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar, cast
@@ -36,6 +37,9 @@ log = logging.getLogger("switchyard.vectors")
 
 SNAPSHOT_QUIET_S = 2.0  # see _snapshot_soon
 T = TypeVar("T")
+# Set while a heavy-class request (recall) runs: its resident CPU work goes to heavy_executor too, whose thread the
+# service runs at a lower CPU priority, so a recall's batch search of thousands of queries yields to searches.
+HEAVY_WORK: ContextVar[bool] = ContextVar("switchyard_heavy_work", default=False)
 
 
 @dataclass(frozen=True)

@@ -179,12 +179,20 @@ def _ids_of(all_ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return ids
 
 
+SHAPE_ROWS = 512
+
+
 def _shape(ids: np.ndarray, distances: np.ndarray, watermark: int | None = None,
            plan: dict[str, Any] | None = None) -> SearchResult:
-    """Per query, the valid results in order (fewer than k when fewer rows qualify)."""
-    out_ids, out_d = ids.tolist(), distances.tolist()
-    for i, row_ids in enumerate(out_ids):
-        if -1 in row_ids:  # the engines mark a missing result -1, and only at the end of a row
-            n = row_ids.index(-1)
-            out_ids[i], out_d[i] = row_ids[:n], out_d[i][:n]
+    """Per query, the valid results in order (fewer than k when fewer rows qualify). Converted SHAPE_ROWS queries
+    at a time: one tolist() of a large batch holds the GIL, which the event loop then waits for, for milliseconds."""
+    out_ids: list[list[int]] = []
+    out_d: list[list[float]] = []
+    for q0 in range(0, len(ids), SHAPE_ROWS):
+        out_ids += ids[q0:q0 + SHAPE_ROWS].tolist()
+        out_d += distances[q0:q0 + SHAPE_ROWS].tolist()
+    if ids.size and ids.min() < 0:  # the engines mark a missing result -1, and only at the end of a row
+        for i in np.flatnonzero(ids[:, -1] < 0).tolist():
+            n = out_ids[i].index(-1)
+            out_ids[i], out_d[i] = out_ids[i][:n], out_d[i][:n]
     return SearchResult(out_ids, out_d, watermark, plan)

@@ -8,7 +8,9 @@ Stop: not ready -> engines stop -> pool closes -> embedded server stops.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -168,6 +170,7 @@ class Runtime:
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         blas_threads(self.settings.engine_threads)  # after the engines are made: FAISS brings its own BLAS
+        sys.setswitchinterval(self.settings.cpu.gil_switch_us / 1e6)  # see docs/design/serving.md
         if self.vectors is not None:
             await self.vectors.start()
         if self.olap is not None:
@@ -178,10 +181,15 @@ class Runtime:
             labels = (status.spec.domain, status.spec.name, status.spec.kind)
             self.metrics.engine_available.labels(*labels).set(1 if status.available else 0)
             self.metrics.engine_ready.labels(*labels).set(1 if status.ready else 0)
+        # What startup made (modules, the app, the engines) lives as long as the process: kept out of the cyclic
+        # collector's passes, which walk every object they hold with the GIL held (see docs/design/serving.md).
+        gc.collect()
+        gc.freeze()
 
     async def stop(self) -> None:
         self.phase = "stopping"
         await self._release()
+        gc.unfreeze()  # what start() froze may be collected again (a process that starts another runtime: tests)
         self.phase = "stopped"
 
     async def _release(self) -> None:

@@ -247,6 +247,9 @@ class CpuSettings(Group):
     duckdb_memory_mb: int | None = setting(None, ge=64, description=(
         "DuckDB's memory limit for SSB queries (default: a quarter of RAM divided among the workers or engine "
         "processes); a query that needs more is a 422 instead of taking the machine."))
+    gil_switch_us: int = setting(1000, env="gil_switch_us", ge=100, le=100_000, description=(
+        "How long a thread waiting for Python's GIL waits before the holder must yield it (sys.setswitchinterval; "
+        "Python's default is 5,000): the event loop waits at most this long for a worker thread's Python work."))
 
 
 class GpuSettings(Group):

@@ -31,6 +31,7 @@ max_payload_keys
 read_timeout_s
 max_payload_value_bytes max_payload_row_bytes
 max_connections keep_alive_s
+gil_switch_us
 """.split()
 
 

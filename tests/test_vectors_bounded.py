@@ -4,6 +4,7 @@ only for rows that have a key, and recall's exact ground truth scores queries x 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -14,7 +15,9 @@ from helpers import wait_ready
 from indexes import distance
 from indexes.filters import parse
 from indexes.payloads import PayloadIndex
+from indexes.resident_search import ResidentSearch
 from service.admission.priority import HEAVY_NICE
+from service.settings import Settings
 from vector_data import clustered, oracle
 
 
@@ -122,14 +125,20 @@ class Spy:
     def __init__(self, monkeypatch) -> None:
         self.shapes: list[tuple[int, int]] = []
         self.nice: set[int] = set()
-        real = distance.exact_search
+        self.searches: list[int] = []  # the nice value of each resident engine search's thread
+        real, real_search = distance.exact_search, ResidentSearch.search
 
         def spied(xp, data, queries, k, metric, keep=None):
             self.shapes.append((queries.shape[0], data.shape[0]))
             self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return real(xp, data, queries, k, metric, keep)
 
+        def spied_search(index, *args, **kwargs):
+            self.searches.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return real_search(index, *args, **kwargs)
+
         monkeypatch.setattr(distance, "exact_search", spied)
+        monkeypatch.setattr(ResidentSearch, "search", spied_search)
 
 
 @pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
@@ -172,9 +181,21 @@ def test_recall_ground_truth_is_computed_in_bounded_blocks(client, monkeypatch):
     # The ground truth came from blocks of at most `budget` bytes of scores, covering every query and row.
     assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
     assert sum(q * n for q, n in spy.shapes) == 200 * 1500
-    # Heavy work: on a thread of lower CPU priority than the event loop's (this thread's), so searches come first
+    # Heavy work: on a thread of lower CPU priority than the event loop's (this thread's), so searches come first:
+    # the exact answer, and the engine's own search of the sample; a search of the same batch is not heavy work.
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert spy.nice == {min(19, mine + HEAVY_NICE)}, (spy.nice, mine)
+    assert spy.searches == [min(19, mine + HEAVY_NICE)], (spy.searches, mine)
+    r = client.post(f"/v1/collections/{name}/search", json={"vectors": data[:200].tolist(), "k": 10, "engine": "cpu"})
+    assert r.status_code == 200 and spy.searches[1:] == [mine], (r.text, spy.searches, mine)
+
+
+def test_the_service_lets_the_event_loop_have_the_gil_within_its_setting(client):
+    """Worker threads' Python (a batch answer shaped in pieces, recall's count) yields the GIL to the event loop
+    after SWITCHYARD_GIL_SWITCH_US, not Python's default 5 ms."""
+    wait_ready(client)
+    assert sys.getswitchinterval() == pytest.approx(Settings().cpu.gil_switch_us / 1e6)
+    assert Settings().cpu.gil_switch_us < 5000
 
 
 def test_recall_is_bounded_as_a_search_is(client):
@@ -186,3 +207,15 @@ def test_recall_is_bounded_as_a_search_is(client):
     queries = np.ones((2000, 4)).tolist()
     r = client.post(f"/v1/collections/{name}/recall", json={"queries": queries, "k": 1000})
     assert r.status_code == 422 and r.json()["field"] == "queries", r.text
+
+
+def test_what_the_service_made_at_startup_is_out_of_the_collectors_passes(client):
+    """Startup's objects are frozen (gc.freeze), so a full collection, which holds the GIL, walks only what came
+    after them: a 10-14 ms pass of the collector on a worker thread stalled the event loop as long."""
+    import gc
+
+    wait_ready(client)
+    deadline = time.monotonic() + 30
+    while gc.get_freeze_count() == 0 and time.monotonic() < deadline:  # the engines start in the background
+        time.sleep(0.05)
+    assert gc.get_freeze_count() > 10_000
