@@ -62,8 +62,10 @@ class FaissIndex:
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None,
-              huge_pages: bool = True) -> "FaissIndex":
-        _use_threads(len(vectors), threads)
+              huge_pages: bool = True, build_threads: int | None = None) -> "FaissIndex":
+        """`threads`: the built index's, for its searches and adds; `build_threads`: this build's (default every
+        core: builds run on a thread of lower CPU priority, whose OpenMP threads take only what searches leave)."""
+        _use_threads(len(vectors), build_threads)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
         index: faiss.Index
@@ -88,7 +90,7 @@ class FaissIndex:
             raise ValueError(f"FAISS has no index type {t!r}")
         built = cls(config, index, threads, huge_pages)
         if n:
-            built.add(vectors)
+            built.add(vectors, build_threads or os.cpu_count())
         return built
 
     @classmethod
@@ -115,8 +117,8 @@ class FaissIndex:
         copy._back(collapse=True)
         return copy
 
-    def add(self, vectors: np.ndarray) -> None:
-        _use_threads(len(vectors), self.threads)
+    def add(self, vectors: np.ndarray, threads: int | None = None) -> None:
+        _use_threads(len(vectors), threads or self.threads)
         self.index.add(np.ascontiguousarray(vectors, dtype=np.float32))
         self._back(collapse=len(vectors) >= hugepages.COLLAPSE_ROWS)
 
@@ -180,12 +182,13 @@ class FaissBackend:
     name = "faiss"
     kind = "cpu"
 
-    def __init__(self, threads: int | None = None, huge_pages: bool = True) -> None:
-        self.threads = threads  # OpenMP threads per call; None: every core
+    def __init__(self, threads: int | None = None, huge_pages: bool = True, build_threads: int | None = None) -> None:
+        self.threads = threads  # OpenMP threads per search or add; None: every core
         self.huge_pages = huge_pages
+        self.build_threads = build_threads  # ... per build (see FaissIndex.build)
 
     def build(self, config: IndexConfig, vectors: np.ndarray) -> FaissIndex:
-        return FaissIndex.build(config, vectors, self.threads, self.huge_pages)
+        return FaissIndex.build(config, vectors, self.threads, self.huge_pages, self.build_threads)
 
     def load(self, config: IndexConfig, data: bytes) -> FaissIndex:
         return FaissIndex.from_bytes(config, data, self.threads, self.huge_pages)

@@ -41,9 +41,11 @@ class CollectionManager(Catalog, Writes, Recall):
         self.executors[kind] = ThreadPoolExecutor(max_workers=1 if kind == "gpu" else 2,
                                                   thread_name_prefix=f"vectors-{kind}")
         # A build process (build_process.py) frees the GPU thread during builds; without one they share it.
+        # A build thread of its own starts with thread_init (lower CPU priority): a build may then use every core
+        # (FaissIndex.build), taking only what searches leave.
         shares = kind == "gpu" and getattr(backend, "builder", None) is None
         self.build_executors[kind] = self.executors[kind] if shares else ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"vectors-{kind}-build")
+            max_workers=1, thread_name_prefix=f"vectors-{kind}-build", initializer=self.thread_init)
         # Lone cheap searches may run on the event loop (see batching.py), on the CPU only: cuVS calls must stay
         # on their one thread.
         self.batchers[kind] = MicroBatcher(self._run_batch, self.executors[kind], max_batch=self.max_batch,

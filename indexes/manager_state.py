@@ -72,6 +72,7 @@ class ManagerState:
         self.build_executors: dict[str, ThreadPoolExecutor] = {}  # rebuilds
         # Heavy work of the heavy class (recall's exact ground truth): its thread starts with `thread_init`, which
         # the service gives a lower CPU priority (service/admission/priority.py), so searches are not slowed by it.
+        self.thread_init = thread_init  # the build threads' too (manager.attach)
         self.heavy_executor = ThreadPoolExecutor(max_workers=1, initializer=thread_init,
                                                  thread_name_prefix="vectors-heavy")
         self.resident: dict[str, Replica] = {}

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import wait_ready
+from helpers import wait_job, wait_ready
 from indexes import distance
 from indexes.filters import parse
 from indexes.payloads import PayloadIndex
@@ -219,3 +219,30 @@ def test_what_the_service_made_at_startup_is_out_of_the_collectors_passes(client
     while gc.get_freeze_count() == 0 and time.monotonic() < deadline:  # the engines start in the background
         time.sleep(0.05)
     assert gc.get_freeze_count() > 10_000
+
+
+def test_an_index_build_takes_every_core_at_a_lower_priority(client, monkeypatch):
+    """A build is background work: on a thread of lower CPU priority than the event loop's, whose OpenMP threads
+    (which it starts, and which inherit its priority) may then be as many as there are cores."""
+    from indexes import faiss_index
+
+    wait_ready(client)
+    calls: list[tuple[str, int, int]] = []  # (thread, nice, OpenMP threads) of each FAISS call's setting
+    real = faiss_index.omp_threads
+
+    def spied(n: int) -> None:
+        calls.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), n))
+        real(n)
+
+    monkeypatch.setattr(faiss_index, "omp_threads", spied)
+    name = f"b{time.monotonic_ns()}"
+    data = clustered(2000, 8, seed=6)
+    assert client.post("/v1/collections", json={"name": name, "dim": 8, "index": {"type": "hnsw"}}).status_code == 201
+    assert client.put(f"/v1/collections/{name}/points", json={"ids": list(range(2000)),
+                                                               "vectors": data.tolist()}).status_code == 200
+    job = client.post(f"/v1/collections/{name}/build").json()
+    assert wait_job(client, job["location"])["state"] == "succeeded"
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    builds = [(nice, n) for thread, nice, n in calls if thread.startswith("vectors-cpu-build")]
+    assert (min(19, mine + HEAVY_NICE), os.cpu_count()) in builds, calls
+    assert all(nice == min(19, mine + HEAVY_NICE) for nice, _ in builds), builds
