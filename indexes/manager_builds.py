@@ -79,11 +79,15 @@ class Builds(ManagerState):
             return await self._build(c, progress, fallback)
         except CollectionNotFound:
             raise
-        except Exception as exc:
-            if await self._dropped(c):
-                raise CollectionNotFound(f"collection {name!r} was deleted while it was being built",
-                                         field="collection") from exc
-            raise
+        except (Exception, asyncio.CancelledError) as exc:
+            # A dropped collection's replica has its rebuild cancelled (Replica.stop): a CancelledError here is
+            # that, unless this call itself is being cancelled (the service stops), which goes on as one.
+            task = asyncio.current_task()
+            ours = isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling() > 0
+            if ours or not await self._dropped(c):
+                raise
+            raise CollectionNotFound(f"collection {name!r} was deleted while it was being built",
+                                     field="collection") from exc
 
     async def _dropped(self, c: Collection) -> bool:
         """Whether the collection is gone from PostgreSQL (dropped, perhaps re-created under a new id)."""
@@ -99,8 +103,9 @@ class Builds(ManagerState):
         name = c.name
         r = self.resident.get(name)
         say = progress or (lambda done, total, message: None)
-        resident = self.rebuild_resident(name, lambda message: say(0, None, message))
-        if name in self.fallback_builds or await pgvector_search.has_index(self.pool, c):
+        has_fallback = name in self.fallback_builds or await pgvector_search.has_index(self.pool, c)
+        resident = self.rebuild_resident(name, lambda message: say(0, None, message))  # made once it will be awaited
+        if has_fallback:
             return await resident
         if fallback == "wait":
             # Both indexes wanted now: built side by side, the resident one on its build thread, pgvector's in
@@ -141,7 +146,8 @@ class Builds(ManagerState):
     async def _build_fallback(self, c: Collection) -> None:
         started = time.perf_counter()
         try:
-            await pgvector_search.build_index(self.pool, c, await self.store.count(c), concurrently=True)
+            await pgvector_search.build_index(self.pool, c, await self.store.count(c), concurrently=True,
+                                              background=self.lower_database_process)
             log.info("collection %s: pgvector index built in the background in %.1f s", c.name,
                      time.perf_counter() - started)
         except Exception:

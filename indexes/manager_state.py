@@ -62,7 +62,8 @@ class ManagerState:
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None,
                  max_payload_keys: int = MAX_PAYLOAD_KEYS, max_payload_value_bytes: int = MAX_PAYLOAD_VALUE_BYTES,
                  max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES,
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None,
+                 lower_database_process: Callable[[int], None] | None = None) -> None:
         self.store = CollectionStore(pool, max_payload_keys, max_payload_value_bytes, max_payload_row_bytes)
         self.pool = pool
         self.data_dir = data_dir
@@ -73,6 +74,7 @@ class ManagerState:
         # Heavy work of the heavy class (recall's exact ground truth): its thread starts with `thread_init`, which
         # the service gives a lower CPU priority (service/admission/priority.py), so searches are not slowed by it.
         self.thread_init = thread_init  # the build threads' too (manager.attach)
+        self.lower_database_process = lower_database_process  # see pgvector_search.build_index
         self.heavy_executor = ThreadPoolExecutor(max_workers=1, initializer=thread_init,
                                                  thread_name_prefix="vectors-heavy")
         self.resident: dict[str, Replica] = {}

@@ -6,7 +6,7 @@ Per-query knobs go through set_config(..., is_local => true) inside the query's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import asyncpg
 import numpy as np
@@ -63,11 +63,14 @@ def check_search_params(params: dict[str, Any] | None) -> dict[str, int]:
     return out
 
 
-async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrently: bool = False) -> str | None:
+async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrently: bool = False,
+                      background: Callable[[int], None] | None = None) -> str | None:
     """Create the collection's pgvector index if it does not exist yet; returns its kind, or None.
 
     `concurrently`: CREATE INDEX CONCURRENTLY, which lets writes go on meanwhile (a plain build holds them
-    for its whole length) at the price of a second pass over the table."""
+    for its whole length) at the price of a second pass over the table. `background`, where PostgreSQL's
+    processes are ours to renice: a build that yields the CPU to searches, in one backend (no parallel workers)
+    whose priority `background(pid)` lowers; that connection is closed after, so no query runs on it again."""
     spec = c.pgvector_index or {"type": "hnsw", **INDEX_DEFAULTS["hnsw"]}
     kind = spec.get("type", "hnsw")
     if kind == "none" or c.dim > PGVECTOR_MAX_INDEXED_DIM:  # the latter: a collection made before the check
@@ -81,13 +84,20 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
     async with pool.acquire() as conn:
         # Builds go faster with more memory for the graph; this is local to the session.
         await conn.execute("SET maintenance_work_mem = '1GB'")
-        if await conn.fetchval(INDEX_VALID, name) is False:
-            await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
-        await conn.execute(
-            f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS {name} ON {c.table} "
-            f"USING {kind} (embedding {OPCLASSES[c.metric]}) WITH ({with_})"
-        )
-        await conn.execute(f"ANALYZE {c.table}")
+        if background is not None:
+            await conn.execute("SET max_parallel_maintenance_workers = 0")
+            background(await conn.fetchval("SELECT pg_backend_pid()"))
+        try:
+            if await conn.fetchval(INDEX_VALID, name) is False:
+                await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
+            await conn.execute(
+                f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS {name} ON {c.table} "
+                f"USING {kind} (embedding {OPCLASSES[c.metric]}) WITH ({with_})"
+            )
+            await conn.execute(f"ANALYZE {c.table}")
+        finally:
+            if background is not None:
+                conn.terminate()  # its backend's lower priority is for good: the pool makes a new one
     return kind
 
 

@@ -22,7 +22,7 @@ from indexes.resident import RebuildPolicy
 from indexes.tasks import stop_tasks
 from olap.manager import OlapManager
 from service.admission.control import Admission
-from service.admission.priority import lower_priority
+from service.admission.priority import lower_priority, lower_process_priority
 from service.database.migrate import apply_migrations, load_migrations
 from service.database.postgres import EmbeddedPostgres, connect, connect_kwargs, open_pool, server_facts
 from service.database.supervisor import DatabaseSupervisor
@@ -119,6 +119,9 @@ class Runtime:
             vector_kwargs: dict[str, Any] = dict(
                 vector_options(s), dsn=self.dsn, on_applied=self._applied, guard=self.admission,
                 thread_init=lower_priority,
+                # The embedded PostgreSQL's processes are this host's and this user's: a background index build's
+                # backend may be given a lower CPU priority (indexes/pgvector_search.build_index).
+                lower_database_process=lower_process_priority if self.embedded is not None else None,
                 observe=lambda engine, op, seconds, ok: self.metrics.observe("vectors", engine, op, seconds, ok),
             )
             if s.cluster.ray_address:

@@ -130,6 +130,47 @@ def test_a_build_that_waits_for_pgvector_builds_both_indexes_side_by_side(client
     assert r.json()["ids"] == [11]
 
 
+def test_the_background_pgvector_build_yields_the_cpu_in_one_backend_closed_after(client, monkeypatch):
+    """Where PostgreSQL's processes are the service's own (embedded), the background build runs in one backend
+    (no parallel workers) whose CPU priority the service lowers; that backend is not used again."""
+    import os
+
+    import psutil
+
+    from service.admission.priority import HEAVY_NICE, lower_process_priority
+
+    wait_ready(client)
+    vectors = client.app.state.switchyard.vectors
+    seen: list[tuple[int, bool, int, int]] = []  # pid, whether it is a local postgres of ours, nice before, after
+
+    def lower(pid: int) -> None:
+        ours = psutil.pid_exists(pid) and psutil.Process(pid).name() == "postgres"
+        before = os.getpriority(os.PRIO_PROCESS, pid) if ours else 0
+        lower_process_priority(pid)
+        seen.append((pid, ours, before, os.getpriority(os.PRIO_PROCESS, pid) if ours else 0))
+
+    monkeypatch.setattr(vectors, "lower_database_process", lower)
+    data = clustered(2000, 8, seed=8)
+    assert client.post("/v1/collections", json={"name": "nice", "dim": 8, "index": {"type": "hnsw"}}).status_code == 201
+    assert client.put("/v1/collections/nice/points",
+                      json={"ids": list(range(2000)), "vectors": data.tolist()}).status_code == 200
+    state = wait_job(client, client.post("/v1/collections/nice/build").json()["location"], 60)
+    assert state["state"] == "succeeded" and state["result"]["pgvector_index"] == "building", state
+    deadline = time.monotonic() + 60
+    while client.get("/v1/collections/nice").json()["index_state"]["pgvector_index"] is not True:
+        assert time.monotonic() < deadline, "the background pgvector index never became valid"
+        time.sleep(0.1)
+    [(pid, ours, before, after)] = seen
+    if ours:  # these tests' own server (not SWITCHYARD_TEST_DATABASE_URL's, elsewhere)
+        assert after == min(19, before + HEAVY_NICE)
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # terminated after
+        assert time.monotonic() < deadline, f"backend {pid} still runs after its build"
+        time.sleep(0.1)
+    for i in (3, 1500):  # the pool serves on, on backends of their usual priority
+        r = client.post("/v1/collections/nice/search", json={"vector": data[i].tolist(), "k": 1, "engine": "pgvector"})
+        assert r.status_code == 200 and r.json()["ids"] == [i], r.text
+
+
 def test_pgvector_fallback_index_builds_in_the_background_while_writes_go_on(client):
     wait_ready(client)
     dim = 8

@@ -99,10 +99,11 @@ class Switchyard(VectorDB):
         return len(metadata), None
 
     def optimize(self, data_size: int | None = None) -> None:
-        """The build job: compacts and rebuilds the resident index, creates the pgvector index if missing, and
-        waits for that too (pgvector=wait): built in the background it would take a core from the searches that
-        follow, and its time belongs to the load."""
-        result = self.api.build(self.collection, pgvector="wait")
+        """The build job: compacts and rebuilds the resident index, which serves every search, then returns; the
+        pgvector index Switchyard keeps as its fallback is built after it in the background, by one PostgreSQL
+        backend the service gives a lower CPU priority (embedded PostgreSQL), so it takes only what searches
+        leave. (pgvector=wait would build both first: a load then took their sum.)"""
+        result = self.api.build(self.collection, pgvector="background")
         state = self.api.get_collection(self.collection)
         log.info(f"Switchyard build done: {result}; count={state['count']}, "
                  f"engines={state['engines']}, index_state={state['index_state']}")

@@ -17,7 +17,16 @@ HEAVY_NICE = 10  # how much lower: under CFS a nice-10 thread gets about a tenth
 def lower_priority() -> None:
     """Lower the calling thread's CPU priority by HEAVY_NICE (at most to 19)."""
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + HEAVY_NICE))
-    except (AttributeError, OSError):  # no per-thread nice values here: the thread keeps its priority
+        lower_process_priority(threading.get_native_id())
+    except AttributeError:  # no native thread ids here: the thread keeps its priority
+        pass
+
+
+def lower_process_priority(pid: int) -> None:
+    """Lower a thread's or process's CPU priority by HEAVY_NICE (at most to 19): a thread of ours, or a process
+    of the embedded PostgreSQL's (a backend building an index in the background). Where that fails (not ours, or
+    no such process), nothing changes. It cannot be undone: a process's priority is lowered only for good."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + HEAVY_NICE))
+    except OSError:
         pass
