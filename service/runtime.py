@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 class Runtime:
     def __init__(self, settings: Settings) -> None:
+        self._switch_interval: float | None = None  # the process's GIL switch interval before start
         self.settings = settings
         self.metrics = Metrics()
         self.pipeline: Pipeline | None = None  # the request pipeline of hot calls, set by the app (http/app.py)
@@ -173,6 +174,7 @@ class Runtime:
                                   duckdb_memory_limit=self.settings.duckdb_memory,
                                   vectors=self.vectors, olap=self.olap, spatial=self.spatial)
         blas_threads(self.settings.engine_threads)  # after the engines are made: FAISS brings its own BLAS
+        self._switch_interval = sys.getswitchinterval()  # the process's own, given back at stop
         sys.setswitchinterval(self.settings.cpu.gil_switch_us / 1e6)  # see docs/design/serving.md
         if self.vectors is not None:
             await self.vectors.start()
@@ -192,7 +194,10 @@ class Runtime:
     async def stop(self) -> None:
         self.phase = "stopping"
         await self._release()
-        gc.unfreeze()  # what start() froze may be collected again (a process that starts another runtime: tests)
+        # What start() set for the process is given back (a process that starts another runtime: tests).
+        gc.unfreeze()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
         self.phase = "stopped"
 
     async def _release(self) -> None:
