@@ -62,10 +62,11 @@ class FaissIndex:
 
     @classmethod
     def build(cls, config: IndexConfig, vectors: np.ndarray, threads: int | None = None,
-              huge_pages: bool = True, build_threads: int | None = None) -> "FaissIndex":
-        """`threads`: the built index's, for its searches and adds; `build_threads`: this build's (default every
-        core: builds run on a thread of lower CPU priority, whose OpenMP threads take only what searches leave)."""
-        _use_threads(len(vectors), build_threads)
+              huge_pages: bool = True) -> "FaissIndex":
+        """`threads`: the built index's, for its searches and adds. The build itself takes every core: builds run
+        on a thread of lower CPU priority, whose OpenMP threads take only what searches leave."""
+        every_core = os.cpu_count() or 1
+        _use_threads(len(vectors), every_core)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type
         index: faiss.Index
@@ -90,7 +91,7 @@ class FaissIndex:
             raise ValueError(f"FAISS has no index type {t!r}")
         built = cls(config, index, threads, huge_pages)
         if n:
-            built.add(vectors, build_threads or os.cpu_count())
+            built.add(vectors, every_core)
         return built
 
     @classmethod
@@ -182,13 +183,12 @@ class FaissBackend:
     name = "faiss"
     kind = "cpu"
 
-    def __init__(self, threads: int | None = None, huge_pages: bool = True, build_threads: int | None = None) -> None:
-        self.threads = threads  # OpenMP threads per search or add; None: every core
+    def __init__(self, threads: int | None = None, huge_pages: bool = True) -> None:
+        self.threads = threads  # OpenMP threads per search or add (builds take every core); None: every core
         self.huge_pages = huge_pages
-        self.build_threads = build_threads  # ... per build (see FaissIndex.build)
 
     def build(self, config: IndexConfig, vectors: np.ndarray) -> FaissIndex:
-        return FaissIndex.build(config, vectors, self.threads, self.huge_pages, self.build_threads)
+        return FaissIndex.build(config, vectors, self.threads, self.huge_pages)
 
     def load(self, config: IndexConfig, data: bytes) -> FaissIndex:
         return FaissIndex.from_bytes(config, data, self.threads, self.huge_pages)
