@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 METRICS = ("l2", "cosine", "inner_product")
-CPU_KNN_MAX_QUERIES = 20  # FAISS's own switch to a matrix product (distance_compute_blas_threshold)
+# The most bytes of scores a masked exact search on the host holds at once (queries x rows x float32; its
+# temporaries make its peak a few times this): a batch of 10,000 queries over 20,000 rows once took 2.3 GB.
+HOST_SCORE_BLOCK_BYTES = 16 << 20
 
 
 def uses_inner_product(metric: str) -> bool:
@@ -55,12 +57,18 @@ def scores(xp: Any, data: Any, queries: Any, metric: str) -> Any:
 def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: Any = None) -> tuple[Any, Any]:
     """Exact top-k over prepared `data` rows: (engine-space scores, row numbers), row -1 where fewer than k.
 
-    `keep` is an optional boolean mask over rows; rows where it is False are never returned.
+    `keep` is an optional boolean mask over rows; rows where it is False are never returned. On the host, memory
+    stays bounded whatever queries x rows: FAISS's brute force without a mask, blocks of queries with one.
     """
     nq, n = queries.shape[0], data.shape[0]
     ip = uses_inner_product(metric)
-    if xp is np and keep is None and 0 < k and nq < CPU_KNN_MAX_QUERIES:
-        return _cpu_knn(data, queries, k, ip)
+    if xp is np and 0 < k and 0 < n:
+        if keep is None:
+            return _cpu_knn(data, queries, k, ip)
+        step = max(1, HOST_SCORE_BLOCK_BYTES // (4 * n))
+        if nq > step:
+            parts = [exact_search(xp, data, queries[i:i + step], k, metric, keep) for i in range(0, nq, step)]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     worst = -xp.inf if ip else xp.inf
     out_scores = xp.full((nq, k), worst, dtype=xp.float32)
     out_rows = xp.full((nq, k), -1, dtype=xp.int64)
@@ -85,29 +93,13 @@ def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: An
     return out_scores, out_rows
 
 
-def exact_search_blocked(xp: Any, data: Any, queries: Any, k: int, metric: str,
-                         budget_bytes: int) -> tuple[Any, Any]:
-    """exact_search over every row in blocks of queries x rows whose float32 scores take at most `budget_bytes`
-    (rows in blocks too once one query's scores would not fit), merged into a running top-k: the same answer as
-    one exact_search, whose score matrix grows with queries x rows (recall over 10,000 queries once took 2.3 GB)."""
-    nq, n = queries.shape[0], data.shape[0]
-    cells = max(1, budget_bytes // 4)
-    block_rows = max(1, min(n, cells))
-    batch = max(1, min(nq, cells // block_rows))
-    out_scores, out_rows = [], []
-    for q0 in range(0, nq, batch):
-        q = queries[q0:q0 + batch]
-        best = None
-        for r0 in range(0, max(n, 1), block_rows):
-            s, r = exact_search(xp, data[r0:r0 + block_rows], q, k, metric)
-            part = (s, xp.where(r >= 0, r + r0, -1))
-            best = part if best is None else merge_topk(xp, metric, k, best, part)
-        assert best is not None
-        out_scores.append(best[0])
-        out_rows.append(best[1])
-    if not out_scores:
-        return exact_search(xp, data, queries, k, metric)
-    return xp.concatenate(out_scores), xp.concatenate(out_rows)
+def exact_knn(data: np.ndarray, queries: np.ndarray, k: int, metric: str,
+              threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """exact_search of any number of queries over every prepared row, on the CPU: FAISS's brute force with
+    `threads` OpenMP threads (recall's ground truth). FAISS scores blocks of its own size (4,096 queries x 1,024
+    rows), so memory is the answer's plus about 16 MB whatever the rows, and the call holds the GIL for none of
+    it. numpy in blocks was 8 times slower and held the GIL between its calls (docs/design/serving.md)."""
+    return _cpu_knn(data, queries, k, uses_inner_product(metric), threads)
 
 
 _omp = threading.local()
@@ -135,15 +127,17 @@ def blas_threads(n: int) -> None:
             lib.set_num_threads(n)
 
 
-def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool) -> tuple[np.ndarray, np.ndarray]:
-    """FAISS's exact k-NN for a few queries on the CPU: SIMD distance loops, no n-sized temporaries. numpy's
-    matrix product here goes to multithreaded OpenBLAS, which collapses when several threads call it at once
-    (measured: 32 threads, 10,000 x 128 rows, one query each: 88 searches/s against 2,300 with FAISS)."""
+def _cpu_knn(data: np.ndarray, queries: np.ndarray, k: int, ip: bool,
+             threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's exact k-NN on the CPU, GIL released: SIMD distance loops for a few queries, blocks of 4,096 queries x
+    1,024 rows through its BLAS for more, so no queries x rows temporaries. numpy's matrix product here went to
+    multithreaded OpenBLAS, which collapses when several threads call it at once (measured: 32 threads,
+    10,000 x 128 rows, one query each: 88 searches/s against 2,300 with FAISS)."""
     import faiss
 
-    # One OpenMP thread (the setting is per calling thread): split over two, one query of 10,000 x 128 rows took
-    # 330 us of CPU and 165 us of wall time, against 58 us on one.
-    omp_threads(1)
+    # One OpenMP thread unless told (the setting is per calling thread): split over two, one query of
+    # 10,000 x 128 rows took 330 us of CPU and 165 us of wall time, against 58 us on one.
+    omp_threads(threads)
     q, x = np.ascontiguousarray(queries, dtype=np.float32), np.ascontiguousarray(data, dtype=np.float32)
     scores, rows = np.empty((len(q), k), np.float32), np.empty((len(q), k), np.int64)
     # faiss.knn without its wrapper (microseconds, and a small filtered search is about ten): the same two calls

@@ -7,15 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .distance import exact_search_blocked, from_engine, prepare
+from .distance import exact_knn, from_engine, prepare
 from .errors import CollectionEmpty, InvalidInput
 from .manager_search import Searches
 from .manager_state import HEAVY_WORK
 from .vectors import check_batch, check_nonzero
-
-# The most bytes of exact scores the ground truth holds at once (queries x rows x float32; exact_search's own
-# temporaries make its peak a few times this), however many queries and rows there are.
-SCORE_BLOCK_BYTES = 16 * 2**20
 
 
 class Recall(Searches):
@@ -53,10 +49,12 @@ class Recall(Searches):
             rng = np.random.default_rng(seed)
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
-        # Exact search over every row, in bounded blocks: seconds of CPU for large collections, so off the event loop.
+        # Exact search over every row: seconds of CPU for large collections, so off the event loop, with the engines'
+        # threads (the cores but the event loop's). Every core, as a build takes, held a lone search's p99 at 3.5x
+        # its own during back-to-back recalls on two cores, against 2.2x (docs/design/serving.md).
         heavy = asyncio.get_running_loop().run_in_executor
-        truth_scores, truth_rows = await heavy(self.heavy_executor, exact_search_blocked, np, data,
-                                               prepare(np, queries, c.metric), k, c.metric, SCORE_BLOCK_BYTES)
+        truth_scores, truth_rows = await heavy(self.heavy_executor, exact_knn, data, prepare(np, queries, c.metric),
+                                               k, c.metric, self.heavy_threads)
         # The same replica state the exact answer came from: no catch-up in between.
         answer = await self.search(name, queries, k, engine, params, consistency="eventually",
                                    recall_target=recall_target)

@@ -62,7 +62,7 @@ class ManagerState:
                  on_applied: Applied | None = None, guard: Any = None, shard: Shard | None = None,
                  max_payload_keys: int = MAX_PAYLOAD_KEYS, max_payload_value_bytes: int = MAX_PAYLOAD_VALUE_BYTES,
                  max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES,
-                 thread_init: Callable[[], None] | None = None,
+                 thread_init: Callable[[], None] | None = None, heavy_threads: int = 1,
                  lower_database_process: Callable[[int], None] | None = None) -> None:
         self.store = CollectionStore(pool, max_payload_keys, max_payload_value_bytes, max_payload_row_bytes)
         self.pool = pool
@@ -77,6 +77,7 @@ class ManagerState:
         self.lower_database_process = lower_database_process  # see pgvector_search.build_index
         self.heavy_executor = ThreadPoolExecutor(max_workers=1, initializer=thread_init,
                                                  thread_name_prefix="vectors-heavy")
+        self.heavy_threads = heavy_threads  # OpenMP threads of its calls
         self.resident: dict[str, Replica] = {}
         self.write_groups: dict[str, GroupCommit] = {}  # concurrent small upserts, one transaction each group
         self.fallback_builds: set[str] = set()  # collections whose pgvector index is being built in the background

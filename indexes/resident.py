@@ -402,9 +402,7 @@ class ResidentCollection(ResidentSearch):
             size = index.size
             data, keep = self._vectors[:size], self._alive[:size].copy()
         k = planner.CALIBRATION_K
-        step = max(1, (128 << 20) // max(1, 4 * size))  # a score matrix of at most 128 MB at a time
-        truth = np.concatenate([exact_search(np, data, queries[i:i + step], k, self.metric, keep)[1]
-                                for i in range(0, len(queries), step)])
+        truth = exact_search(np, data, queries, k, self.metric, keep)[1]  # in bounded blocks
 
         def search(params: dict[str, Any]) -> np.ndarray:
             with self.lock.read():

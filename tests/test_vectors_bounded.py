@@ -1,12 +1,14 @@
 """Memory in proportion to the data and the request (issue 34, items 2 and 3): the payload index holds entries
-only for rows that have a key, and recall's exact ground truth scores queries x rows in bounded blocks."""
+only for rows that have a key, and recall's exact ground truth holds FAISS's blocks of scores, never queries x rows."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,54 +121,87 @@ def test_a_snapshot_column_past_its_rows_is_refused():
 
 # -- recall's ground truth -----------------------------------------------------------------------------------
 class Spy:
-    """Records the (queries, rows) shape of every exact_search call, and the CPU priority (nice value) of the
-    thread it ran on."""
+    """Records the (queries, rows) shape, OpenMP threads and thread CPU priority (nice value) of every exact
+    ground truth recall computes, and the nice value of each resident engine search's thread."""
 
     def __init__(self, monkeypatch) -> None:
-        self.shapes: list[tuple[int, int]] = []
-        self.nice: set[int] = set()
-        self.searches: list[int] = []  # the nice value of each resident engine search's thread
-        real, real_search = distance.exact_search, ResidentSearch.search
+        self.truths: list[tuple[int, int, int, int]] = []  # (queries, rows, OpenMP threads, nice)
+        self.searches: list[int] = []
+        real, real_search = distance.exact_knn, ResidentSearch.search
 
-        def spied(xp, data, queries, k, metric, keep=None):
-            self.shapes.append((queries.shape[0], data.shape[0]))
-            self.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            return real(xp, data, queries, k, metric, keep)
+        def spied(data, queries, k, metric, threads=1):
+            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            self.truths.append((queries.shape[0], data.shape[0], threads, nice))
+            return real(data, queries, k, metric, threads)
 
         def spied_search(index, *args, **kwargs):
             self.searches.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return real_search(index, *args, **kwargs)
 
-        monkeypatch.setattr(distance, "exact_search", spied)
+        monkeypatch.setattr("indexes.manager_recall.exact_knn", spied)
         monkeypatch.setattr(ResidentSearch, "search", spied_search)
 
 
 @pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
-@pytest.mark.parametrize("budget", [4 * 1000, 4 * 64, 4 * 7 * 300, 4 * 25 * 1000])
-def test_blocked_exact_search_equals_the_oracle_within_its_budget(monkeypatch, metric, budget):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exact_knn_equals_the_oracle(metric, threads):
     data = clustered(1000, 16, seed=1)
     queries = clustered(45, 16, seed=2)
-    spy = Spy(monkeypatch)
-    scores, rows = distance.exact_search_blocked(np, distance.prepare(np, data, metric),
-                                                 distance.prepare(np, queries, metric), 10, metric, budget)
+    scores, rows = distance.exact_knn(distance.prepare(np, data, metric), distance.prepare(np, queries, metric),
+                                      10, metric, threads)
     want_rows, want_d = oracle(data, queries, 10, metric)
-    got_d = distance.from_engine(np, scores, metric)
-    assert np.allclose(got_d, want_d, atol=1e-4)
+    assert np.allclose(distance.from_engine(np, scores, metric), want_d, atol=1e-4)
     assert (rows == want_rows).mean() > 0.99  # ties aside
-    assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
-    assert sum(q * n for q, n in spy.shapes) == 45 * 1000  # every query saw every row, once
 
 
-def test_blocked_exact_search_with_fewer_rows_than_k():
+def test_exact_knn_with_fewer_rows_than_k():
     data = clustered(3, 4, seed=1)
-    scores, rows = distance.exact_search_blocked(np, data, data[:2], 5, "l2", 4 * 2)
-    assert rows[:, :3].min() >= 0 and (rows[:, 3:] == -1).all()
+    scores, rows = distance.exact_knn(data, data[:2], 5, "l2")
+    assert rows[:, :3].min() >= 0 and (rows[:, 3:] == -1).all() and np.isinf(scores[:, 3:]).all()
     assert rows[0, 0] == 0 and rows[1, 0] == 1
 
 
-def test_recall_ground_truth_is_computed_in_bounded_blocks(client, monkeypatch):
-    budget = 4 * 600
-    monkeypatch.setattr("indexes.manager_recall.SCORE_BLOCK_BYTES", budget, raising=False)
+PEAK_SCRIPT = """
+import resource, sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+from indexes import distance, faiss_index
+nq, call = int(sys.argv[2]), sys.argv[3]
+data = np.random.default_rng(1).standard_normal((400_000, 4)).astype(np.float32)
+queries, keep = data[:nq].copy(), np.arange(len(data)) % 2 == 0
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if call == "knn":
+    scores, rows = distance.exact_knn(data, queries, 10, "l2", 2)
+else:
+    scores, rows = distance.exact_search(np, data, queries, 10, "l2", keep if call == "masked" else None)
+assert (rows[:, 0] == np.arange(nq)).all() if call != "masked" else (rows % 2 == 0).all()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
+"""
+
+
+@pytest.mark.parametrize("call, queries", [("knn", 2000), ("search", 2000), ("masked", 300)])
+def test_exact_search_memory_does_not_grow_with_queries_times_rows(tmp_path, call, queries):
+    """Queries x 400,000 rows, a score matrix of 480 MB-3.2 GB: exact search peaks at the data, the answer and
+    bounded blocks. Measured in a fresh process, whose peak RSS is this call's."""
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, str(script), root, str(queries), call], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 150, out.stdout  # MB above the data
+
+
+def test_masked_exact_search_in_blocks_equals_the_oracle(monkeypatch):
+    monkeypatch.setattr(distance, "HOST_SCORE_BLOCK_BYTES", 4 * 1000 * 7)  # blocks of 7 queries
+    data, queries = clustered(1000, 8, seed=3), clustered(45, 8, seed=4)
+    keep = np.arange(1000) % 3 != 0
+    scores, rows = distance.exact_search(np, data, queries, 10, "l2", keep)
+    want_rows, want_d = oracle(data[keep], queries, 10, "l2")
+    assert np.allclose(distance.from_engine(np, scores, "l2"), want_d, atol=1e-4)
+    assert (rows == np.flatnonzero(keep)[want_rows]).mean() > 0.99  # ties aside
+
+
+def test_recall_ground_truth_is_exact_search_on_a_thread_of_lower_priority(client, monkeypatch):
     wait_ready(client)
     name = f"r{time.monotonic_ns()}"
     data = clustered(1500, 8, seed=4)
@@ -178,13 +213,11 @@ def test_recall_ground_truth_is_computed_in_bounded_blocks(client, monkeypatch):
     r = client.post(f"/v1/collections/{name}/recall", json={"sample": 200, "k": 10, "engine": "cpu"})
     assert r.status_code == 200, r.text
     assert r.json()["recall"] == 1.0 and r.json()["queries"] == 200
-    # The ground truth came from blocks of at most `budget` bytes of scores, covering every query and row.
-    assert spy.shapes and all(q * n * 4 <= budget for q, n in spy.shapes)
-    assert sum(q * n for q, n in spy.shapes) == 200 * 1500
-    # Heavy work: on a thread of lower CPU priority than the event loop's (this thread's), so searches come first:
-    # the exact answer, and the engine's own search of the sample; a search of the same batch is not heavy work.
+    # Heavy work: on a thread of lower CPU priority than the event loop's (this thread's), so searches come first,
+    # with the engines' threads (which inherit the priority): the exact answer, and the engine's own search of
+    # the sample; a search of the same batch is not heavy work.
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert spy.nice == {min(19, mine + HEAVY_NICE)}, (spy.nice, mine)
+    assert spy.truths == [(200, 1500, Settings().engine_threads, min(19, mine + HEAVY_NICE))], (spy.truths, mine)
     assert spy.searches == [min(19, mine + HEAVY_NICE)], (spy.searches, mine)
     r = client.post(f"/v1/collections/{name}/search", json={"vectors": data[:200].tolist(), "k": 10, "engine": "cpu"})
     assert r.status_code == 200 and spy.searches[1:] == [mine], (r.text, spy.searches, mine)
