@@ -54,17 +54,19 @@ def scores(xp: Any, data: Any, queries: Any, metric: str) -> Any:
     return xp.maximum(sq_queries[:, None] - 2 * dots + sq_data[None, :], 0)
 
 
-def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: Any = None) -> tuple[Any, Any]:
+def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: Any = None,
+                 threads: int = 1) -> tuple[Any, Any]:
     """Exact top-k over prepared `data` rows: (engine-space scores, row numbers), row -1 where fewer than k.
 
     `keep` is an optional boolean mask over rows; rows where it is False are never returned. On the host, memory
-    stays bounded whatever queries x rows: FAISS's brute force without a mask, blocks of queries with one.
+    stays bounded whatever queries x rows: without a mask, FAISS's brute force with `threads` OpenMP threads
+    (blocks of 4,096 queries x 1,024 rows, the GIL released: docs/design/serving.md); with one, blocks of queries.
     """
     nq, n = queries.shape[0], data.shape[0]
     ip = uses_inner_product(metric)
     if xp is np and 0 < k and 0 < n:
         if keep is None:
-            return _cpu_knn(data, queries, k, ip)
+            return _cpu_knn(data, queries, k, ip, threads)
         step = max(1, HOST_SCORE_BLOCK_BYTES // (4 * n))
         if nq > step:
             parts = [exact_search(xp, data, queries[i:i + step], k, metric, keep) for i in range(0, nq, step)]
@@ -91,15 +93,6 @@ def exact_search(xp: Any, data: Any, queries: Any, k: int, metric: str, keep: An
     out_scores[:, :take] = best
     out_rows[:, :take] = xp.where(valid, rows, -1)
     return out_scores, out_rows
-
-
-def exact_knn(data: np.ndarray, queries: np.ndarray, k: int, metric: str,
-              threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """exact_search of any number of queries over every prepared row, on the CPU: FAISS's brute force with
-    `threads` OpenMP threads (recall's ground truth). FAISS scores blocks of its own size (4,096 queries x 1,024
-    rows), so memory is the answer's plus about 16 MB whatever the rows, and the call holds the GIL for none of
-    it. numpy in blocks was 8 times slower and held the GIL between its calls (docs/design/serving.md)."""
-    return _cpu_knn(data, queries, k, uses_inner_product(metric), threads)
 
 
 _omp = threading.local()

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .distance import exact_knn, from_engine, prepare
+from .distance import exact_search, from_engine, prepare
 from .errors import CollectionEmpty, InvalidInput
 from .manager_search import Searches
 from .manager_state import HEAVY_WORK
@@ -53,8 +53,8 @@ class Recall(Searches):
         # threads (the cores but the event loop's). Every core, as a build takes, held a lone search's p99 at 3.5x
         # its own during back-to-back recalls on two cores, against 2.2x (docs/design/serving.md).
         heavy = asyncio.get_running_loop().run_in_executor
-        truth_scores, truth_rows = await heavy(self.heavy_executor, exact_knn, data, prepare(np, queries, c.metric),
-                                               k, c.metric, self.heavy_threads)
+        truth_scores, truth_rows = await heavy(self.heavy_executor, exact_search, np, data,
+                                               prepare(np, queries, c.metric), k, c.metric, None, self.heavy_threads)
         # The same replica state the exact answer came from: no catch-up in between.
         answer = await self.search(name, queries, k, engine, params, consistency="eventually",
                                    recall_target=recall_target)

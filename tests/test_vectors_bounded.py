@@ -127,36 +127,36 @@ class Spy:
     def __init__(self, monkeypatch) -> None:
         self.truths: list[tuple[int, int, int, int]] = []  # (queries, rows, OpenMP threads, nice)
         self.searches: list[int] = []
-        real, real_search = distance.exact_knn, ResidentSearch.search
+        real, real_search = distance.exact_search, ResidentSearch.search
 
-        def spied(data, queries, k, metric, threads=1):
+        def spied(xp, data, queries, k, metric, keep=None, threads=1):
             nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self.truths.append((queries.shape[0], data.shape[0], threads, nice))
-            return real(data, queries, k, metric, threads)
+            return real(xp, data, queries, k, metric, keep, threads)
 
         def spied_search(index, *args, **kwargs):
             self.searches.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return real_search(index, *args, **kwargs)
 
-        monkeypatch.setattr("indexes.manager_recall.exact_knn", spied)
+        monkeypatch.setattr("indexes.manager_recall.exact_search", spied)
         monkeypatch.setattr(ResidentSearch, "search", spied_search)
 
 
 @pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_exact_knn_equals_the_oracle(metric, threads):
+def test_exact_search_of_many_queries_equals_the_oracle(metric, threads):
     data = clustered(1000, 16, seed=1)
     queries = clustered(45, 16, seed=2)
-    scores, rows = distance.exact_knn(distance.prepare(np, data, metric), distance.prepare(np, queries, metric),
-                                      10, metric, threads)
+    scores, rows = distance.exact_search(np, distance.prepare(np, data, metric), distance.prepare(np, queries, metric),
+                                         10, metric, threads=threads)
     want_rows, want_d = oracle(data, queries, 10, metric)
     assert np.allclose(distance.from_engine(np, scores, metric), want_d, atol=1e-4)
     assert (rows == want_rows).mean() > 0.99  # ties aside
 
 
-def test_exact_knn_with_fewer_rows_than_k():
+def test_exact_search_with_fewer_rows_than_k():
     data = clustered(3, 4, seed=1)
-    scores, rows = distance.exact_knn(data, data[:2], 5, "l2")
+    scores, rows = distance.exact_search(np, data, data[:2], 5, "l2")
     assert rows[:, :3].min() >= 0 and (rows[:, 3:] == -1).all() and np.isinf(scores[:, 3:]).all()
     assert rows[0, 0] == 0 and rows[1, 0] == 1
 
@@ -169,16 +169,14 @@ nq, call = int(sys.argv[2]), sys.argv[3]
 data = np.random.default_rng(1).standard_normal((400_000, 4)).astype(np.float32)
 queries, keep = data[:nq].copy(), np.arange(len(data)) % 2 == 0
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-if call == "knn":
-    scores, rows = distance.exact_knn(data, queries, 10, "l2", 2)
-else:
-    scores, rows = distance.exact_search(np, data, queries, 10, "l2", keep if call == "masked" else None)
+scores, rows = distance.exact_search(np, data, queries, 10, "l2", keep if call == "masked" else None,
+                                     threads=2 if call == "threads" else 1)
 assert (rows[:, 0] == np.arange(nq)).all() if call != "masked" else (rows % 2 == 0).all()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
 """
 
 
-@pytest.mark.parametrize("call, queries", [("knn", 2000), ("search", 2000), ("masked", 300)])
+@pytest.mark.parametrize("call, queries", [("threads", 2000), ("search", 2000), ("masked", 300)])
 def test_exact_search_memory_does_not_grow_with_queries_times_rows(tmp_path, call, queries):
     """Queries x 400,000 rows, a score matrix of 480 MB-3.2 GB: exact search peaks at the data, the answer and
     bounded blocks. Measured in a fresh process, whose peak RSS is this call's."""
