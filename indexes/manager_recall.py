@@ -50,8 +50,7 @@ class Recall(Searches):
             picked = rng.choice(len(ids), size=min(sample, len(ids)), replace=False)
             queries = data[np.sort(picked)]
         # Exact search over every row: seconds of CPU for large collections, so off the event loop, with the engines'
-        # threads (the cores but the event loop's). Every core, as a build takes, held a lone search's p99 at 3.5x
-        # its own during back-to-back recalls on two cores, against 2.2x (docs/design/serving.md).
+        # threads (the cores but the event loop's), not every core as a build takes: docs/design/serving.md.
         heavy = asyncio.get_running_loop().run_in_executor
         truth_scores, truth_rows = await heavy(self.heavy_executor, exact_search, np, data,
                                                prepare(np, queries, c.metric), k, c.metric, None, self.heavy_threads)
