@@ -41,6 +41,9 @@ class DatabaseSupervisor:
         self.recovered_at = -float("inf")  # monotonic
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # One check at a time: the loop's tick and requests' was_down() may ask together, and two at once had
+        # restarted the embedded server twice and counted one recovery twice.
+        self._checking = asyncio.Lock()
 
     @property
     def up(self) -> bool:
@@ -96,6 +99,10 @@ class DatabaseSupervisor:
                 log.exception("database supervisor check failed")
 
     async def check(self) -> None:
+        async with self._checking:
+            await self._check()
+
+    async def _check(self) -> None:
         if await self._answers():
             if not self.up:
                 await self._recovered()
