@@ -38,6 +38,9 @@ from loadtests.processes import embedded_postgres, free_port, results_dir  # noq
 DIM = 8
 WRITERS = 3
 IDS_PER_WRITER = 400
+# HNSW is approximate even at ef 512: on these 8-d rows about one id in 50,000 is missed by its own vector (seen in
+# CI, then found by ef 4096 and by exact search). A damaged index misses far more than this share.
+MAX_INDEX_MISSES = 0.01
 Absent = None  # an id's state: None (absent) or the version of its vector and payload
 
 
@@ -223,6 +226,7 @@ def check_service(url: str, ledger: Ledger) -> dict:
     present = [i for i in ids if len(ledger.possible(i)) == 1 and ledger.possible(i)[0] is not Absent]
     deleted = {i for i in ids if ledger.possible(i) == [Absent]}
     problems = []
+    index_misses = 0
     with httpx.Client(base_url=url, timeout=120) as http:
         queries = [vector(i, ledger.possible(i)[0]) for i in present]
         # Every deleted id's former vectors too: a deleted id must not come back for its own vector.
@@ -232,7 +236,7 @@ def check_service(url: str, ledger: Ledger) -> dict:
                 batch = queries[start:start + 1000]
                 if not batch:
                     break
-                # The resident index is HNSW (approximate): a wide search, so a miss means a lost point, not recall.
+                # The resident index is HNSW (approximate): a wide search, and a miss is checked by exact search.
                 params = {"ef": 512} if engine == "cpu" else None
                 r = http.post("/v1/collections/c/search", json={"vectors": batch, "k": 10, "engine": engine,
                                                                 "params": params, "consistency": "strong"})
@@ -241,7 +245,10 @@ def check_service(url: str, ledger: Ledger) -> dict:
                     break
                 for i, found in zip(present[start:start + 1000], r.json()["ids"]):
                     if i not in found:
-                        problems.append(f"{engine}: acknowledged id {i} not found by its own vector")
+                        if engine == "cpu" and found_exactly(http, i, ledger.possible(i)[0]):
+                            index_misses += 1  # the row is there: the graph search missed it (recall, not loss)
+                        else:
+                            problems.append(f"{engine}: acknowledged id {i} not found by its own vector")
                     if deleted & set(found):
                         problems.append(f"{engine}: deleted ids {sorted(deleted & set(found))} returned")
             for start in range(0, len(gone), 1000):
@@ -254,6 +261,9 @@ def check_service(url: str, ledger: Ledger) -> dict:
                 for found in r.json()["ids"]:
                     if deleted & set(found):
                         problems.append(f"{engine}: deleted ids {sorted(deleted & set(found))} returned")
+        if index_misses > MAX_INDEX_MISSES * max(len(present), 1):
+            problems.append(f"cpu: the HNSW search at ef 512 missed {index_misses} of {len(present)} ids that exact "
+                            "search of the same resident rows finds: the index is damaged")
         described = http.get("/v1/collections/c", params={"verify": "true"}).json()
         state = described["index_state"]
         if state.get("error") or not state.get("loaded"):
@@ -269,8 +279,17 @@ def check_service(url: str, ledger: Ledger) -> dict:
                 problems.append(f"SSB Q1.1 failed: {[a.text[:200] for a in answers]}")
             elif all(a.status_code == 200 for a in answers) and answers[0].json()["rows"] != answers[1].json()["rows"]:
                 problems.append(f"SSB Q1.1 differs between DuckDB and PostgreSQL: {[a.text[:200] for a in answers]}")
-    return {"loaded_from": state.get("loaded_from"), "present_checked": len(present),
+    return {"loaded_from": state.get("loaded_from"), "present_checked": len(present), "index_misses": index_misses,
             "deleted_checked": len(deleted), "problems": problems, "ssb_datasets": len(ssb)}
+
+
+def found_exactly(http: httpx.Client, id_: int, version: int) -> bool:
+    """Whether exact search over the resident rows (a recall target of 1 on a collection too small to calibrate:
+    the plan says so) finds the id by its vector: it tells a row the replica lost from one its HNSW graph missed."""
+    r = http.post("/v1/collections/c/search", json={"vectors": [vector(id_, version)], "k": 10, "engine": "cpu",
+                                                    "recall_target": 1.0, "consistency": "strong"})
+    body = r.json() if r.status_code == 200 else {}
+    return body.get("plan", {}).get("plan") == "exact" and id_ in body["ids"][0]
 
 
 def check_jobs(url: str, started: list[str]) -> list[str]:
@@ -331,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                                "problems": problems[:20]})
                 print(f"kill {n + 1}: in flight {at_kill}, back in {back_s:.1f} s, {pg['rows']} rows, "
                       f"{len(problems)} problems", file=sys.stderr)
+                for problem in problems[:5]:
+                    print(f"  {problem}", file=sys.stderr)
                 report_path.write_text(json.dumps({"kills": n + 1, "failed_rounds": failures, "rounds": rounds},
                                                   indent=1))
         finally:
