@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import asyncpg
 
-from . import pgvector_search
+from . import build_lock, pgvector_search
 from .build_process import DetachedBuilder
 from .errors import CollectionNotFound
 from .manager_state import ManagerState
@@ -165,7 +165,7 @@ class Builds(ManagerState):
         while True:
             task = r.rebuild_task
             if task is None or task.done():
-                await asyncio.shield(self._start_rebuild(r, say))
+                await asyncio.shield(self._start_rebuild(r, say, asked=True))
                 return
             if r.rebuild_started >= asked:
                 await asyncio.shield(task)
@@ -174,22 +174,51 @@ class Builds(ManagerState):
             if r.index.compact:  # the rebuild that was running already covers every row (a bulk load's)
                 return
 
-    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None) -> asyncio.Task:
+    def _start_rebuild(self, r: Replica, say: Callable[[str], None] | None, asked: bool) -> asyncio.Task:
+        """The rebuild task. Where other processes share the data directory, one of them rebuilds a collection at a
+        time (build_lock.py) and writes its snapshot before the next goes on; the next takes that snapshot if it
+        leaves nothing to rebuild (for a rebuild asked for: a compact index; in the background: none due)."""
         async def rebuild() -> None:
-            index, kind = r.index, self._kind_of(r)
-            loop = asyncio.get_running_loop()
-            builder = getattr(self.backends[kind], "builder", None)
-            if builder is None:
-                await loop.run_in_executor(self.build_executors[kind], build_and_calibrate, index, say)
-            else:  # the build in a child process, the rest (load, swap, calibration) on the engine's thread
-                pending = await loop.run_in_executor(self.build_executors[kind], build_detached, index, builder,
-                                                     self.data_dir / "builds", say)
-                await loop.run_in_executor(self.executors[kind], build_and_calibrate, index, say, pending)
-            self._snapshot_soon(r)
+            if not self.siblings:
+                await self._build_here(r, say)
+                self._snapshot_soon(r)
+                return
+            async with build_lock.held(self.snapshots.lock_path(r)):
+                if not await self._adopt_sibling(r, asked):
+                    await self._build_here(r, say)
+                    await self._save_snapshot(r)  # before the lock goes: the processes waiting for it take it
 
         r.rebuild_started = time.monotonic()
         r.rebuild_task = task = asyncio.ensure_future(rebuild())
         return task
+
+    async def _build_here(self, r: Replica, say: Callable[[str], None] | None) -> None:
+        index, kind, seq = r.index, self._kind_of(r), r.watermark
+        loop = asyncio.get_running_loop()
+        builder = getattr(self.backends[kind], "builder", None)
+        if builder is None:
+            await loop.run_in_executor(self.build_executors[kind], build_and_calibrate, index, say)
+        else:  # the build in a child process, the rest (load, swap, calibration) on the engine's thread
+            pending = await loop.run_in_executor(self.build_executors[kind], build_detached, index, builder,
+                                                 self.data_dir / "builds", say)
+            await loop.run_in_executor(self.executors[kind], build_and_calibrate, index, say, pending)
+        r.layout_seq = max(r.layout_seq, seq)
+
+    async def _adopt_sibling(self, r: Replica, asked: bool) -> bool:
+        """Take the snapshot another process wrote after its rebuild, if it is newer than this replica's index;
+        whether that leaves nothing to rebuild here."""
+        state = await self.snapshots.newer(r, max(r.layout_seq, r.saved[0] if r.saved else 0))
+        if state is None:
+            return False
+        try:
+            if not await r.adopt(state):
+                return False
+        except ValueError as exc:  # rows that do not hash to the snapshot's digest: build here instead
+            log.warning("collection %s: the snapshot of another process is unusable (%s)", r.collection.name, exc)
+            return False
+        log.info("collection %s: took the index another process built at seq %d, now at seq %d",
+                 r.collection.name, state["watermark"], r.watermark)
+        return r.index.compact or (not asked and not r.index.needs_rebuild())
 
     def note_write(self, r: Replica, rows: int) -> None:
         """A write of `rows` was applied: large ones in a row are a load, which builds once when it pauses."""
@@ -199,6 +228,12 @@ class Builds(ManagerState):
         if now >= r.loading_until:
             r.loading_since = now
         r.loading_until = now + LOAD_QUIET_S
+
+    def _followed(self, r: Replica, rows: int) -> None:
+        """Another process's writes were applied: they may make a rebuild due here too, as this process's do."""
+        if r.loaded:
+            self.note_write(r, rows)
+            self._maybe_rebuild(r)
 
     def _maybe_rebuild(self, r: Replica) -> None:
         """Start a background rebuild when the replica needs one. While large writes keep coming (a load through
@@ -214,4 +249,5 @@ class Builds(ManagerState):
             r.rebuild_timer = asyncio.get_running_loop().call_later(r.loading_until - now, self._maybe_rebuild, r)
             return
         if (r.rebuild_task is None or r.rebuild_task.done()) and r.index.needs_rebuild():
-            self._spawn(asyncio.shield(self._start_rebuild(r, None)), f"background rebuild of {r.collection.name}")
+            self._spawn(asyncio.shield(self._start_rebuild(r, None, asked=False)),
+                        f"background rebuild of {r.collection.name}")

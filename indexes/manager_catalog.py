@@ -82,7 +82,7 @@ class Catalog(Builds):
             changes = await self.store.read_changes(c, since)
             return changes if self.shard is None else self.shard.take(changes)
 
-        return Replica(c, new_index(), read_changes, run, new_index, self.on_applied)
+        return Replica(c, new_index(), read_changes, run, new_index, self.on_applied, self._followed)
 
     async def describe(self, name: str, verify: bool = False) -> dict[str, Any]:
         """The collection, its count, its replica here, and every process's replica (watermark, lag, digest)
@@ -213,6 +213,7 @@ class Catalog(Builds):
             await asyncio.get_running_loop().run_in_executor(self.build_executors[self._kind_of(r)],
                                                              build_and_calibrate, r.index, None)
         r.loaded_from = "snapshot" if state is not None else "postgres"
+        r.layout_seq = int(state["watermark"]) if state is not None else r.watermark
         log.info("collection %s: %d vectors resident on %s at seq %d in %.2f s (from %s)", c.name, r.index.count,
                  r.index.backend.name, r.watermark, time.perf_counter() - started, r.loaded_from)
         if state is None:

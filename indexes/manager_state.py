@@ -63,7 +63,7 @@ class ManagerState:
                  max_payload_keys: int = MAX_PAYLOAD_KEYS, max_payload_value_bytes: int = MAX_PAYLOAD_VALUE_BYTES,
                  max_payload_row_bytes: int = MAX_PAYLOAD_ROW_BYTES,
                  thread_init: Callable[[], None] | None = None, heavy_threads: int = 1,
-                 lower_database_process: Callable[[int], None] | None = None) -> None:
+                 lower_database_process: Callable[[int], None] | None = None, siblings: bool = False) -> None:
         self.store = CollectionStore(pool, max_payload_keys, max_payload_value_bytes, max_payload_row_bytes)
         self.pool = pool
         self.data_dir = data_dir
@@ -94,6 +94,9 @@ class ManagerState:
         self.policy = policy or RebuildPolicy()
         self.on_applied = on_applied or (lambda collection_id, seq, at: None)
         self.shard = shard  # this process's replicas keep only this shard's ids (indexes/shards.py)
+        # Other processes hold replicas of the same collections in this data directory (workers, engine processes):
+        # one rebuild at a time among them, the others take its snapshot (manager_builds.py).
+        self.siblings = siblings and shard is None
         self.loading: asyncio.Task | None = None
         self.catalog: dict[str, Collection] = {}  # name -> definition; definitions never change
         self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

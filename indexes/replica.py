@@ -46,10 +46,13 @@ class Replica:
     run: Callable[..., Awaitable[Any]]  # run a blocking call on the engine's executor
     new_index: Callable[[], ResidentCollection]
     on_applied: Applied = lambda collection_id, seq, at: None
+    # After a catch-up applied changes (other processes' writes): (replica, rows written), for background rebuilds.
+    on_followed: Callable[["Replica", int], None] = lambda replica, rows: None
     loaded: bool = False
     error: str | None = None
     loaded_from: str | None = None  # "snapshot" (+ catch-up) or "postgres" (rebuilt), said by GET collection
     saved: tuple | None = None  # (watermark, digest, index type) of the last snapshot written
+    layout_seq: int = 0  # the seq of the rows its index was last built over, loaded or adopted at
     bulk_loading: int = 0  # bulk loads in progress build once at the end: no background rebuilds meanwhile
     loading_since: float = 0.0  # monotonic time the current run of large writes began (Builds._maybe_rebuild)
     loading_until: float = 0.0  # ... and when it counts as over, unless another large write comes first
@@ -104,6 +107,7 @@ class Replica:
         if await self.run(self.index.apply, changes):
             for seq, at in changes.commits:
                 self.on_applied(self.collection.id, seq, at)
+            self.on_followed(self, len(changes.ids))
         self.fresh_as_of = max(self.fresh_as_of, started)
 
     async def apply_own(self, commit: Commit, changes: Changes) -> None:
@@ -119,6 +123,27 @@ class Replica:
             else:
                 task = self._task = asyncio.ensure_future(self._catch_up())
             await asyncio.shield(task)
+
+    async def adopt(self, state: dict[str, Any]) -> bool:
+        """Take a snapshot another process wrote after its rebuild (ResidentCollection.adopt), brought up to date
+        from the change log, in turn with catch-ups and own applies, which run one at a time. Whether it was
+        taken; ValueError for a snapshot whose rows do not hash to its digest."""
+        while (task := self._task) is not None and not task.done():
+            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+        task = self._task = asyncio.ensure_future(self._adopt(state))
+        return await asyncio.shield(task)
+
+    async def _adopt(self, state: dict[str, Any]) -> bool:
+        started, before = time.monotonic(), self.watermark
+        changes = await self.read_changes(int(state["watermark"]))
+        if not await self.run(self.index.adopt, state, changes):
+            return False
+        self.layout_seq = int(state["watermark"])
+        for seq, at in changes.commits:
+            if seq > before:
+                self.on_applied(self.collection.id, seq, at)
+        self.fresh_as_of = max(self.fresh_as_of, started)
+        return True
 
     async def _apply_own(self, commit: Commit, changes: Changes) -> None:
         if await self.run(self.index.apply, changes):

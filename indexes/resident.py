@@ -116,6 +116,7 @@ class ResidentCollection(ResidentSearch):
         self.generation = 0
         self.rebuilds = 0  # completed rebuilds ...
         self.carried_over = 0  # ... and the rows written or deleted while they ran, carried over at their swaps
+        self.adopted = 0  # snapshots of another process's rebuild taken instead of a rebuild here (adopt)
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -202,19 +203,26 @@ class ResidentCollection(ResidentSearch):
         ids get their current vector. Returns False when the replica is already at or past `head` (applying an
         older read would bring back what a newer one removed). Applying a read that starts at or before the
         watermark is idempotent: every id it names ends in its state at `head`, and the others did not change."""
-        prepared = prepare(np, changes.vectors, self.metric)
-        hashes = digest.row_hashes(changes.ids, prepared)
-        payloads = parsed(changes.payloads, len(changes.ids))  # outside the lock
+        written = self._written(changes)  # outside the lock
         with self.lock.write():
             if changes.head <= self.watermark:
                 return False
             if changes.since > self.watermark:
                 raise ValueError(f"changes after seq {changes.since} cannot apply to a replica at {self.watermark}")
-            self._kill(changes.deleted)
-            if len(changes.ids):
-                self._append(changes.ids, prepared, hashes, payloads)
-            self.watermark = changes.head
+            self._apply_locked(changes, *written)
             return True
+
+    def _written(self, changes: Changes) -> tuple[np.ndarray, np.ndarray, list[Any] | None]:
+        """The written rows' prepared vectors, hashes and payloads: the part of an apply that needs no lock."""
+        prepared = prepare(np, changes.vectors, self.metric)
+        return prepared, digest.row_hashes(changes.ids, prepared), parsed(changes.payloads, len(changes.ids))
+
+    def _apply_locked(self, changes: Changes, prepared: np.ndarray, hashes: np.ndarray,
+                      payloads: list[Any] | None) -> None:
+        self._kill(changes.deleted)
+        if len(changes.ids):
+            self._append(changes.ids, prepared, hashes, payloads)
+        self.watermark = changes.head
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray, seq: int, payloads: list[Any] | None = None) -> None:
         """Insert or replace, as the change at `seq` (tests and tools; the service applies change-log reads)."""
@@ -229,7 +237,7 @@ class ResidentCollection(ResidentSearch):
         """What a replica holds, for comparing with PostgreSQL: rows, watermark, digest."""
         with self.lock.read():
             return {"rows": self.count, "watermark": self.watermark, "digest": digest.show(self.digest),
-                    "rebuilds": self.rebuilds, "rebuild_carried_rows": self.carried_over}
+                    "rebuilds": self.rebuilds, "rebuild_carried_rows": self.carried_over, "adopted": self.adopted}
 
     # -- build -----------------------------------------------------------------------------------------
     def _min_rows(self, config: IndexConfig) -> int:
@@ -459,6 +467,29 @@ class ResidentCollection(ResidentSearch):
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a snapshot's state. Its content must hash to the digest it recorded, or ValueError."""
+        loaded = self._checked(state)
+        with self.lock.write():
+            self._take(state, *loaded)
+
+    def adopt(self, state: dict[str, Any], changes: Changes) -> bool:
+        """Take a snapshot another process sharing the data directory wrote after its rebuild, brought up to date
+        by `changes` (the log after the snapshot's seq): its index instead of building one here. In one step under
+        the lock, so no search sees the replica go back to the snapshot's seq. False, with nothing changed, when
+        the changes do not start at the snapshot or end before this replica's watermark (it moved on: read again).
+        ValueError as restore() for a snapshot that does not hash to its digest."""
+        if changes.since != int(state["watermark"]):
+            return False
+        loaded, written = self._checked(state), self._written(changes)
+        with self.lock.write():
+            if changes.head < self.watermark:
+                return False
+            self._take(state, *loaded)
+            self._apply_locked(changes, *written)
+            self.adopted += 1
+            return True
+
+    def _checked(self, state: dict[str, Any]) -> tuple[np.ndarray, PayloadIndex, AnnIndex | None]:
+        """A snapshot's row hashes, payload index and loaded index, once its rows hash to its digest."""
         ids, vectors, alive = state["ids"], state["vectors"], state["alive"]
         hashes = digest.row_hashes(ids, vectors)
         found = digest.show(digest.total(hashes[alive]))
@@ -467,15 +498,20 @@ class ResidentCollection(ResidentSearch):
         payloads = PayloadIndex.restore(state["payload_meta"], state["payload_arrays"])
         if payloads.rows != len(ids):
             raise ValueError(f"snapshot payload index has {payloads.rows} rows for {len(ids)} vectors")
-        calibration = state.get("calibration")
         index = None
         if state["index_type"] is not None:
             config = IndexConfig(state["index_type"], self.metric, self.dim, self.build_params)
             index = self.backend.load(config, state["index_bytes"])
-        with self.lock.write():
-            self._set_rows(ids, vectors, alive, hashes, payloads)
-            self._swap_index(index)
-            self.calibration = planner.Calibration(**calibration) if calibration else None
-            self.plan_epoch += 1
-            self.watermark = int(state["watermark"])
+        return hashes, payloads, index
+
+    def _take(self, state: dict[str, Any], hashes: np.ndarray, payloads: PayloadIndex,
+              index: AnnIndex | None) -> None:
+        """A checked snapshot's rows, index and calibration, as the replica at its seq (under the write lock)."""
+        calibration = state.get("calibration")
+        self._set_rows(state["ids"], state["vectors"], state["alive"], hashes, payloads)
+        self._swap_index(index)
+        self.held_out = None
+        self.calibration = planner.Calibration(**calibration) if calibration else None
+        self.plan_epoch += 1
+        self.watermark = int(state["watermark"])
 

@@ -94,6 +94,15 @@ def load(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
     return state
 
 
+def peek(path: Path) -> int | None:
+    """The seq a snapshot covers, from its header alone; None where there is no readable one."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return int(json.loads(z.read("meta.json"))["watermark"])
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
+        return None
+
+
 def remove(path: Path) -> None:
     path.unlink(missing_ok=True)
     for tmp in path.parent.glob(path.name + ".*.tmp"):
@@ -134,6 +143,18 @@ class Snapshots:
             return None
         return state
 
+    def lock_path(self, r: "Replica") -> Path:
+        """The file whose lock the processes sharing this directory take around a rebuild (build_lock.py)."""
+        return self._path(r).with_suffix(".build-lock")
+
+    async def newer(self, r: "Replica", than: int) -> dict[str, Any] | None:
+        """The replica's snapshot if it covers a later seq than `than` and is usable: another process's rebuild."""
+        seq = await asyncio.to_thread(peek, self._path(r))
+        if seq is None or seq <= than:
+            return None
+        state = await self.usable(r)
+        return state if state is not None and state["watermark"] > than else None
+
     async def save(self, r: "Replica") -> None:
         """Write the replica's state, unless it is what the last snapshot already holds. A collection dropped
         while its snapshot is written leaves no file: remove() may take the temp file before its rename (which
@@ -160,3 +181,4 @@ class Snapshots:
         self.removed.add(collection_id)
         for path in self.directory.glob(path_for(Path(), collection_id, "*").name):  # whichever engine wrote it
             remove(path)
+            path.with_suffix(".build-lock").unlink(missing_ok=True)
