@@ -420,7 +420,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"PostgreSQL: {pg['rows']} rows, seq {pg['seq']}, digest {pg['digest']}; {len(replicas)} worker(s) "
               f"reported, digests {sorted({r.get('digest') for r in replicas})}")
         print(f"background and asked-for rebuilds per worker: {[r.get('rebuilds') for r in replicas]}, rows changed "
-              f"during them and carried over: {[r.get('rebuild_carried_rows') for r in replicas]}")
+              f"during them and carried over: {[r.get('rebuild_carried_rows') for r in replicas]}, another "
+              f"worker's rebuild taken from its snapshot instead: {[r.get('adopted') for r in replicas]}")
     else:
         print(f"final digests not checked: {report['digests'].get('why')}")
     if not report["anomalies"]:
