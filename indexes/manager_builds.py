@@ -210,11 +210,7 @@ class Builds(ManagerState):
         state = await self.snapshots.newer(r, max(r.layout_seq, r.saved[0] if r.saved else 0))
         if state is None:
             return False
-        try:
-            if not await r.adopt(state):
-                return False
-        except ValueError as exc:  # rows that do not hash to the snapshot's digest: build here instead
-            log.warning("collection %s: the snapshot of another process is unusable (%s)", r.collection.name, exc)
+        if not await r.adopt(state):
             return False
         log.info("collection %s: took the index another process built at seq %d, now at seq %d",
                  r.collection.name, state["watermark"], r.watermark)

@@ -127,7 +127,7 @@ class Replica:
     async def adopt(self, state: dict[str, Any]) -> bool:
         """Take a snapshot another process wrote after its rebuild (ResidentCollection.adopt), brought up to date
         from the change log, in turn with catch-ups and own applies, which run one at a time. Whether it was
-        taken; ValueError for a snapshot whose rows do not hash to its digest."""
+        taken (not: a snapshot whose rows do not hash to its digest, or the log moved past what was read)."""
         while (task := self._task) is not None and not task.done():
             await asyncio.gather(asyncio.shield(task), return_exceptions=True)
         task = self._task = asyncio.ensure_future(self._adopt(state))
@@ -136,7 +136,11 @@ class Replica:
     async def _adopt(self, state: dict[str, Any]) -> bool:
         started, before = time.monotonic(), self.watermark
         changes = await self.read_changes(int(state["watermark"]))
-        if not await self.run(self.index.adopt, state, changes):
+        try:
+            if not await self.run(self.index.adopt, state, changes):
+                return False
+        except ValueError as exc:  # the searches and writes waiting for this task must not see it fail
+            log.warning("collection %s: the snapshot of another process is unusable (%s)", self.collection.name, exc)
             return False
         self.layout_seq = int(state["watermark"])
         for seq, at in changes.commits:

@@ -69,6 +69,9 @@ def test_changes_that_do_not_start_at_the_snapshot_or_end_behind_the_replica_are
     assert not follower.adopt(state, written(4, 8, NONE, np.empty((0, DIM), np.float32)))  # a gap after seq 3
     assert not follower.adopt(state, written(3, 6, np.arange(300, 350), data[300:350]))  # ends before seq 8
     assert follower.content() == before and follower.index is None
+    with pytest.raises(ValueError, match="digest"):  # rows that are not what the snapshot says it holds
+        follower.adopt({**state, "digest": "0" * 16}, written(3, 8, np.arange(300, 400), data[300:]))
+    assert follower.content() == before and follower.index is None
 
 
 def test_the_build_lock_admits_one_holder_at_a_time(tmp_path):
