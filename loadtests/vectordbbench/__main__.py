@@ -71,6 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--switchyard-ef-search", type=int, help=(
         "Switchyard's search ef when it should differ from pgvector's (default --ef-search): the two HNSW "
         "implementations reach different recall at the same ef, so a like-for-like run can match recall instead"))
+    run.add_argument("--switchyard-workers", type=int, default=1, help=(
+        "with --start-service: `serve --workers N`, full replicas that each answer searches (default 1)"))
     run.add_argument("--switchyard-env", action="append", default=[], metavar="NAME=VALUE",
                      help="a setting of the started service, e.g. SWITCHYARD_FRONTS=2 (with --start-service)")
     run.add_argument("--engine", choices=["auto", "cpu", "pgvector"], default="auto", help="Switchyard's search engine")
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 env = dict(item.split("=", 1) for item in args.switchyard_env)
                 if args.switchyard_transport == "unix":
                     env["SWITCHYARD_UDS"] = str(scratch / "switchyard.sock")
-                url = stack.enter_context(local_service(1, scratch / "switchyard",
+                url = stack.enter_context(local_service(args.switchyard_workers, scratch / "switchyard",
                                                         out / "logs" / "switchyard-serve.log",
                                                         env=env, command=switchyard_command()))
                 if args.switchyard_transport == "unix":
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 "hnsw": {"m": args.m, "ef_construction": args.ef_construction, "ef_search": args.ef_search},
                 "switchyard": {"url": url, "collection_name": "vdbbench", "engine": args.engine,
                                "ef_search": args.switchyard_ef_search or args.ef_search, "env": args.switchyard_env,
+                               "workers": args.switchyard_workers,
                                "pgvector_index": args.switchyard_pgvector_index, "api_key": args.api_key,
                                "client": args.switchyard_client},
                 "pgvector": {"dsn": dsn, "maintenance_work_mem": args.pgvector_maintenance_work_mem},
