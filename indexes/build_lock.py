@@ -8,25 +8,33 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 POLL_S = 0.05
 
 
-@asynccontextmanager
-async def held(path: Path) -> AsyncIterator[None]:
-    """Hold the lock of `path` (created if missing), waiting on the event loop while another process holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                await asyncio.sleep(POLL_S)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+class BuildLock:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    async def acquire(self) -> None:
+        """Take the lock (its file created if missing), waiting on the event loop while another holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None

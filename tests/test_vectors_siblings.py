@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import wait_job, wait_ready
-from indexes import build_lock
+from indexes.build_lock import BuildLock
 from indexes.distance import exact_search
 from indexes.faiss_index import FaissBackend
 from indexes.resident import Changes, ResidentCollection
@@ -79,10 +79,12 @@ def test_the_build_lock_admits_one_holder_at_a_time(tmp_path):
     order: list[str] = []
 
     async def hold(name: str, seconds: float) -> None:
-        async with build_lock.held(path):
-            order.append(f"{name} in")
-            await asyncio.sleep(seconds)
-            order.append(f"{name} out")
+        lock = BuildLock(path)
+        await lock.acquire()
+        order.append(f"{name} in")
+        await asyncio.sleep(seconds)
+        order.append(f"{name} out")
+        lock.release()
 
     async def both() -> None:
         first = asyncio.ensure_future(hold("a", 0.3))
@@ -121,8 +123,9 @@ def test_workers_sharing_a_data_directory_build_once_and_the_other_takes_the_sna
     def settled() -> list[dict]:
         for _ in range(100):
             reps = replicas(a, name)
+            states = [client.get(f"/v1/collections/{name}").json()["index_state"] for client in (a, b)]
             if len(reps) == 2 and sum(rep["adopted"] for rep in reps) == 1 and all(
-                    client.get(f"/v1/collections/{name}").json()["index_state"]["delta_rows"] == 0 for client in (a, b)):
+                    state["delta_rows"] == 0 for state in states):
                 return reps
             time.sleep(0.1)
         raise AssertionError(replicas(a, name))
