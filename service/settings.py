@@ -49,7 +49,8 @@ class ServerSettings(Group):
     port: int = setting(8000, ge=1, le=65535, description="TCP port to listen on.")
     workers: int = setting(1, ge=1, description=(
         "Full replicas: Uvicorn workers that each hold their own resident indexes, kept in step with PostgreSQL's "
-        "change log (no front processes then)."))
+        "change log, and answer searches on their own event loop; they build each index once between them (no "
+        "front processes then)."))
     fronts: int | None = setting(None, ge=0, le=256, description=(
         "HTTP front processes before the engine processes (docs/process-layout.md). Default: one per core on "
         "machines with 4 or more, none (the engine process serves HTTP itself) on fewer; one per core whenever "
