@@ -112,7 +112,12 @@ def test_workers_sharing_a_data_directory_build_once_and_the_other_takes_the_sna
     b = make_client(data_dir=shared, workers=2)
     wait_ready(b)
     data = clustered(3000, DIM, seed=7)
-    before = {rep["process"]: rep["rebuilds"] for rep in replicas(a, name)}  # b's start-up load of the empty one
+    before: dict[str, int] = {}  # each process's rebuilds so far (b's start-up load of the empty collection)
+    for _ in range(100):
+        before = {rep["process"]: rep["rebuilds"] for rep in replicas(a, name)}
+        if len(before) == 2:
+            break
+        time.sleep(0.1)
     r = a.put(f"/v1/collections/{name}/points", json={"ids": list(range(3000)), "vectors_b64": b64(data)})
     assert r.status_code == 200, r.text
     first = a if builds_through == "a" else b
@@ -121,7 +126,7 @@ def test_workers_sharing_a_data_directory_build_once_and_the_other_takes_the_sna
     assert wait_job(first, built.json()["location"])["state"] == "succeeded"
 
     def settled() -> list[dict]:
-        for _ in range(100):
+        for _ in range(300):
             reps = replicas(a, name)
             states = [client.get(f"/v1/collections/{name}").json()["index_state"] for client in (a, b)]
             if len(reps) == 2 and sum(rep["adopted"] for rep in reps) == 1 and all(
