@@ -186,12 +186,15 @@ class Builds(ManagerState):
                 await self._build_here(r, say)
                 self._snapshot_soon(r)
                 return
-            lock = BuildLock(self.snapshots.lock_path(r))
+            lock, waited = BuildLock(self.snapshots.lock_path(r)), time.perf_counter()
             await lock.acquire()
+            waited = time.perf_counter() - waited
             try:
                 if await self._adopt_sibling(r, asked):
                     lock.release()
                     return
+                log.info("collection %s: rebuilding here (%s, the lock waited for %.1f s)", r.collection.name,
+                         "asked for" if asked else "in the background", waited)
                 await self._build_here(r, say)
             except BaseException:
                 lock.release()
