@@ -186,20 +186,19 @@ class Builds(ManagerState):
                 await self._build_here(r, say)
                 self._snapshot_soon(r)
                 return
-            lock, waited = BuildLock(self.snapshots.lock_path(r)), time.perf_counter()
+            lock, asked_at = BuildLock(self.snapshots.lock_path(r)), time.perf_counter()
             await lock.acquire()
-            waited = time.perf_counter() - waited
+            saving = None
             try:
                 if await self._adopt_sibling(r, asked):
-                    lock.release()
                     return
                 log.info("collection %s: rebuilding here (%s, the lock waited for %.1f s)", r.collection.name,
-                         "asked for" if asked else "in the background", waited)
+                         "asked for" if asked else "in the background", time.perf_counter() - asked_at)
                 await self._build_here(r, say)
-            except BaseException:
-                lock.release()
-                raise
-            self._spawn(self._save_and_release(r, lock), f"snapshot of {r.collection.name}")
+                saving = self._spawn(self._save_and_release(r, lock), f"snapshot of {r.collection.name}")
+            finally:
+                if saving is None:  # adopted, or the build failed: nothing to write
+                    lock.release()
 
         r.rebuild_started = time.monotonic()
         r.rebuild_task = task = asyncio.ensure_future(rebuild())

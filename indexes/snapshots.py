@@ -103,6 +103,11 @@ def peek(path: Path) -> int | None:
         return None
 
 
+def lock_path_for(path: Path) -> Path:
+    """The file beside a snapshot whose lock the processes sharing its directory take around a rebuild."""
+    return path.with_suffix(".build-lock")
+
+
 def remove(path: Path) -> None:
     path.unlink(missing_ok=True)
     for tmp in path.parent.glob(path.name + ".*.tmp"):
@@ -144,8 +149,8 @@ class Snapshots:
         return state
 
     def lock_path(self, r: "Replica") -> Path:
-        """The file whose lock the processes sharing this directory take around a rebuild (build_lock.py)."""
-        return self._path(r).with_suffix(".build-lock")
+        """The replica's rebuild lock file (build_lock.py)."""
+        return lock_path_for(self._path(r))
 
     async def newer(self, r: "Replica", than: int) -> dict[str, Any] | None:
         """The replica's snapshot if it covers a later seq than `than` and is usable: another process's rebuild."""
@@ -181,4 +186,4 @@ class Snapshots:
         self.removed.add(collection_id)
         for path in self.directory.glob(path_for(Path(), collection_id, "*").name):  # whichever engine wrote it
             remove(path)
-            path.with_suffix(".build-lock").unlink(missing_ok=True)
+            lock_path_for(path).unlink(missing_ok=True)
