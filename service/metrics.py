@@ -3,14 +3,16 @@
 Each app owns its registry, so tests can build many apps in one process.
 
 Requests and engine calls are counted per label set in a Tally: plain numbers, folded into the Prometheus children
-whenever the registry is collected (a scrape). prometheus_client takes a lock and makes three Python calls per
-update, and a search made eight updates: about a tenth of the service's CPU per search on the hot path. Tallies
-are updated and folded on the event loop's thread only (every caller of observe, observe_request and admitted is
-async code, and /metrics renders on the loop).
+at each scrape. prometheus_client takes a lock and makes three Python calls per update, and a search made eight
+updates: about a tenth of the service's CPU per search on the hot path. Tallies are updated and folded on the event
+loop's thread only (every caller of observe, observe_request and admitted is async code); the text is then made on
+a worker thread (render_off_loop), since prometheus_client takes 15-30 us a line and a scrape of a few hundred
+lines held the loop, and every search behind it, for 4-6 ms.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from bisect import bisect_left
@@ -35,7 +37,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._tallies: list[Tally] = []
-        self.registry.register(_Fold(self._tallies))  # first: the registry collects in the order of registration
+        self._snapshots: list[_GateCollector] = []  # collectors whose values are read on the event loop
         self.http_requests = Counter(
             "switchyard_http_requests_total", "HTTP requests by route template, method and status.",
             ["route", "method", "status"], registry=self.registry,
@@ -149,10 +151,27 @@ class Metrics:
     def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None) -> None:
         """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
         (service/admission/pressure.py: work class -> its limit), at every scrape."""
-        self.registry.register(_GateCollector(gates, classes))
+        collector = _GateCollector(gates, classes)
+        self._snapshots.append(collector)
+        self.registry.register(collector)
 
     def render(self) -> bytes:
+        """The exposition text, made on the calling thread (the event loop's: the tallies are folded here)."""
+        self._fold()
         return generate_latest(self.registry)
+
+    async def render_off_loop(self) -> bytes:
+        """The exposition text: the tallies folded on the event loop, the text made on a worker thread, so a scrape
+        delays searches by a GIL switch interval at most rather than by the whole render."""
+        self._fold()
+        return await asyncio.to_thread(generate_latest, self.registry)
+
+    def _fold(self) -> None:
+        """What must run on the event loop before the text is made: tallies folded, gauges of live state read."""
+        for tally in self._tallies:
+            tally.fold()
+        for collector in self._snapshots:
+            collector.snapshot()
 
 
 class Tally:
@@ -188,23 +207,21 @@ class Tally:
             self.histogram._sum.inc(total)
 
 
-class _Fold(Collector):
-    """Folds every tally into its children before the registry's metrics are collected; yields nothing itself."""
-
-    def __init__(self, tallies: list[Tally]) -> None:
-        self.tallies = tallies
-
-    def collect(self) -> Iterator[Any]:
-        for tally in self.tallies:
-            tally.fold()
-        return iter(())
-
-
 class _GateCollector(Collector):
+    """Admission's gauges, read on the event loop (snapshot: ClassLimit.current() may hand a slot over, which
+    resolves a waiter's future) and yielded from there by collect(), on whichever thread makes the text."""
+
     def __init__(self, gates: Callable[[], dict[str, Any]], classes: Any) -> None:
         self.gates, self.classes = gates, classes
+        self.families: list[GaugeMetricFamily] = []
+
+    def snapshot(self) -> None:
+        self.families = list(self._read())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self.families)
+
+    def _read(self) -> Iterator[GaugeMetricFamily]:
         queued = GaugeMetricFamily("switchyard_engine_queue_depth", "Requests waiting for an engine slot.",
                                    labels=["engine"])
         running = GaugeMetricFamily("switchyard_engine_running", "Requests holding an engine slot.", labels=["engine"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from urllib.parse import urlsplit
 
@@ -94,6 +95,39 @@ def test_tallied_metrics_render_exactly_what_direct_updates_would():
 
         for prefix in ("switchyard_http_requests_total", "switchyard_http_request_duration_seconds"):
             assert lines(metrics.render(), prefix) == lines(generate_latest(direct), prefix), (round_, prefix)
+
+
+def test_a_scrape_makes_its_text_off_the_event_loop_and_reads_admission_on_it(client):
+    """A scrape of a few hundred lines took 4-6 ms of prometheus_client's rendering, during which the loop
+    answered nothing; admission's gauges, which may hand a slot over, must still be read on the loop."""
+    from prometheus_client.registry import Collector
+
+    seen: dict[str, int] = {}
+
+    class Probe(Collector):
+        def collect(self):
+            seen["render"] = threading.get_ident()
+            return iter(())
+
+    runtime = client.app.state.switchyard
+    runtime.metrics.registry.register(Probe())
+    light = client.app.express.admission.classes["light"]
+    current = light.current
+
+    def on_which_thread() -> int:
+        seen["admission"] = threading.get_ident()
+        return current()
+
+    light.current = on_which_thread
+    try:
+        client.get("/v1/engines")
+        loop = client.portal.call(lambda: threading.get_ident())  # the app's event loop thread
+        text = client.get("/metrics").text
+    finally:
+        del light.current
+    assert seen["admission"] == loop and seen["render"] != loop
+    assert 'switchyard_http_requests_total{method="GET",route="/v1/engines",status="200"} 1.0' in text
+    assert re.search(r'^switchyard_inflight_limit\{work="light"\} \d', text, re.M)
 
 
 def test_engine_call_metrics_record_outcome_and_latency(client):
