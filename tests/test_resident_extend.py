@@ -79,6 +79,38 @@ def test_rows_written_while_the_copy_grows_stay_searchable_and_exact_indexes_sta
     assert r.search(queries, 5, {}).ids == exact_ids(r, queries, 5).tolist()
 
 
+def test_a_load_written_while_the_copy_grows_is_added_to_it_and_calibrated_at_its_end(monkeypatch):
+    """Rows written during an extension are added to the copy too, outside the lock, in further passes: only
+    the few written during the last pass join under the write lock, and the held-out calibration rows are the
+    last of the load, not of the delta the rebuild began with (a 100,000 x 768 load's calibration at 35,000
+    rows was stale at once, and another full build followed)."""
+    r, backend = filled("hnsw", {"m": 16, "ef_construction": 64}, 6000)
+    r.rebuild(hold_out=0)
+    load = clustered(4000, DIM, seed=8)
+    r.upsert(np.arange(6000, 7000), load[:1000], seq=100)
+    original = type(r.index).add
+    live_adds: list[int] = []
+
+    def add_then_write(index, vectors):  # the load goes on while the copy grows: 1,000 rows per pass, twice
+        original(index, vectors)
+        if index is r.index:
+            live_adds.append(len(vectors))
+        elif r.n_rows < 9000:
+            start = r.n_rows
+            r.upsert(np.arange(start, start + 1000), load[start - 6000:start - 5000], seq=r.watermark + 1)
+
+    monkeypatch.setattr(type(r.index), "add", add_then_write)
+    r.rebuild(hold_out=500)
+    assert backend.builds == [6000] and r.carried_over == 0
+    assert r.index.size == 8500 and r.held_out == (8500, 9000)
+    calibration = r.calibrate()
+    assert calibration is not None and calibration.rows == 8500
+    r.absorb()
+    assert live_adds == [500] and r.index.size == r.count == 9000
+    queries = clustered(100, DIM, seed=9)
+    assert recall(r.search(queries, 10, {"ef": 64}).ids, exact_ids(r, queries, 10)) >= 0.95
+
+
 @pytest.mark.parametrize("index_type, params", [("hnsw", {"m": 8, "ef_construction": 32}),
                                                 ("ivf_flat", {"n_lists": 16})])
 def test_dead_rows_or_an_index_trained_on_its_rows_mean_a_build(index_type, params):

@@ -412,6 +412,32 @@ def test_a_load_through_large_upserts_is_built_once_when_it_pauses(client):
     assert indexed >= 6 * rows - 500 and rebuilds == 1
 
 
+def test_a_load_is_as_long_as_its_writes_keep_their_cadence(monkeypatch):
+    """The quiet time that ends a load is twice the last gap between its large writes (within bounds): writes
+    1.4 s apart (VectorDBBench's two inserters at 768-d) are one load, not a load that ends after every second."""
+    from types import SimpleNamespace
+
+    import indexes.manager_builds as builds
+
+    clock = [100.0]
+    monkeypatch.setattr(builds.time, "monotonic", lambda: clock[0])
+    r = SimpleNamespace(loading_since=0.0, loading_until=0.0, last_load_write=0.0)
+    write = lambda at, rows=5000: (clock.__setitem__(0, at), builds.Builds.note_write(None, r, rows))  # noqa: E731
+    write(100.0)
+    assert (r.loading_since, r.loading_until) == (100.0, 100.0 + builds.LOAD_QUIET_S)
+    write(101.4)
+    write(102.8)
+    assert r.loading_since == 100.0 and r.loading_until == pytest.approx(102.8 + 2.8)
+    write(104.0, rows=builds.LOAD_WRITE_ROWS - 1)  # a small write is not part of a load
+    assert r.loading_until == pytest.approx(105.6)
+    write(109.0)  # a gap longer than LOAD_MAX_QUIET_S: a new load
+    assert (r.loading_since, r.loading_until) == (109.0, 109.0 + builds.LOAD_QUIET_S)
+    write(109.1)
+    assert r.loading_until == pytest.approx(109.1 + builds.LOAD_QUIET_S)
+    write(113.9)  # never longer than LOAD_MAX_QUIET_S
+    assert r.loading_since == 109.0 and r.loading_until == pytest.approx(113.9 + builds.LOAD_MAX_QUIET_S)
+
+
 def test_large_json_bodies_are_parsed_off_the_event_loop(client, monkeypatch):
     """A JSON body over LARGE_BODY_BYTES is parsed on a thread (20 MB of payloads held the loop 130 ms): stored
     and answered as any other, a bad one still a 422 naming the field."""
