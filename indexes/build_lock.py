@@ -14,6 +14,8 @@ POLL_S = 0.05
 
 
 class BuildLock:
+    """An exclusive flock on one file, taken without blocking the event loop and released by release()."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None

@@ -6,7 +6,7 @@ Requests and engine calls are counted per label set in a Tally: plain numbers, f
 at each scrape. prometheus_client takes a lock and makes three Python calls per update, and a search made eight
 updates: about a tenth of the service's CPU per search on the hot path. Tallies are updated and folded on the event
 loop's thread only (every caller of observe, observe_request and admitted is async code); the text is then made on
-a worker thread (render_off_loop), since prometheus_client takes 15-30 us a line and a scrape of a few hundred
+a worker thread (render), since prometheus_client takes 15-30 us a line and a scrape of a few hundred
 lines held the loop, and every search behind it, for 4-6 ms.
 """
 
@@ -37,7 +37,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._tallies: list[Tally] = []
-        self._snapshots: list[_GateCollector] = []  # collectors whose values are read on the event loop
+        self._gate_collectors: list[_GateCollector] = []  # collectors whose values are read on the event loop
         self.http_requests = Counter(
             "switchyard_http_requests_total", "HTTP requests by route template, method and status.",
             ["route", "method", "status"], registry=self.registry,
@@ -152,15 +152,10 @@ class Metrics:
         """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
         (service/admission/pressure.py: work class -> its limit), at every scrape."""
         collector = _GateCollector(gates, classes)
-        self._snapshots.append(collector)
+        self._gate_collectors.append(collector)
         self.registry.register(collector)
 
-    def render(self) -> bytes:
-        """The exposition text, made on the calling thread (the event loop's: the tallies are folded here)."""
-        self._fold()
-        return generate_latest(self.registry)
-
-    async def render_off_loop(self) -> bytes:
+    async def render(self) -> bytes:
         """The exposition text: the tallies folded on the event loop, the text made on a worker thread, so a scrape
         delays searches by a GIL switch interval at most rather than by the whole render."""
         self._fold()
@@ -170,7 +165,7 @@ class Metrics:
         """What must run on the event loop before the text is made: tallies folded, gauges of live state read."""
         for tally in self._tallies:
             tally.fold()
-        for collector in self._snapshots:
+        for collector in self._gate_collectors:
             collector.snapshot()
 
 

@@ -94,7 +94,8 @@ def test_tallied_metrics_render_exactly_what_direct_updates_would():
                           if line.startswith(prefix) and "_created" not in line)
 
         for prefix in ("switchyard_http_requests_total", "switchyard_http_request_duration_seconds"):
-            assert lines(metrics.render(), prefix) == lines(generate_latest(direct), prefix), (round_, prefix)
+            rendered = asyncio.run(metrics.render())
+            assert lines(rendered, prefix) == lines(generate_latest(direct), prefix), (round_, prefix)
 
 
 def test_a_scrape_makes_its_text_off_the_event_loop_and_reads_admission_on_it(client):

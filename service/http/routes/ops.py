@@ -42,4 +42,4 @@ async def readyz(runtime: RuntimeDep) -> JSONResponse:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response, responses={200: {
     "description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(runtime: RuntimeDep) -> Response:
-    return Response(await runtime.metrics.render_off_loop(), media_type=runtime.metrics.content_type)
+    return Response(await runtime.metrics.render(), media_type=runtime.metrics.content_type)
