@@ -138,11 +138,13 @@ class Builds(ManagerState):
         return kind, round(time.perf_counter() - started, 3)
 
     async def rebuild_resident(self, name: str, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Compact and rebuild this process's resident index of the collection, if it holds one."""
+        """Compact and rebuild this process's resident index of the collection, if it holds one, over every write
+        committed before the call: another process's writes may not have reached this replica yet."""
         r = self.resident.get(name)
         if r is None or not r.loaded:
             return {}
         started = time.perf_counter()
+        await r.ensure_fresh(time.monotonic())
         await self._rebuild(r, say)
         return {"resident_build_s": round(time.perf_counter() - started, 3),
                 "resident_index": r.index.index.config.index_type if r.index.index is not None else None}

@@ -202,6 +202,26 @@ def test_one_rebuild_at_a_time_and_no_write_lost_during_it(make_client, tmp_path
     assert_in_step(client, "rebuilt", processes=1)
 
 
+def test_a_build_asked_of_a_process_covers_writes_it_has_not_heard_of(make_client, tmp_path):
+    """A build asked of one worker right after writes through another covers them, whether or not that worker
+    has followed them yet (it built what it held, and the writes waited for a background rebuild)."""
+    a = app(make_client, tmp_path, "a")
+    create(a, "unheard", index={"type": "hnsw"})
+    b = app(make_client, tmp_path, "b", replication_poll_ms=60_000)  # only notifications bring changes in
+    upsert(a, "unheard", range(500), DATA[:500])
+    eventually(lambda: replication(b, "unheard")["replicas"][0]["rows"] == 500)
+    vectors = b.app.state.switchyard.vectors
+    deaf = type("Deaf", (), {"__getattr__": lambda self, attr: lambda *args: None})()
+    vectors.follower.handler = deaf  # b hears of nothing from now on
+    upsert(a, "unheard", range(500, 2500), DATA[500:2500])
+    job = b.post("/v1/collections/unheard/build").json()
+    eventually(lambda: b.get(f"/v1/jobs/{job['job']}").json()["state"] == "succeeded", timeout_s=60)
+    index = vectors.resident["unheard"].index
+    assert (index.count, index.delta_rows, index.index.size) == (2500, 0, 2500)
+    found = top1(b, "unheard", DATA[:2500], consistency="eventually", params={"ef": 128})[0]
+    assert sum(i == j for i, j in enumerate(found)) >= 2450  # HNSW: approximate
+
+
 # -- 3: a failure between PostgreSQL's commit and the replica's update is repaired ----------------------
 def test_an_engine_failure_after_commit_is_repaired_by_the_next_catch_up(make_client, tmp_path, monkeypatch):
     client = app(make_client, tmp_path, "a")
