@@ -25,12 +25,13 @@ log = logging.getLogger("switchyard.vectors")
 
 Progress = Callable[[int, int | None, str], None]
 # Writes of at least LOAD_WRITE_ROWS rows that follow each other within their quiet time are a load: background
-# rebuilds wait for it to pause (at most LOAD_MAX_DEFER_S). The quiet time is twice the last gap between them,
-# between LOAD_QUIET_S and LOAD_MAX_QUIET_S: VectorDBBench's two inserters of 5,000 768-d rows wrote every 1.4 s,
-# so a fixed second started a rebuild in the middle of the load. Measured in docs/design/vectors.md: 50,000 x 768
-# in upserts of 5,000 rows spent most of their CPU in HNSW builds started during the load.
+# rebuilds wait for it to pause (at most LOAD_MAX_DEFER_S). The quiet time is twice the longest gap between the
+# load's writes so far, between LOAD_QUIET_S and LOAD_MAX_QUIET_S: VectorDBBench's two inserters of 5,000 768-d rows
+# wrote every 1.4 s, at times in pairs, so a fixed second (or twice the last gap) started a rebuild in the middle of
+# the load. Measured in docs/design/vectors.md: 50,000 x 768 in upserts of 5,000 rows spent most of their CPU in
+# HNSW builds started during the load.
 LOAD_WRITE_ROWS = 1_000
-LOAD_QUIET_S = 1.0
+LOAD_QUIET_S = 2.0
 LOAD_MAX_QUIET_S = 5.0
 LOAD_MAX_DEFER_S = 60.0
 
@@ -246,11 +247,11 @@ class Builds(ManagerState):
         now = time.monotonic()
         gap = now - r.last_load_write
         if gap >= LOAD_MAX_QUIET_S:  # the first large write of a load
-            r.loading_since, quiet = now, LOAD_QUIET_S
+            r.loading_since, r.load_gap = now, 0.0
         else:
-            quiet = min(LOAD_MAX_QUIET_S, max(LOAD_QUIET_S, 2 * gap))
+            r.load_gap = max(r.load_gap, gap)
         r.last_load_write = now
-        r.loading_until = now + quiet
+        r.loading_until = now + min(LOAD_MAX_QUIET_S, max(LOAD_QUIET_S, 2 * r.load_gap))
 
     def _followed(self, r: Replica, rows: int) -> None:
         """Another process's writes were applied: they may make a rebuild due here too, as this process's do."""
@@ -260,8 +261,9 @@ class Builds(ManagerState):
 
     def _maybe_rebuild(self, r: Replica) -> None:
         """Start a background rebuild when the replica needs one. While large writes keep coming (a load through
-        upserts), not yet: each rebuild would index all the rows again, so the load is built once it pauses for
-        LOAD_QUIET_S, or every LOAD_MAX_DEFER_S if it never does (searches meanwhile scan the new rows exactly)."""
+        upserts), not yet: each rebuild would index all the rows again, so the load is built once it pauses for its
+        quiet time (note_write), or every LOAD_MAX_DEFER_S if it never does (searches meanwhile scan the new rows
+        exactly)."""
         if r.bulk_loading or not r.loaded or self.resident.get(r.collection.name) is not r:
             return  # the last: dropped (or replaced) while a load's timer waited
         now = time.monotonic()

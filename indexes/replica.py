@@ -57,6 +57,7 @@ class Replica:
     loading_since: float = 0.0  # monotonic time the current run of large writes began (Builds._maybe_rebuild)
     loading_until: float = 0.0  # ... and when it counts as over, unless another large write comes first
     last_load_write: float = 0.0  # ... and when its last large write was applied
+    load_gap: float = 0.0  # ... and the longest gap between its large writes so far
     rebuild_timer: asyncio.TimerHandle | None = None  # the check once that run is over
     rebuild_task: asyncio.Task | None = None  # the one rebuild of this collection, background or asked for
     rebuild_started: float = 0.0
