@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -118,6 +119,53 @@ def test_several_workers_start_together_on_a_fresh_data_dir(tmp_path):
     assert not (data_dir / "postgres" / "postmaster.pid").exists()
     # Each worker logs the service's own lines as a single process does, its pid named.
     assert re.search(r"INFO switchyard\.[\w.]+\[worker \d+\]: ", out), out
+
+
+def workers_reached(port: int, connections: int = 32) -> Counter:
+    """The worker pids that answer `connections` connections opened together, before any request is sent."""
+    import http.client
+    import json
+
+    opened = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for _ in range(connections)]
+    try:
+        for conn in opened:
+            conn.connect()
+        time.sleep(0.3)  # every one accepted, by whichever worker
+        pids: Counter = Counter()
+        for conn in opened:
+            conn.request("GET", "/readyz")
+            pids[json.loads(conn.getresponse().read())["pid"]] += 1
+        return pids
+    finally:
+        for conn in opened:
+            conn.close()
+
+
+def test_connections_opened_together_are_spread_over_the_workers(tmp_path):
+    """Each worker listens on a socket of its own (service/process/workers.py), and the kernel spreads connections
+    over them at random: of 32 opened at once, each of two workers gets at least 6 (a probe fails 1 time in 9,000).
+    With the one socket they shared, the first worker to wake took all of them, or most. A worker killed is
+    replaced on its socket, and a second service on the port is refused rather than let in beside it."""
+    data_dir, port = tmp_path / "data", free_port()
+    with serving(data_dir, port, workers=2) as proc:
+        wait_ready(port, proc)
+        deadline = time.monotonic() + 30  # the second worker may still be starting
+        while len(pids := workers_reached(port)) < 2:
+            assert time.monotonic() < deadline, pids
+            time.sleep(0.5)
+        spreads = [workers_reached(port) for _ in range(3)]
+        assert all(len(pids) == 2 and min(pids.values()) >= 6 for pids in spreads), spreads
+        killed = next(iter(pids))
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while len(pids := workers_reached(port)) < 2 or killed in pids:
+            assert time.monotonic() < deadline, pids
+            time.sleep(0.5)
+        other = serve(tmp_path / "other", port, workers=2)
+        out, _ = other.communicate(timeout=60)
+        assert other.returncode == 3 and "Address already in use" in out, out
+        assert len(workers_reached(port)) == 2
+        interrupt(proc)
 
 
 def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path):

@@ -205,39 +205,54 @@ def _stop(children: list[subprocess.Popen]) -> None:
 def _serve_here(settings: Settings, common: dict) -> None:
     """This process (or its full replicas) serves HTTP on the port, and on the unix socket SWITCHYARD_UDS too when
     it is set: a client on the same host (an application, a load tester) then skips TCP, as PostgreSQL's local
-    clients do."""
+    clients do. Full replicas listen on a socket each where the kernel spreads connections over them (workers.py)."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from service.process.workers import Workers, bind_listeners, spreads_connections
 
     workers = settings.server.workers
     options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=workers,
                    http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else CAPPED_PROTOCOL,
                    # each worker process sets its logging up from this (spawned, it inherits none)
                    log_config=logging_config(settings, "worker %(process)d" if workers > 1 else None), **common)
-    if settings.server.uds is None:
+    balanced = workers > 1 and spreads_connections()
+    if settings.server.uds is None and not balanced:
         uvicorn.run("service.http.app:create_app", **options)
         return
-    from uvicorn.supervisors import Multiprocess
-
     config = uvicorn.Config("service.http.app:create_app", **options)
     server = uvicorn.Server(config)
-    path = str(settings.server.uds)
-    if os.path.exists(path):
-        os.remove(path)  # left by a process that did not stop cleanly
-    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    local.bind(path)
-    os.chmod(path, 0o660)
-    sockets = [config.bind_socket(), local]
+    path = str(settings.server.uds) if settings.server.uds is not None else None
+    shared = []
+    if path is not None:
+        if os.path.exists(path):
+            os.remove(path)  # left by a process that did not stop cleanly
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        local.bind(path)
+        os.chmod(path, 0o660)
+        shared.append(local)
     try:
-        if config.workers > 1:
-            Multiprocess(config, sockets=sockets).run()
+        if balanced:
+            try:
+                listeners = bind_listeners(settings.server.host, settings.server.port, workers)
+            except OSError as exc:
+                logging.getLogger("uvicorn.error").error("cannot listen on %s:%s: %s", settings.server.host,
+                                                         settings.server.port, exc)
+                sys.exit(3)  # uvicorn's start-up failure code, as its own bind gives
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit), %d workers with a socket each",
+                settings.server.host, listeners[0].getsockname()[1], workers)
+            Workers(config, listeners, shared).run()
+        elif workers > 1:
+            Multiprocess(config, sockets=[config.bind_socket(), *shared]).run()
         else:
-            server.run(sockets=sockets)
+            server.run(sockets=[config.bind_socket(), *shared])
     except KeyboardInterrupt:
         pass
     finally:
-        if os.path.exists(path):
+        if path is not None and os.path.exists(path):
             os.remove(path)
-    if config.workers == 1 and not server.started:
+    if workers == 1 and not server.started:
         sys.exit(3)  # uvicorn's start-up failure code
 
 
