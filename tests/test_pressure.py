@@ -342,3 +342,28 @@ def test_heavy_threads_run_at_a_lower_priority_than_the_event_loop():
     thread.join()
     assert seen["worker"] == min(19, mine + HEAVY_NICE)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only that thread
+
+
+def test_a_database_process_leading_its_own_session_is_lowered_as_a_group_too(tmp_path):
+    """PostgreSQL's backends each lead a session; where the kernel schedules sessions as groups (autogroup), a
+    nice value ranks a process only within its group, so the group's own nice value must be lowered as well."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from service.admission.priority import HEAVY_NICE, lower_process_priority
+
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        group = Path(f"/proc/{child.pid}/autogroup")
+        if not group.exists():
+            pytest.skip("this kernel does not group sessions for scheduling (no autogroup)")
+        before, ours = os.getpriority(os.PRIO_PROCESS, child.pid), Path("/proc/self/autogroup").read_text()
+        lower_process_priority(child.pid)
+        nice = min(19, before + HEAVY_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == nice
+        assert group.read_text().split()[-1] == str(nice), group.read_text()
+        assert Path("/proc/self/autogroup").read_text() == ours  # this process's group is not touched
+    finally:
+        child.kill()
+        child.wait()

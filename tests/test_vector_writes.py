@@ -132,7 +132,8 @@ def test_a_build_that_waits_for_pgvector_builds_both_indexes_side_by_side(client
 
 def test_the_background_pgvector_build_yields_the_cpu_in_one_backend_closed_after(client, monkeypatch):
     """Where PostgreSQL's processes are the service's own (embedded), the background build runs in one backend
-    (no parallel workers) whose CPU priority the service lowers; that backend is not used again."""
+    (no parallel workers) whose CPU priority the service lowers, its scheduling group's too (autogroup); that backend
+    is not used again."""
     import os
 
     import psutil
@@ -142,12 +143,15 @@ def test_the_background_pgvector_build_yields_the_cpu_in_one_backend_closed_afte
     wait_ready(client)
     vectors = client.app.state.switchyard.vectors
     seen: list[tuple[int, bool, int, int]] = []  # pid, whether it is a local postgres of ours, nice before, after
+    groups: list[str] = []  # its scheduling group's nice value after, where the kernel groups sessions
 
     def lower(pid: int) -> None:
         ours = psutil.pid_exists(pid) and psutil.Process(pid).name() == "postgres"
         before = os.getpriority(os.PRIO_PROCESS, pid) if ours else 0
         lower_process_priority(pid)
         seen.append((pid, ours, before, os.getpriority(os.PRIO_PROCESS, pid) if ours else 0))
+        if ours and os.path.exists(f"/proc/{pid}/autogroup"):
+            groups.append(open(f"/proc/{pid}/autogroup").read().split()[-1])
 
     monkeypatch.setattr(vectors, "lower_database_process", lower)
     data = clustered(2000, 8, seed=8)
@@ -163,6 +167,7 @@ def test_the_background_pgvector_build_yields_the_cpu_in_one_backend_closed_afte
     [(pid, ours, before, after)] = seen
     if ours:  # these tests' own server (not SWITCHYARD_TEST_DATABASE_URL's, elsewhere)
         assert after == min(19, before + HEAVY_NICE)
+        assert groups in ([], [str(after)])  # a backend leads its own session: its group is lowered too
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # terminated after
         assert time.monotonic() < deadline, f"backend {pid} still runs after its build"
         time.sleep(0.1)

@@ -17,16 +17,37 @@ HEAVY_NICE = 10  # how much lower: under CFS a nice-10 thread gets about a tenth
 def lower_priority() -> None:
     """Lower the calling thread's CPU priority by HEAVY_NICE (at most to 19)."""
     try:
-        lower_process_priority(threading.get_native_id())
+        _renice(threading.get_native_id())
     except AttributeError:  # no native thread ids here: the thread keeps its priority
         pass
 
 
 def lower_process_priority(pid: int) -> None:
-    """Lower a thread's or process's CPU priority by HEAVY_NICE (at most to 19): a thread of ours, or a process
-    of the embedded PostgreSQL's (a backend building an index in the background). Where that fails (not ours, or
-    no such process), nothing changes. It cannot be undone: a process's priority is lowered only for good."""
+    """Lower another process's CPU priority by HEAVY_NICE (at most to 19): one of the embedded PostgreSQL's (a
+    backend building an index in the background). Where that fails (not ours, or no such process), nothing
+    changes. It cannot be undone: a process's priority is lowered only for good.
+
+    Where the kernel schedules sessions as groups (autogroup, on by default in many distributions' kernels), a nice
+    value only ranks a process among its own session's, and each PostgreSQL backend leads a session of its own: a
+    background index build at nice 10 took a whole core of two from the searches (docs/design/serving.md). So that
+    group's nice value is lowered too."""
+    nice = _renice(pid)
+    if nice is None:
+        return
     try:
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, pid) + HEAVY_NICE))
-    except OSError:
+        if os.getsid(pid) == pid:  # the only one in its group, unless it started children (PostgreSQL's do not)
+            with open(f"/proc/{pid}/autogroup", "w") as group:
+                group.write(str(nice))
+    except OSError:  # no autogroups here, or not ours
         pass
+
+
+def _renice(pid: int) -> int | None:
+    """Raise a thread's or process's nice value by HEAVY_NICE (at most to 19); the new value, or None where that
+    failed."""
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, pid) + HEAVY_NICE)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+        return nice
+    except OSError:
+        return None
