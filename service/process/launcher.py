@@ -209,7 +209,7 @@ def _serve_here(settings: Settings, common: dict) -> None:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
-    from service.process.workers import Workers, bind_listeners, spreads_connections
+    from service.process.workers import run_workers, spreads_connections
 
     workers = settings.server.workers
     options = dict(factory=True, host=settings.server.host, port=settings.server.port, workers=workers,
@@ -233,16 +233,7 @@ def _serve_here(settings: Settings, common: dict) -> None:
         shared.append(local)
     try:
         if balanced:
-            try:
-                listeners = bind_listeners(settings.server.host, settings.server.port, workers)
-            except OSError as exc:
-                logging.getLogger("uvicorn.error").error("cannot listen on %s:%s: %s", settings.server.host,
-                                                         settings.server.port, exc)
-                sys.exit(3)  # uvicorn's start-up failure code, as its own bind gives
-            logging.getLogger("uvicorn.error").info(
-                "Uvicorn running on http://%s:%d (Press CTRL+C to quit), %d workers with a socket each",
-                settings.server.host, listeners[0].getsockname()[1], workers)
-            Workers(config, listeners, shared).run()
+            run_workers(config, shared)
         elif workers > 1:
             Multiprocess(config, sockets=[config.bind_socket(), *shared]).run()
         else:

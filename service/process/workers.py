@@ -49,6 +49,19 @@ def bind_listeners(host: str, port: int, count: int) -> list[socket.socket]:
     return listeners
 
 
+def run_workers(config: Config, shared: list[socket.socket]) -> None:
+    """Serve as `config.workers` full replicas, each on a listener of its own and on the `shared` sockets, until
+    stopped. A port that cannot be bound exits with uvicorn's start-up failure code, as its own bind does."""
+    try:
+        listeners = bind_listeners(config.host, config.port, config.workers)
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", config.host, config.port, exc)
+        sys.exit(STARTUP_FAILURE)
+    log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit), %d workers with a socket each", config.host,
+             listeners[0].getsockname()[1], config.workers)
+    Workers(config, listeners, shared).run()
+
+
 class Workers(Multiprocess):
     """Uvicorn's supervisor, with worker i serving the i-th listener (and the shared sockets, a unix socket). A worker
     that dies is replaced on its own listener; meanwhile the connections the kernel gives that listener wait in its
