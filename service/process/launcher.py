@@ -216,14 +216,10 @@ def _serve_here(settings: Settings, common: dict) -> None:
                    http=EXPRESS_PROTOCOL if settings.vectors.express_protocol else CAPPED_PROTOCOL,
                    # each worker process sets its logging up from this (spawned, it inherits none)
                    log_config=logging_config(settings, "worker %(process)d" if workers > 1 else None), **common)
-    balanced = workers > 1 and spreads_connections()
-    if settings.server.uds is None and not balanced:
-        uvicorn.run("service.http.app:create_app", **options)
-        return
     config = uvicorn.Config("service.http.app:create_app", **options)
     server = uvicorn.Server(config)
     path = str(settings.server.uds) if settings.server.uds is not None else None
-    shared = []
+    shared = []  # served by every worker, beside the port
     if path is not None:
         if os.path.exists(path):
             os.remove(path)  # left by a process that did not stop cleanly
@@ -232,7 +228,7 @@ def _serve_here(settings: Settings, common: dict) -> None:
         os.chmod(path, 0o660)
         shared.append(local)
     try:
-        if balanced:
+        if workers > 1 and spreads_connections():
             run_workers(config, shared)
         elif workers > 1:
             Multiprocess(config, sockets=[config.bind_socket(), *shared]).run()

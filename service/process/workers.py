@@ -68,9 +68,8 @@ class Workers(Multiprocess):
     queue, which this process's copy of the socket keeps open. The number of workers is fixed (no SIGTTIN/TTOU)."""
 
     def __init__(self, config: Config, listeners: list[socket.socket], shared: list[socket.socket]) -> None:
-        super().__init__(config, sockets=shared)
+        super().__init__(config, sockets=shared)  # config.workers processes, one per listener
         self.listeners, self.shared = listeners, shared
-        self.processes_num = len(listeners)
 
     def _start(self, index: int) -> Process:
         process = Process(self.config, [self.listeners[index], *self.shared])
