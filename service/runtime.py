@@ -46,7 +46,7 @@ def vector_options(settings: Settings) -> dict[str, Any]:
     v, r = settings.vectors, settings.replication
     return dict(max_batch=v.batch_max, batch_window_s=v.batch_window_ms / 1000, max_payload_keys=v.max_payload_keys,
                 max_payload_value_bytes=v.max_payload_value_bytes, max_payload_row_bytes=v.max_payload_row_bytes,
-                inline_search_s=v.inline_search_us / 1e6, inline_turn_s=v.inline_turn_us / 1e6,
+                inline_search_s=settings.inline_search_s, inline_turn_s=v.inline_turn_us / 1e6,
                 heavy_threads=settings.engine_threads, siblings=settings.replicas > 1,
                 consistency=Consistency(r.consistency, r.bounded_staleness_ms / 1000, r.consistency_timeout_ms / 1000,
                                         r.poll_ms / 1000),

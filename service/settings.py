@@ -15,6 +15,10 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "SWITCHYARD_"
+# SWITCHYARD_INLINE_SEARCH_US's defaults (docs/design/vectors.md): the hop to a worker thread pays where the event
+# loop has another core to go on reading on, and costs 0.3-0.6 ms of CPU a search where it has none.
+INLINE_SEARCH_US = 500
+INLINE_SEARCH_NO_SPARE_CORE_US = 5000
 
 
 def setting(default: Any = ..., *, env: str | None = None, **kwargs: Any) -> Any:
@@ -136,9 +140,11 @@ class VectorSettings(Group):
     batch_window_ms: float = setting(0.0, ge=0, le=100, description=(
         "How long an idle collection waits for more searches before searching; 0: never wait, batch only what "
         "queues while the engine is busy."))
-    inline_search_us: float = setting(500, ge=0, le=100_000, description=(
+    inline_search_us: float | None = setting(None, ge=0, le=100_000, description=(
         "A lone single-vector search on the CPU whose engine time has averaged under this runs on the event loop "
-        "instead of a worker thread (the hop costs more than a small search); 0: always a thread."))
+        "instead of a worker thread (the hop costs more than a small search); 0: always a thread. Default: 500 "
+        "where the process has a core to spare beside its event loop, 5,000 where the workers or engine processes "
+        "are at least the cores (a worker thread would only take a core from another event loop)."))
     inline_turn_us: float = setting(3000, ge=0, le=100_000, description=(
         "Engine time the event loop spends answering searches in one of its turns (by each search's learnt cost; "
         "the first always runs); more arriving together go to a worker thread as a batch, so the loop keeps "
@@ -432,6 +438,15 @@ class Settings(BaseSettings):
 
         mb = self.cpu.duckdb_memory_mb or max(64, psutil.virtual_memory().total // 2**20 // 4 // self.replicas)
         return f"{mb}MB"
+
+    @property
+    def inline_search_s(self) -> float:
+        """SWITCHYARD_INLINE_SEARCH_US in seconds, or its default for this machine's cores and processes."""
+        us = self.vectors.inline_search_us
+        if us is None:
+            spare_core = self.replicas < (os.cpu_count() or 1)
+            us = INLINE_SEARCH_US if spare_core else INLINE_SEARCH_NO_SPARE_CORE_US
+        return us / 1e6
 
     @property
     def engine_threads(self) -> int:

@@ -7,8 +7,10 @@ over keep-alive connections, pipelined requests, HTTP/1.0 and `Expect: 100-conti
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import logging
 import re
 import socket
 from urllib.parse import quote
@@ -16,6 +18,8 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from helpers import assert_problem
 from loadtests.processes import local_service
@@ -267,3 +271,65 @@ def test_http_1_0_closes_and_expect_100_continue_is_honoured(served):
             answer += s.recv(65536)
     assert answer.startswith(b"HTTP/1.1 200") and b'"ids":[20]' in answer
     assert synced(client) - before == 2
+
+
+class Recorded:
+    """A transport that records each write (one write: one segment, one wakeup of the client)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def app_cycle(method: str = "GET", expect_100_continue: bool = False) -> tuple[RequestResponseCycle, Recorded]:
+    """uvicorn's own ASGI cycle, as the protocol makes it for the app, writing through OneWrite."""
+    transport = Recorded()
+    cycle = RequestResponseCycle(
+        scope={"type": "http", "method": method, "path": "/", "http_version": "1.1"},  # type: ignore[typeddict-item]
+        transport=transport, flow=FlowControl(transport), logger=logging.getLogger("test"),  # type: ignore[arg-type]
+        access_logger=logging.getLogger("test"), access_log=False, default_headers=[], message_event=asyncio.Event(),
+        expect_100_continue=expect_100_continue, keep_alive=True, on_response=lambda: None)
+    cycle.transport = express_protocol.OneWrite(cycle)  # type: ignore[assignment]
+    return cycle, transport
+
+
+def test_an_app_response_of_declared_length_is_written_once_head_and_body_together():
+    async def scenario() -> None:
+        cycle, transport = app_cycle()
+        await cycle.send({"type": "http.response.start", "status": 200,
+                          "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
+        assert transport.writes == []  # held for the body
+        await cycle.send({"type": "http.response.body", "body": b"{}"})
+        assert len(transport.writes) == 1
+        assert transport.writes[0].startswith(b"HTTP/1.1 200") and transport.writes[0].endswith(b"\r\n\r\n{}")
+
+        streamed, transport = app_cycle()  # no declared length: chunked, the head goes at once
+        await streamed.send({"type": "http.response.start", "status": 200, "headers": []})
+        assert len(transport.writes) == 1 and b"transfer-encoding: chunked" in transport.writes[0]
+        await streamed.send({"type": "http.response.body", "body": b"x", "more_body": True})
+        assert transport.writes[1] == b"1\r\nx\r\n"
+
+        waiting, transport = app_cycle("POST", expect_100_continue=True)  # the interim answer is never held
+        waiting.more_body = False
+        waiting.message_event.set()
+        await waiting.receive()
+        assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+
+        failed, transport = app_cycle()  # a close after the head (the app failed): the head is not lost
+        await failed.send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        failed.transport.close()
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200") and transport.closed
+
+    asyncio.run(scenario())

@@ -103,6 +103,14 @@ def test_derived_values_read_their_groups(clean_env):
     assert Settings(duckdb_memory_mb=128).duckdb_memory == "128MB"
 
 
+@pytest.mark.parametrize("cores, workers, inline_us", [(2, 1, 500), (2, 2, 5000), (4, 2, 500), (1, 1, 5000)])
+def test_lone_searches_stay_on_the_event_loop_longer_where_no_core_is_spare(clean_env, monkeypatch, cores, workers,
+                                                                            inline_us):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert Settings(workers=workers).inline_search_s == pytest.approx(inline_us / 1e6)
+    assert Settings(workers=workers, inline_search_us=0).inline_search_s == 0  # always a thread, as asked
+
+
 def test_every_setting_is_described_and_the_page_is_current():
     for group, model in GROUPS.items():
         assert model.__doc__, group

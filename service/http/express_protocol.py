@@ -145,6 +145,7 @@ class ExpressProtocol(CappedProtocol):
         self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
         self.scope["headers"] = headers
         super().on_headers_complete()
+        self.cycle.transport = OneWrite(self.cycle)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
         if self.held is not None:
@@ -197,6 +198,37 @@ class ExpressProtocol(CappedProtocol):
         self.answered = self.responded = True
         if not keep_alive:
             self.transport.close()
+
+
+class OneWrite:
+    """A cycle's transport that writes a whole response's head with its body: uvicorn writes the head alone at
+    http.response.start, and on loopback each write wakes the client (two wakeups, two segments per answer). Only
+    a head declaring its length is held, and only until the cycle's next write (its body, or a close): a chunked
+    response's head, a 100 Continue and everything else go out at once."""
+
+    __slots__ = ("cycle", "transport", "head")
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.head is not None:
+            data, self.head = self.head + data, None
+        elif self.cycle.response_started and self.cycle.chunked_encoding is False and not self.cycle.response_complete:
+            self.head = data
+            return
+        self.transport.write(data)
+
+    def close(self) -> None:
+        if self.head is not None:
+            self.transport.write(self.head)
+            self.head = None
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 _heads: tuple[object, bytes] = (None, b"")
