@@ -209,16 +209,18 @@ class OneWrite:
     __slots__ = ("cycle", "transport", "head")
 
     def __init__(self, cycle: Any) -> None:
-        self.cycle = cycle
+        self.cycle: Any = cycle
         self.transport = cycle.transport
         self.head: bytes | None = None
 
     def write(self, data: bytes) -> None:
         if self.head is not None:
             data, self.head = self.head + data, None
-        elif self.cycle.response_started and self.cycle.chunked_encoding is False and not self.cycle.response_complete:
-            self.head = data
-            return
+        elif self.cycle is not None and self.cycle.response_started:  # the head: decided once, then the cycle is
+            cycle, self.cycle = self.cycle, None  # let go (no reference loop between it and its transport)
+            if cycle.chunked_encoding is False:
+                self.head = data
+                return
         self.transport.write(data)
 
     def close(self) -> None:
