@@ -18,7 +18,7 @@ from . import offline, registry  # noqa: F401 - registry registers DB.Switchyard
 
 offline.install()
 log = logging.getLogger("vectordb_bench")
-QUIET_WAIT_S = 900  # the most one system's leftover work may delay the next system's cases
+QUIET_WAIT_S = 300  # the most one system's leftover work may delay the next system's cases
 
 
 def run(plan: dict) -> int:
