@@ -84,57 +84,31 @@ async def _generate(port: int, requests: list[Request], rate: float, start: floa
     """This process's share: open loop at rate / processes (clients=0), or `clients` closed-loop clients."""
     loop = asyncio.get_running_loop()
     idle: list[Connection] = []
-    waiting: list[asyncio.Future] = []  # requests due while MAX_CONNECTIONS were busy, first come first served
-    opened = 0
+    # At most MAX_CONNECTIONS in use: a connection is opened only when none is idle, so they bound the total too.
+    in_use = asyncio.Semaphore(MAX_CONNECTIONS)
     out: list[tuple[str, Any, bool, float, float]] = []
-
-    async def connection_for() -> Connection:
-        nonlocal opened
-        while True:
-            while idle and idle[-1].closed:  # the service closed it (keep-alive timeout) while it was idle
-                idle.pop()
-                opened -= 1
-            if idle:
-                return idle.pop()
-            if opened < MAX_CONNECTIONS:
-                opened += 1
-                try:
-                    return (await loop.create_connection(Connection, "127.0.0.1", port))[1]
-                except OSError:
-                    opened -= 1
-                    raise
-            turn = loop.create_future()
-            waiting.append(turn)
-            await turn
-
-    def give_back(connection: Connection | None, usable: bool) -> None:
-        nonlocal opened
-        if connection is not None:
-            if usable and not connection.closed:
-                idle.append(connection)
-            else:
-                opened -= 1
-                if connection.transport is not None:
-                    connection.transport.close()
-        while waiting:
-            turn = waiting.pop(0)
-            if not turn.done():
-                turn.set_result(None)
-                break
 
     async def one(i: int, due: float) -> None:
         request = requests[i % len(requests)]
-        sent, connection = time.monotonic(), None
-        try:
-            connection = await connection_for()
+        async with in_use:
             sent = time.monotonic()
-            status, retry = await asyncio.wait_for(connection.send(request.raw), ANSWER_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
-            out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due))
-            give_back(connection, False)
-            return
-        out.append((request.label, status, retry, time.monotonic() - due, sent - due))
-        give_back(connection, True)
+            while idle and idle[-1].closed:  # the service closed it (keep-alive timeout) while it was idle
+                idle.pop()
+            connection = None
+            try:
+                connection = idle.pop() if idle else (await loop.create_connection(Connection, "127.0.0.1", port))[1]
+                status, retry = await asyncio.wait_for(connection.send(request.raw), ANSWER_TIMEOUT_S)
+            except (OSError, TimeoutError) as exc:
+                out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due))
+                if connection is not None and connection.transport is not None:
+                    connection.transport.close()
+                return
+            out.append((request.label, status, retry, time.monotonic() - due, sent - due))
+            if connection.closed:
+                if connection.transport is not None:
+                    connection.transport.close()
+            else:
+                idle.append(connection)
 
     stop = start + duration_s
     if clients:  # closed loop: each client sends its next request when the last is answered
