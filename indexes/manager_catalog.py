@@ -8,10 +8,12 @@ import logging
 import time
 from typing import Any, Callable
 
+import asyncpg
+
 from . import pgvector_search, reports
 from .ann import INDEX_TYPES, check_build_shape, check_params
 from .distance import METRICS
-from .errors import InvalidInput
+from .errors import CollectionNotFound, InvalidInput
 from .manager_builds import Builds, build_and_calibrate
 from .manager_state import HEAVY_WORK
 from .replica import Replica
@@ -194,6 +196,10 @@ class Catalog(Builds):
             self._maybe_rebuild(r)
         except asyncio.CancelledError:
             raise
+        except (asyncpg.UndefinedTableError, CollectionNotFound):  # a catalog read just before a drop registered it
+            log.info("collection %s was dropped while it loaded", r.collection.name)
+            if self.by_id.get(r.collection.id) is r:
+                self._forget(r.collection.name)
         except Exception as exc:  # noqa: BLE001 - one broken collection must not stop the others
             log.exception("loading collection %s failed; pgvector serves it", r.collection.name)
             r.error = f"{type(exc).__name__}: {exc}"
