@@ -8,6 +8,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
 
 from service.admission import pressure
@@ -156,6 +157,34 @@ def test_a_request_waits_in_a_short_queue_for_a_slot_and_is_refused_at_once_when
     run(go())
 
 
+def test_the_queue_holds_only_the_waiters_a_slot_can_reach_within_their_wait():
+    """Under overload a waiter that times out costs as much as an answer: the queue is as deep as the slots can take
+    within a kind's wait (slots times wait over the mean hold), at least one, at most two per slot."""
+    limit = ClassLimit("light", ceiling=2, floor=2, tolerance=1.5, max_wait_s=0.25)
+    answer(limit, "search", 0.004, times=4)
+    assert limit.hold_s == pytest.approx(0.004) and limit.wait_s("search") == pytest.approx(0.004)
+
+    async def go():
+        assert limit.admit() and limit.admit()
+        limit.hold_s = 0.04  # slots now held ten times a search's wait: one waiter can be reached, not two
+        assert not limit.full("search")
+        waiting = asyncio.create_task(limit.enter("search"))
+        await asyncio.sleep(0)
+        assert limit.full("search") and not limit.full("unknown kind")  # the latter may wait the configured 250 ms
+        started = time.perf_counter()
+        assert not await limit.enter("search")  # refused at once, not after a wait in vain
+        assert time.perf_counter() - started < 0.003
+        limit.leave()
+        assert await waiting
+        limit.hold_s = 0.0001  # slots free often: two waiters per slot, as before anything was measured
+        for _ in range(4):
+            assert not limit.full("search")
+            limit.waiters.append(asyncio.get_running_loop().create_future())
+        assert limit.full("search")
+
+    run(go())
+
+
 def test_a_waiter_handed_a_slot_after_its_client_went_away_gives_it_back():
     async def go():
         limit = ClassLimit("light", ceiling=2, floor=1, tolerance=2.0, max_wait_s=5.0)
@@ -287,6 +316,44 @@ def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_pa
     classes["light"].waiters.clear()  # the queue has room: the search waits on the app's path instead
     assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert len(refusals) == 1
+
+
+def test_the_protocol_refuses_a_request_whose_class_is_full_and_keeps_the_connection(make_settings, monkeypatch):
+    """With its class full, a request is answered 503 by the HTTP protocol from its headers (Express.refusal, no
+    ASGI cycle: the cheapest refusal); its body is skipped and the connection serves the next request. A request
+    without the key, or of a class with room, goes on to the app."""
+    from helpers import raw_socket, read_response
+    from service.http.express_protocol import ExpressProtocol
+    from test_slow_clients import KEY, request, serving
+
+    cycles = []
+    real_cycle = ExpressProtocol._app_headers_complete
+    monkeypatch.setattr(ExpressProtocol, "_app_headers_complete", lambda self: (cycles.append(self.url),
+                                                                                real_cycle(self)))
+    settings = make_settings(api_key=KEY, max_inflight=4, inflight_latency_tolerance=0)
+    with serving(settings) as (url, app):
+        express = app.express
+        sql = [(b"content-type", b"application/json"), (b"content-length", b"21"),
+               (b"authorization", f"Bearer {KEY}".encode())]
+        assert express.refusal(b"POST", b"/v1/olap/sql", sql) is None  # room: the app runs it
+        full(express.admission.classes["heavy"])
+        reply = express.refusal(b"POST", b"/v1/olap/sql", sql)
+        assert reply is not None and reply.status == 503 and ("retry-after", "1") in reply.headers
+        assert express.refusal(b"POST", b"/v1/olap/sql", sql[:2]) is None  # no key: the app answers 401
+        assert express.refusal(b"GET", b"/v1/collections", sql[2:]) is None  # light work has room
+        assert express.refusal(b"GET", b"/healthz", []) is None
+        with raw_socket(url) as sock:
+            sock.sendall(request("POST", "/v1/olap/sql", b'{"sql": "SELECT 1"}'))
+            status, headers, body = read_response(sock)
+            assert status == 503 and headers["retry-after"] == "1", body
+            assert headers["content-type"].startswith("application/problem+json")
+            problem = orjson.loads(body)
+            assert problem["type"].endswith(":overloaded") and problem["work_class"] == "heavy", problem
+            assert cycles == []  # answered by the protocol
+            sock.sendall(request("GET", "/v1/collections"))  # the same connection: the body above was skipped
+            status, _, body = read_response(sock)
+            assert status == 200, body
+            assert cycles == [b"/v1/collections"]
 
 
 def test_light_work_slowed_by_heavy_work_cuts_the_heavy_limit_first(clock):

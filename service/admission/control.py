@@ -300,10 +300,14 @@ class Admission:
         limit = self.classes[work]
         return Ticket(limit) if limit.admit() else None
 
-    def check_room(self, work: str) -> None:
-        """Refuse (Shed, 503) a request of `work` at once, before its body is read, when its class would: no free
-        slot and a full queue (service/admission/pressure.py)."""
-        if self.classes is not None and self.classes[work].full():
+    def crowded(self) -> bool:
+        """Whether any work class has all its slots taken (only then can check_room refuse)."""
+        return self.classes is not None and any(c.inflight >= c.limit for c in self.classes.values())
+
+    def check_room(self, work: str, kind: Hashable = None) -> None:
+        """Refuse (Shed, 503) a request of `work` and `kind` at once, before its body is read, when its class would:
+        no free slot and a full queue (service/admission/pressure.py)."""
+        if self.classes is not None and self.classes[work].full(kind):
             raise self._no_slot(work)
 
     async def enter(self, work: str, kind: Hashable = None) -> Ticket:

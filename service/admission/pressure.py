@@ -12,9 +12,11 @@ limit grows by a tenth while its class's requests are not slowed and had to wait
 (under half its limit in use, no cut for RECOVER_S) its limit doubles every RECOVER_S back to its ceiling. A request
 that finds its class full waits in the queue (two waiters per slot) for at most WAIT_FACTOR times its kind's
 unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that waiting at most doubles what it costs; a free slot
-goes to the head of the queue at once, and a request that finds the queue full is refused at once, before its body
-is read (full(): the cheapest refusal, which keeps a process that refuses most of what it is sent serving the rest
-at its capacity). Why: docs/design/serving.md.
+goes to the head of the queue at once. The queue holds only the waiters a slot can reach within that wait (the
+slots, times the wait over the mean time a slot is held; at most two per slot): a request that would wait in vain is
+refused at once, before its body is read (full(): the cheapest refusal, which the HTTP protocol answers without an
+ASGI cycle, and which keeps a process that refuses most of what it is sent serving the rest at its capacity; a
+refusal after a wait cost as much as an answer). Why: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ RECOVER_S = 1.0  # with its load gone, a class's limit doubles this often
 WAIT_FACTOR = 1.0  # a waiter waits at most this many times its kind's unqueued latency ...
 MIN_WAIT_S = 0.001  # ... but at least this long
 MAX_KINDS = 1024  # kinds whose latency is remembered, per class
+HOLD_WEIGHT = 0.05  # weight of each request in the moving mean of the time a slot is held
 
 # Work classes in order of priority, and their share of SWITCHYARD_MAX_INFLIGHT (ceiling) and SWITCHYARD_MIN_INFLIGHT
 # (floor).
@@ -79,6 +82,7 @@ class ClassLimit:
         self.inflight = 0
         self.waiters: deque[asyncio.Future] = deque()  # result True: handed a slot
         self.slowdown = 0.0  # of the last interval: latency over unqueued latency
+        self.hold_s = 0.0  # moving mean of the time a slot is held (0: none yet)
         self.kinds: dict[Hashable, KindLatency] = {}
         self.lower: list[ClassLimit] = []  # the classes of lower priority, highest first (class_limits)
         now = monotonic()
@@ -114,18 +118,22 @@ class ClassLimit:
             return self.max_wait_s
         return min(self.max_wait_s, max(MIN_WAIT_S, WAIT_FACTOR * latency.least))
 
-    def full(self) -> bool:
-        """Whether a request arriving now would be refused at once: no free slot and a full queue."""
-        return self.inflight >= self.current() and self._queue_full()
+    def full(self, kind: Hashable = None) -> bool:
+        """Whether a request of `kind` arriving now would be refused at once: no free slot and a full queue."""
+        return self.inflight >= self.current() and self._queue_full(kind)
 
-    def _queue_full(self) -> bool:
-        return len(self.waiters) >= 2 * self.limit
+    def _queue_full(self, kind: Hashable) -> bool:
+        """Whether a newcomer of `kind` would wait in vain: as many wait as the slots can take within its wait."""
+        depth = 2 * self.limit
+        if self.hold_s > 0:  # each slot frees about once per hold_s: that many per slot within the wait, at least 1
+            depth = min(depth, max(1, int(self.limit * self.wait_s(kind) / self.hold_s)))
+        return len(self.waiters) >= depth
 
     async def enter(self, kind: Hashable = None) -> bool:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
         if self.admit():
             return True
-        if self._queue_full():
+        if self._queue_full(kind):
             return False
         handed = asyncio.get_running_loop().create_future()
         self.waiters.append(handed)
@@ -165,6 +173,8 @@ class ClassLimit:
         self.inflight -= 1
         if self.waiters:
             self._hand_over()
+        if seconds > 0:
+            self.hold_s = seconds if not self.hold_s else self.hold_s + HOLD_WEIGHT * (seconds - self.hold_s)
         if kind is None or self.tolerance <= 0:
             return
         now = monotonic()

@@ -166,7 +166,7 @@ class Express:
         ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
         if self.admission is not None and ticket is None:
             try:  # no slot now: wait for one on the app's path, or, with the queue full, be refused here at once
-                self.admission.check_room(LIGHT)
+                self.admission.check_room(LIGHT, HOT_KINDS[True])
             except ProblemError as exc:
                 refuse(problem_of(exc, {"method": "POST", "path": f"/v1/collections/{claim.collection}/search"}))
                 return True, None
@@ -185,6 +185,30 @@ class Express:
                          "query_string": claim.query.encode("latin-1")}, 200, 0.0, sampled=True)
         return answered, call
 
+    def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Reply | None:
+        """The 503 a /v1 request gets from its headers alone when its work class has no free slot and no room to
+        wait (Admission.check_room), for the protocol to answer without an ASGI cycle: the cheapest refusal, which
+        a process refusing most of what it is sent must keep cheap. None: the request goes on to __call__, which
+        also answers whatever fails an earlier step (the key, a bad header, a quota)."""
+        if self.admission is None or self.quota or not self.admission.crowded() or not url.startswith(b"/v1/"):
+            return None
+        try:
+            h = read_headers(headers)
+            check_bearer(self.key, h.authorization)
+            if h.timeout is not None:
+                parse_timeout(h.timeout)
+        except ProblemError:
+            return None
+        if h.chunked or h.length > INLINE_MAX_BODY:  # the protocol holds the body it refuses: a small one only
+            return None
+        verb, path = method.decode("latin-1"), url.partition(b"?")[0].decode("latin-1")
+        work, kind = work_of(verb, path, is_bulk(verb, path, headers))
+        try:
+            self.admission.check_room(work, kind)
+        except ProblemError as exc:
+            return problem_of(exc, {"method": verb, "path": path})
+        return None
+
     # -- ASGI ------------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -201,7 +225,7 @@ class Express:
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
                     self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
                 if self.admission is not None:
-                    self.admission.check_room(work)  # no slot and a full queue: refused before its body is read
+                    self.admission.check_room(work, kind)  # no slot, no room to wait: refused before its body
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return

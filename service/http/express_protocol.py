@@ -4,9 +4,11 @@ A single-vector search the resident CPU engine can answer at once (loaded, consi
 enough for the event loop) needs no ASGI cycle: express claims it from its headers (Express.claim) and, when its
 body is complete, answers it (Express.answer_inline); this protocol writes the answer itself. Whatever express
 declines, and every other request, becomes the ASGI cycle uvicorn would have made, body already read, so errors
-and metrics are the app's own. Relies on HttpToolsProtocol's per-request attributes (url, headers, cycle, pipeline,
-parser) and STATUS_LINE: uvicorn is pinned to the versions tests/test_express_protocol.py checks them on.
-SWITCHYARD_EXPRESS_PROTOCOL=false leaves uvicorn's protocol. Why: docs/design/serving.md.
+and metrics are the app's own. A request whose work class has no free slot and no room to wait is refused here
+too, from its headers (Express.refusal), once its small body is read: under overload most requests are refused, and
+an ASGI cycle for each cost as much as an answer. Relies on HttpToolsProtocol's per-request attributes (url,
+headers, cycle, pipeline, parser) and STATUS_LINE: uvicorn is pinned to the versions tests/test_express_protocol.py
+checks them on. SWITCHYARD_EXPRESS_PROTOCOL=false leaves uvicorn's protocol. Why: docs/design/serving.md.
 
 It also bounds the time a request takes to arrive, which uvicorn does not (its keep-alive timer runs only between
 requests, and stops at a request's first byte): a connection's headers must be complete within
@@ -54,7 +56,8 @@ class ExpressProtocol(CappedProtocol):
         super().__init__(*args, **kwargs)
         self.express = find_express(self.app)
         self.held: list[bytes] | None = None  # the body of a request express may answer inline ...
-        self.claim: Claim | None = None  # ... and what express took of its headers
+        self.claim: Claim | None = None  # ... and what express took of its headers, or ...
+        self.refusing: Reply | None = None  # ... the 503 it answers once that body is read (Express.refusal)
         self.stopping = False
         self.answered = False  # whether the data being parsed completed a request answered here
         self.responded = False  # whether the inline answer to the request being completed was sent
@@ -128,14 +131,19 @@ class ExpressProtocol(CappedProtocol):
     def on_headers_complete(self) -> None:
         self._read_done()
         if (self.express is not None and not self.pipeline and not self.refused
-                and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()
-                and (claim := self.express.claim(self.parser.get_method(), self.url, self.headers)) is not None):
-            self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is complete
-            self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)  # the held body's arrival, as express times others
-            if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                self.expect_100_continue = False
-            return
+                and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()):
+            method = self.parser.get_method()
+            if (claim := self.express.claim(method, self.url, self.headers)) is not None:
+                self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is read
+                self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)  # the held body's arrival, as express times others
+                if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    self.expect_100_continue = False
+                return
+            if not self.expect_100_continue and (refusal := self.express.refusal(method, self.url, self.headers)):
+                self.refusing, self.held = refusal, []  # answered once its (small) body is read, as a claim's
+                self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)
+                return
         self._app_headers_complete()
 
     def _app_headers_complete(self) -> None:
@@ -159,6 +167,10 @@ class ExpressProtocol(CappedProtocol):
             return
         raw, self.held = b"".join(self.held), None
         self._read_done()
+        if self.refusing is not None:
+            refusal, self.refusing = self.refusing, None
+            self._refuse(refusal)
+            return
         self.responded = False
         assert self.express is not None and self.claim is not None  # held: express claimed the request
         parsed = None
