@@ -47,6 +47,7 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     benchmark_env: bool = True  # loadtests/processes.BENCHMARK_ENV first (False: the service's own defaults)
+    cpus: set[int] | None = None  # the cores it starts on (its PostgreSQL too), as `taskset` would: it sizes to them
 
     @property
     def url(self) -> str:
@@ -64,6 +65,7 @@ class Service:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)],
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "service.log", "ab"),
+            preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

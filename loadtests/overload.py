@@ -2,6 +2,7 @@
 processes (loadtests/openloop.py).
 
     python loadtests/overload.py --duration 20 [--workloads k10,k100,mix] [--factor 4]
+        [--pin | --service-cores N --generator-processes P]
 
 A fresh `switchyard serve` (its own defaults) with a 20,000 x 128 HNSW collection, a 50,000 x 64 one and SSB at
 scale factor 0.1. Per workload: the unloaded reference (one closed-loop client), the capacity (open-loop steps at
@@ -77,13 +78,13 @@ def wait_job(api: Api, job: str | None) -> None:
         time.sleep(0.5)
 
 
-def capacity(port: int, requests: list[openloop.Request], start: float, step_s: float,
-             cpus: set[int] | None) -> dict[str, Any]:
+def capacity(port: int, requests: list[openloop.Request], start: float, step_s: float, cpus: set[int] | None,
+             processes: int) -> dict[str, Any]:
     """Open-loop steps at doubling rates until the answers per second stop growing (by 5%): the best step."""
-    steps = [openloop.run(port, requests, step_s, rate=start, cpus=cpus)]
+    steps = [openloop.run(port, requests, step_s, rate=start, cpus=cpus, processes=processes)]
     rate = 2 * start
     while rate <= 256 * start:
-        steps.append(openloop.run(port, requests, step_s, rate=rate, cpus=cpus))
+        steps.append(openloop.run(port, requests, step_s, rate=rate, cpus=cpus, processes=processes))
         if steps[-1]["admitted_per_s"] < 1.05 * max(step["admitted_per_s"] for step in steps[:-1]):
             break
         rate *= 2
@@ -93,12 +94,14 @@ def capacity(port: int, requests: list[openloop.Request], start: float, step_s: 
 
 
 def measure(port: int, requests: list[openloop.Request], duration_s: float, factor: float,
-            cpus: set[int] | None) -> dict[str, Any]:
+            cpus: set[int] | None, processes: int) -> dict[str, Any]:
     unloaded = openloop.run(port, requests, duration_s, clients=1, processes=1, cpus=cpus)
     wait_for_quiet(10)
-    cap = capacity(port, requests, max(20.0, unloaded["admitted_per_s"] / 2), max(3.0, duration_s / 4), cpus)
+    cap = capacity(port, requests, max(20.0, unloaded["admitted_per_s"] / 2), max(3.0, duration_s / 4), cpus,
+                   processes)
     wait_for_quiet(10)
-    over = openloop.run(port, requests, duration_s, rate=factor * cap["admitted_per_s"], cpus=cpus)
+    over = openloop.run(port, requests, duration_s, rate=factor * cap["admitted_per_s"], cpus=cpus,
+                        processes=processes)
     return {"unloaded": unloaded, "capacity": cap, "overload": over,
             "p99_vs_unloaded": round(over["p99_ms"] / unloaded["p99_ms"], 2) if over["p99_ms"] else None,
             "p99_vs_unloaded_by_label": {
@@ -116,31 +119,39 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help=(
         "service and PostgreSQL on the first half of the cores, the generator on the rest (a small machine: "
         "otherwise the generator competes with the service it measures)"))
+    parser.add_argument("--service-cores", type=int, default=0, help=(
+        "start the service and PostgreSQL on the first N cores (they size themselves to them), the generator on "
+        "the rest: a machine with cores to spare, where the generator need not share the service's"))
+    parser.add_argument("--generator-processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=results_dir("overload"))
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    service_cpus = set(cores[:args.service_cores]) if args.service_cores else None
 
     env = dict(item.split("=", 1) for item in args.env)
     chosen = {name: reqs for name, reqs in workloads().items() if name in args.workloads.split(",")}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
-        service = Service(Path(tmp) / "data", env={"SWITCHYARD_ACCESS_LOG": "false", **env}, benchmark_env=False)
+        service = Service(Path(tmp) / "data", env={"SWITCHYARD_ACCESS_LOG": "false", **env}, benchmark_env=False,
+                          cpus=service_cpus)
         service.data_dir.mkdir(parents=True)
         service.start()
-        cpus = None
+        cpus = set(cores[args.service_cores:]) if service_cpus else None
         try:
             prepare(service.url)
-            if args.pin:
-                cores = sorted(os.sched_getaffinity(0))
+            if args.pin and not service_cpus:
                 half = max(1, len(cores) // 2)
                 pin(service, set(cores[:half]))
                 cpus = set(cores[half:])
             for name, requests in chosen.items():
                 wait_for_quiet(20)
-                results[name] = measure(service.port, requests, args.duration, args.factor, cpus)
+                results[name] = measure(service.port, requests, args.duration, args.factor, cpus,
+                                        args.generator_processes)
                 print(name, table_row(name, results[name]), flush=True)
         finally:
             service.stop()
     report = {"what": __doc__.split("\n\n")[0], "factor": args.factor, "env": env, "pinned": args.pin,
+              "service_cpus": sorted(service_cpus) if service_cpus else None, "cores": len(cores),
               "generator_cpus": sorted(cpus) if cpus else None, "workloads": results,
               "versions": versions("fastapi", "uvicorn", "faiss-cpu", "duckdb")}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -94,13 +94,20 @@ def problem_response(
     headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> Response:
+    return Response(problem_json(status, slug, title, detail, instance=instance, field=field, **extra),
+                    status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+
+
+def problem_json(status: int, slug: str, title: str, detail: str, *, instance: str | None = None,
+                 field: str | None = None, **extra: Any) -> bytes:
+    """A problem's body (RFC 9457)."""
     body: dict[str, Any] = {"type": TYPE_PREFIX + slug, "title": title, "status": status, "detail": detail}
     if instance:
         body["instance"] = instance
     if field:
         body["field"] = field
     body.update(extra)
-    return Response(orjson.dumps(body), status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=headers)
+    return orjson.dumps(body)
 
 
 def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:

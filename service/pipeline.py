@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
-from service.errors import ProblemError, problem_of
+from service.errors import PROBLEM_MEDIA_TYPE, ProblemError, problem_json
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search, parse_upsert
 from service.metrics import Metrics
 from service.process.messages import Call, Reply, SearchCall, UnparsedCall, UpsertCall
@@ -138,10 +138,18 @@ class Pipeline:
 async def problem_reply(handlers: Handlers, app: Any, exc: Exception, scope: Scope) -> Reply:
     handler = next((handlers[cls] for cls in type(exc).__mro__ if cls in handlers), None)
     if isinstance(exc, ProblemError) and handler is handlers.get(ProblemError):  # what that handler gives, without
-        return reply_of(problem_of(exc, scope["path"]))  # a Request: refusals under overload must cost little
+        return problem_reply_of(exc, scope["path"])  # a Request: refusals under overload must cost little
     if handler is None:
         raise exc
     return reply_of(await handler(Request({**scope, "app": app}), exc))
+
+
+def problem_reply_of(exc: ProblemError, path: str | None) -> Reply:
+    """What the app's ProblemError handler answers (errors.problem_of), made without a Response: the refusals a
+    process under overload sends by the thousand."""
+    body = problem_json(exc.status, exc.slug, exc.title, exc.detail, instance=path, field=exc.field, **exc.extra)
+    return Reply(0, exc.status, body, [*((k.lower(), v) for k, v in exc.headers.items()),
+                                       ("content-type", PROBLEM_MEDIA_TYPE)])
 
 
 def reply_of(response: Response) -> Reply:

@@ -14,6 +14,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, fi
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
 ENV_PREFIX = "SWITCHYARD_"
 # SWITCHYARD_INLINE_SEARCH_US's defaults (docs/design/vectors.md): the hop to a worker thread pays where the event
 # loop has another core to go on reading on, and costs 0.3-0.6 ms of CPU a search where it has none.
@@ -191,7 +199,7 @@ class AdmissionSettings(Group):
 
     enabled: bool = setting(True, env="admission", description=(
         "Admission control (docs/operations.md): per-engine concurrency limits and short queues, 503 past them."))
-    max_inflight: int = setting(default_factory=lambda: 64 * (os.cpu_count() or 1), ge=0, le=1_000_000, description=(
+    max_inflight: int = setting(default_factory=lambda: 64 * usable_cores(), ge=0, le=1_000_000, description=(
         "Most light /v1 requests (reads, searches) a process serves at once (default 64 per core); writes may take "
         "half as many, heavy work (SSB, SQL, joins, recall) a quarter, job submissions an eighth, each class under "
         "its own limit that adapts below this; past a class's limit and queue a request is answered 503 at once, "
@@ -199,7 +207,7 @@ class AdmissionSettings(Group):
     inflight_latency_tolerance: float = setting(1.5, ge=0, le=1000, description=(
         "The in-flight limit is cut while admitted requests take more than this many times their least recent "
         "mean latency, and raised while they do not; 0: a fixed SWITCHYARD_MAX_INFLIGHT."))
-    min_inflight: int = setting(default_factory=lambda: max(2, os.cpu_count() or 1), ge=1, le=1_000_000,
+    min_inflight: int = setting(default_factory=lambda: max(2, usable_cores()), ge=1, le=1_000_000,
                                 description="The least the adaptive in-flight limit of light work goes down to "
                                 "(default: the cores, at least 2; the other classes' floors are the same shares of "
                                 "it as their limits).")
@@ -424,7 +432,7 @@ class Settings(BaseSettings):
             return 0
         if server.fronts is not None:
             return server.fronts
-        cores = os.cpu_count() or 1
+        cores = usable_cores()
         return cores if cores >= 4 or self.engine_processes > 1 else 0
 
     @property
@@ -444,14 +452,14 @@ class Settings(BaseSettings):
         """SWITCHYARD_INLINE_SEARCH_US in seconds, or its default for this machine's cores and processes."""
         us = self.vectors.inline_search_us
         if us is None:
-            spare_core = self.replicas < (os.cpu_count() or 1)
+            spare_core = self.replicas < usable_cores()
             us = INLINE_SEARCH_US if spare_core else INLINE_SEARCH_NO_SPARE_CORE_US
         return us / 1e6
 
     @property
     def engine_threads(self) -> int:
         # One core is the event loop's: a recall using both of two cores held a lone search's p99 at 2-4x.
-        return self.cpu.threads or max(1, ((os.cpu_count() or 1) - 1) // self.replicas)
+        return self.cpu.threads or max(1, (usable_cores() - 1) // self.replicas)
 
     @property
     def ssb_imports(self) -> Path:

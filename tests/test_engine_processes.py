@@ -46,7 +46,7 @@ def two_gpus(monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setattr(devices, "probe_cuda", lambda enabled=True: TWO_GPUS if enabled else CudaProbe(reason="off"))
     monkeypatch.setattr(engines, "gpu_engine_installed", lambda specs=engines.CATALOG: True)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("service.settings.usable_cores", lambda: 8)
 
 
 def test_one_engine_process_per_device_when_a_gpu_engine_can_use_it(two_gpus, monkeypatch):
@@ -59,7 +59,7 @@ def test_one_engine_process_per_device_when_a_gpu_engine_can_use_it(two_gpus, mo
     assert Settings(fronts=0).engine_processes == 1  # one process serving HTTP itself
     monkeypatch.setattr(engines, "gpu_engine_installed", lambda specs=engines.CATALOG: False)
     assert Settings().engine_processes == 1  # a device no engine can use gets no process
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("service.settings.usable_cores", lambda: 2)
     assert Settings(engines=2).front_processes == 2  # several engines share the port through fronts, even on 2 cores
     assert Settings(engines=2, cpu_threads=None).engine_threads == 1  # the cores are divided among the engines
 
@@ -69,7 +69,7 @@ def test_heavy_work_leaves_one_core_to_the_event_loop(monkeypatch):
     for name in [name for name in os.environ if name.startswith("SWITCHYARD_")]:
         monkeypatch.delenv(name)
     for cores, workers, threads in ((2, 1, 1), (1, 1, 1), (8, 1, 7), (16, 3, 5)):
-        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr("service.settings.usable_cores", lambda cores=cores: cores)
         assert Settings(workers=workers, gpu="off").engine_threads == threads, (cores, workers)
     assert Settings(cpu_threads=8).engine_threads == 8  # as configured
 

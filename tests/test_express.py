@@ -89,7 +89,7 @@ def test_a_search_the_inline_lane_declines_is_parsed_once(monkeypatch):
 
     ex = Express(app=None, settings=Settings(), runner=Declining(), inline=True)  # type: ignore[arg-type]
     body = b'{"vector": [1.0, 2.0], "k": 3, "filter": {"tag": {"$in": ["a", "b"]}}}'
-    answered, call = ex.answer_inline(Claim("c1", "application/json", ""), body, [].append, [].append)
+    answered, call, _ = ex.answer_inline(Claim("c1", "application/json", ""), body, [].append, [].append)
     assert not answered and call is not None and call.k == 3 and call.filter == {"tag": {"$in": ["a", "b"]}}
 
     def parse_again(*args: object) -> None:

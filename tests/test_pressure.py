@@ -286,7 +286,7 @@ def full(work: ClassLimit) -> list[asyncio.Future]:
 
 def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_path):
     from service.http.app import create_app
-    from service.http.express import Claim
+    from service.http.express import QUEUED, Claim
     from service.settings import Settings
 
     app = create_app(Settings(data_dir=tmp_path, max_inflight=4, inflight_latency_tolerance=0))
@@ -313,8 +313,33 @@ def test_with_its_class_full_a_request_is_refused_before_its_body_is_read(tmp_pa
     assert app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert not answers and refusals[0].status == 503 and ("retry-after", "1") in refusals[0].headers
     assert b'"reason":"inflight"' in refusals[0].body.replace(b" ", b"")
-    classes["light"].waiters.clear()  # the queue has room: the search waits on the app's path instead
-    assert not app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
+    classes["light"].waiters.clear()  # the queue has room: the search takes its place there, to wait on the app's path
+
+    async def queued() -> None:
+        light = classes["light"]
+        answered, _, place = app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append,
+                                                       refusals.append)
+        assert not answered and place is not None and list(light.waiters) == [place.handed]
+        light.leave()  # a slot frees: handed to that place before the request's task has started
+        assert light.inflight == light.limit and not light.waiters
+        ticket = await place.wait(app.express.admission)
+        ticket.leave()
+        assert light.inflight == light.limit - 1
+        # A place whose request fails a step before it waits (its client went away while its task was starting) is
+        # given back, with the slot handed to it meanwhile.
+        light.inflight = light.limit
+        _, _, gone = app.express.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)
+        light.leave()
+        assert gone is not None and light.inflight == light.limit
+
+        async def went_away() -> dict:
+            return {"type": "http.disconnect"}
+
+        scope["path"], scope["raw_path"] = "/v1/collections/c1/search", b"/v1/collections/c1/search"
+        await app(scope | {QUEUED: gone}, went_away, send)
+        assert light.inflight == light.limit - 1 and not light.waiters
+
+    asyncio.run(queued())
     assert len(refusals) == 1
 
 

@@ -106,9 +106,23 @@ def test_derived_values_read_their_groups(clean_env):
 @pytest.mark.parametrize("cores, workers, inline_us", [(2, 1, 500), (2, 2, 5000), (4, 2, 500), (1, 1, 5000)])
 def test_lone_searches_stay_on_the_event_loop_longer_where_no_core_is_spare(clean_env, monkeypatch, cores, workers,
                                                                             inline_us):
-    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr("service.settings.usable_cores", lambda: cores)
     assert Settings(workers=workers).inline_search_s == pytest.approx(inline_us / 1e6)
     assert Settings(workers=workers, inline_search_us=0).inline_search_s == 0  # always a thread, as asked
+
+
+def test_the_cores_counted_are_those_the_process_may_run_on(clean_env, monkeypatch):
+    """`taskset -c 0,1 switchyard serve` on a 16-core machine: two cores, so no front processes, an in-flight
+    floor of 2, one engine thread and lone searches kept on the event loop (no core to spare for a thread)."""
+    from service import settings as settings_module
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert settings_module.usable_cores() == 2
+    s = Settings(workers=2)
+    assert s.front_processes == 0 and s.engine_threads == 1
+    assert s.admission.min_inflight == 2 and s.admission.max_inflight == 128
+    assert s.inline_search_s == pytest.approx(0.005)
 
 
 def test_every_setting_is_described_and_the_page_is_current():

@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from service.admission import pressure
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.admission.pressure import ClassLimit, class_limits
@@ -310,6 +311,17 @@ class Admission:
         if self.classes is not None and self.classes[work].full(kind):
             raise self._no_slot(work)
 
+    def queue_now(self, work: str, kind: Hashable = None) -> "Queued":
+        """For a request that found no slot (enter_now): its place in its class's queue, taken now, before its task
+        starts (so that the requests read in one turn of the event loop count against the queue's depth); Shed
+        (503) where the queue is full. The place is awaited with `Queued.wait` or given up with `abandon`."""
+        assert self.classes is not None  # enter_now found no slot: there are classes
+        limit = self.classes[work]
+        handed = limit.enqueue(kind)
+        if handed is None:
+            raise self._no_slot(work)
+        return Queued(limit, handed, work, kind)
+
     async def enter(self, work: str, kind: Hashable = None) -> Ticket:
         """A slot under the in-flight limit of `work`'s class (service/admission/pressure.py), now or after a short
         wait (bounded by what `kind` costs); Shed (503) when none comes."""
@@ -399,6 +411,30 @@ class Ticket:
         if self.limit is not None:
             self.limit.leave(kind, seconds)
         return seconds
+
+
+class Queued:
+    """A request's place in its work class's queue, taken before its task started (Admission.queue_now)."""
+
+    __slots__ = ("limit", "handed", "work", "kind", "since", "settled")
+
+    def __init__(self, limit: ClassLimit, handed: asyncio.Future, work: str, kind: Hashable) -> None:
+        self.limit, self.handed, self.work, self.kind = limit, handed, work, kind
+        self.since, self.settled = pressure.monotonic(), False
+
+    async def wait(self, admission: "Admission") -> Ticket:
+        """The slot, once handed over within the kind's wait (counted from when the place was taken); Shed (503)
+        when none comes."""
+        self.settled = True
+        if not await self.limit.wait_queued(self.handed, self.kind, self.since):
+            raise admission._no_slot(self.work)
+        return Ticket(self.limit)
+
+    def abandon(self) -> None:
+        """Give the place (or a slot handed to it) back, unless wait() took it over."""
+        if not self.settled:
+            self.settled = True
+            self.limit.abandon(self.handed)
 
 
 class Slot:

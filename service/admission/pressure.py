@@ -133,21 +133,35 @@ class ClassLimit:
         """A slot, now or after a wait in the queue; False: refused (the queue is full, or no slot came in time)."""
         if self.admit():
             return True
+        handed = self.enqueue(kind)
+        return handed is not None and await self.wait_queued(handed, kind, monotonic())
+
+    def enqueue(self, kind: Hashable = None) -> asyncio.Future | None:
+        """A place at the back of the queue, taken now (from a protocol callback: the request's task, which awaits
+        it with wait_queued, starts later, and places taken meanwhile count against the queue's depth), or None
+        where the queue is full. Whoever takes a place gives it up with wait_queued or abandon."""
         if self._queue_full(kind):
-            return False
+            return None
         handed = asyncio.get_running_loop().create_future()
         self.waiters.append(handed)
+        return handed
+
+    async def wait_queued(self, handed: asyncio.Future, kind: Hashable, since: float) -> bool:
+        """Wait in the place taken at `since` (monotonic) for a slot, at most `kind`'s wait from then; False: none
+        came (the place is given up)."""
         try:
-            await asyncio.wait((handed,), timeout=self.wait_s(kind))
+            if not handed.done():
+                await asyncio.wait((handed,), timeout=max(0.0, self.wait_s(kind) - (monotonic() - since)))
         except BaseException:  # cancelled (the client went away): give back a slot handed over meanwhile
-            self._forget(handed)
+            self.abandon(handed)
             raise
         if handed.done():
             return True  # _hand_over counted it in
-        self._forget(handed)
+        self.abandon(handed)
         return False
 
-    def _forget(self, handed: asyncio.Future) -> None:
+    def abandon(self, handed: asyncio.Future) -> None:
+        """Give up a place in the queue, or the slot it was handed."""
         if handed.done() and not handed.cancelled():
             self.leave()  # handed a slot it will not use
             return

@@ -23,12 +23,11 @@ from typing import Awaitable, Callable, NamedTuple, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, parse_timeout, principal_of
+from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, Queued, parse_timeout, principal_of
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.admission.pressure import LIGHT
 from service.errors import ProblemError, internal_problem
-from service.errors import problem_of as problem_of_error
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
@@ -36,7 +35,7 @@ from service.http.media import media_type
 from service.http.vector_requests import RAW_VECTORS, REQUEST_ERRORS, parse_search
 from service.http.work import work_of
 from service.metrics import StatusSend
-from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call, reply_of
+from service.pipeline import HOT, HOT_KINDS, Pipeline, parse_call, problem_reply_of, reply_of
 from service.process.messages import Call, Reply, SearchCall
 from service.settings import Settings
 
@@ -49,7 +48,8 @@ INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: 
 # An inline answer takes microseconds (SWITCHYARD_INLINE_SEARCH_US): a deadline at least this far off cannot pass
 # while it runs, so a request carrying one may still be answered inline (clients that always send their timeout).
 INLINE_MIN_DEADLINE_S = 1.0
-PARSED_CALL = "switchyard.parsed_call"  # the scope key of a search answer_inline parsed but left unanswered
+PARSED_CALL = "switchyard.parsed_call"  # the scope key of a search answer_inline parsed but left unanswered ...
+QUEUED = "switchyard.queued"  # ... and of the place in the queue it took for it
 
 
 class Headers(NamedTuple):
@@ -159,18 +159,18 @@ class Express:
         return Claim(match.group(1), h.media.decode(), query.decode("latin-1"))
 
     def answer_inline(self, claim: Claim, raw: bytes, respond: Callable[[bytes], None],
-                      refuse: Callable[[Reply], None]) -> tuple[bool, SearchCall | None]:
+                      refuse: Callable[[Reply], None]) -> tuple[bool, SearchCall | None, Queued | None]:
         """The claimed search answered at once, admitted and counted as __call__ would: whether its answer went to
-        `respond` (False: nothing was sent, and the request goes through __call__), and the call it was parsed to,
-        if it was: __call__ finds it in its scope (PARSED_CALL), and does not parse the body again."""
+        `respond` (False: nothing was sent, and the request goes through __call__); the call it was parsed to, if
+        it was, and its place in the queue, if it took one: __call__ finds them in its scope (PARSED_CALL, QUEUED),
+        does not parse the body again and waits in that place."""
         ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
         if self.admission is not None and ticket is None:
-            try:  # no slot now: wait for one on the app's path, or, with the queue full, be refused here at once
-                self.admission.check_room(LIGHT, HOT_KINDS[True])
+            try:  # no slot now: a place in the queue, to wait in on the app's path, or a refusal here at once
+                return False, None, self.admission.queue_now(LIGHT, HOT_KINDS[True])
             except ProblemError as exc:
                 refuse(problem_of(exc, {"method": "POST", "path": f"/v1/collections/{claim.collection}/search"}))
-                return True, None
-            return False, None
+                return True, None, None
         answered, call = False, None
         try:
             call = parse_search(claim.collection, raw, claim.media, claim.query)
@@ -183,7 +183,7 @@ class Express:
         if answered and self.sample and random.random() < self.sample:
             log_request({"client": None, "method": "POST", "path": f"/v1/collections/{claim.collection}/search",
                          "query_string": claim.query.encode("latin-1")}, 200, 0.0, sampled=True)
-        return answered, call
+        return answered, call, None
 
     def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Reply | None:
         """The 503 a /v1 request gets from its headers alone when its work class has no free slot and no room to
@@ -214,6 +214,16 @@ class Express:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        queued: Queued | None = scope.get(QUEUED)  # type: ignore[assignment]
+        try:
+            await self._admitted(scope, receive, send, queued)
+        finally:
+            if queued is not None:
+                queued.abandon()  # a place in the queue the request did not wait in (it failed a step before)
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, queued: Queued | None) -> None:
+        """A /v1 request authorized, its body read, then a slot taken (in the place queued for it, if any) and the
+        request served; anything else served as is."""
         match = HOT.match(scope["path"])
         v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
         try:
@@ -224,7 +234,7 @@ class Express:
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
                     self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
-                if self.admission is not None:
+                if self.admission is not None and queued is None:
                     self.admission.check_room(work, kind)  # no slot, no room to wait: refused before its body
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
@@ -241,7 +251,7 @@ class Express:
             await self._guarded(scope, receive, watched, match, h, raw)
             return
         try:
-            ticket = await self.admission.enter(work, kind)
+            ticket = await (queued.wait(self.admission) if queued is not None else self.admission.enter(work, kind))
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return
@@ -331,7 +341,7 @@ class Express:
 def problem_of(exc: Exception, scope: Scope) -> Reply:
     """`exc` as a problem without the app's handlers: a ProblemError's own; anything else 500 with an error id."""
     if isinstance(exc, ProblemError):
-        return reply_of(problem_of_error(exc, scope["path"]))
+        return problem_reply_of(exc, scope["path"])
     return reply_of(internal_problem(scope.get("method"), scope.get("path"), exc))
 
 

@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from service.errors import problem_response
 from service.http.connections import CappedProtocol
-from service.http.express import INLINE_MAX_BODY, PARSED_CALL, Claim, Express
+from service.http.express import INLINE_MAX_BODY, PARSED_CALL, QUEUED, Claim, Express
 from service.http.limits import BODY_MIN_RATE
 from service.process.messages import Reply
 
@@ -173,9 +173,9 @@ class ExpressProtocol(CappedProtocol):
             return
         self.responded = False
         assert self.express is not None and self.claim is not None  # held: express claimed the request
-        parsed = None
+        parsed = queued = None
         try:
-            _, parsed = self.express.answer_inline(self.claim, raw, self._respond, self._refuse)
+            _, parsed, queued = self.express.answer_inline(self.claim, raw, self._respond, self._refuse)
         except Exception:  # noqa: BLE001 - unanswered, the ASGI path runs it again and answers whatever happens there
             log.exception("the inline search answer failed%s", "" if self.responded else
                           "; the request goes through the app")
@@ -183,6 +183,8 @@ class ExpressProtocol(CappedProtocol):
             self._app_headers_complete()  # the scope and the ASGI cycle uvicorn would have made, app started
             if parsed is not None:  # the app's task has not started yet: it finds the call, and does not parse again
                 self.scope[PARSED_CALL] = parsed  # type: ignore[literal-required]
+            if queued is not None:  # ... and the place in the queue taken for it
+                self.scope[QUEUED] = queued  # type: ignore[literal-required]
             # uvicorn reads the body as bytes(body) only: bytes, not its bytearray, spare a copy
             self.cycle.body, self.cycle.more_body = raw, False  # type: ignore[assignment]
             self.cycle.keep_alive = self.cycle.keep_alive and not self.stopping
