@@ -4,10 +4,12 @@ Each generator process sends its share of a fixed schedule (request i is due at 
 interleaved) over keep-alive HTTP/1.1 connections on loopback, opening another connection whenever none is idle, up
 to MAX_CONNECTIONS per process; past that a due request waits for one (as wrk2 does). Latency counts from each
 request's due time, so a request that waited, in the generator or in the service, shows it; the generator's own
-lateness (send time minus due time, the wait for a connection included) is reported beside it. Without the cap, a
-service falling behind made the generator open connections until they failed (23,071 of them at 4x k=10
-searches). Requests are pre-encoded bytes, answers are parsed only as far as status, Retry-After and length: the
-generator spends as little of a shared machine as it can.
+lateness (send time minus due time, the wait for a connection included) is reported beside it. The schedule starts
+0.2 s after every process has started, and each opens its first connections before it (a process still starting
+was late for all its first requests: p99 lateness near a second on a 16-core machine). Without the cap, a service
+falling behind made the generator open connections until they failed (23,071 of them at 4x k=10 searches).
+Requests are pre-encoded bytes, answers are parsed only as far as status, Retry-After and length: the generator
+spends as little of a shared machine as it can.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 HEAD_END = b"\r\n\r\n"
 ANSWER_TIMEOUT_S = 30.0  # an answer later than this is counted as a TimeoutError
 MAX_CONNECTIONS = 256  # per generator process
+PRE_OPEN_S = 0.01  # connections opened before the start: this many seconds of the process's requests
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ async def _generate(port: int, requests: list[Request], rate: float, start: floa
             else:
                 idle.append(connection)
 
+    # Connections opened before the schedule starts, as wrk2 does: enough for about 10 ms of its requests in flight.
+    for _ in range(min(MAX_CONNECTIONS, clients or 1 + int(rate / processes * PRE_OPEN_S))):
+        idle.append((await loop.create_connection(Connection, "127.0.0.1", port))[1])
     stop = start + duration_s
     if clients:  # closed loop: each client sends its next request when the last is answered
         async def client(c: int) -> None:
@@ -136,8 +142,10 @@ async def _generate(port: int, requests: list[Request], rate: float, start: floa
 def _worker(conn: Any, args: tuple, cpus: set[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
+    conn.send("ready")  # started and imported: the schedule's start comes once every process is
+    start = conn.recv()
     cpu = time.process_time()
-    results = asyncio.run(_generate(*args))
+    results = asyncio.run(_generate(*args[:3], start, *args[3:]))
     conn.send((results, time.process_time() - cpu))
     conn.close()
 
@@ -147,15 +155,19 @@ def run(port: int, requests: list[Request], duration_s: float, rate: float = 0.0
     """Open loop at `rate` per second (or `clients` closed-loop clients per process) for duration_s, from
     `processes` generator processes (on `cpus` only, if given); the summary of what came back."""
     context = multiprocessing.get_context("spawn")
-    start = time.monotonic() + 1.5 + 0.3 * processes  # after the processes have started
     pipes, workers = [], []
     for index in range(processes):
-        mine, theirs = context.Pipe(duplex=False)
-        worker = context.Process(target=_worker, args=(theirs, (port, requests, rate, start, duration_s, index,
-                                                                 processes, clients), cpus), daemon=True)
+        mine, theirs = context.Pipe()
+        worker = context.Process(target=_worker, args=(theirs, (port, requests, rate, duration_s, index, processes,
+                                                                 clients), cpus), daemon=True)
         worker.start()
         pipes.append(mine)
         workers.append(worker)
+    for pipe in pipes:  # a process still starting when the schedule began was late for all its first requests
+        assert pipe.recv() == "ready"
+    start = time.monotonic() + 0.2  # CLOCK_MONOTONIC: the same clock in every process
+    for pipe in pipes:
+        pipe.send(start)
     results: list[tuple[str, Any, bool, float, float]] = []
     cpu = 0.0
     for pipe, worker in zip(pipes, workers):
