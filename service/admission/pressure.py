@@ -10,7 +10,7 @@ its limit unused is not queueing on it, so its latency says nothing of the limit
 jitter cut an idle limit to its floor, and a burst was then refused with capacity free). A
 limit grows by a tenth while its class's requests are not slowed and had to wait; once a class's load is gone
 (under half its limit in use, no cut for RECOVER_S) its limit doubles every RECOVER_S back to its ceiling. A request
-that finds its class full waits in the queue (two waiters per slot) for at most WAIT_FACTOR times its kind's
+that finds its class full waits in the queue for at most WAIT_FACTOR times its kind's
 unqueued latency (between MIN_WAIT_S and `max_wait_s`), so that waiting at most doubles what it costs; a free slot
 goes to the head of the queue at once. The queue holds only the waiters a slot can reach within that wait (the
 slots, times the wait over the mean time a slot is held; at most two per slot): a request that would wait in vain is
