@@ -25,6 +25,9 @@ from typing import Any
 HEAD_END = b"\r\n\r\n"
 ANSWER_TIMEOUT_S = 30.0  # an answer later than this is counted as a TimeoutError
 MAX_CONNECTIONS = 256  # per generator process
+# One request's outcome: label, status (or the exception's name), whether a refusal had Retry-After, latency from
+# its due time, the generator's lateness in sending it, and when it was due (seconds from the schedule's start).
+Result = tuple[str, Any, bool, float, float, float]
 PRE_OPEN_S = 0.01  # connections opened before the start: this many seconds of the process's requests
 
 
@@ -83,13 +86,13 @@ class Connection(asyncio.Protocol):
 
 
 async def _generate(port: int, requests: list[Request], rate: float, start: float, duration_s: float, index: int,
-                    processes: int, clients: int) -> list[tuple[str, Any, bool, float, float]]:
+                    processes: int, clients: int) -> list[Result]:
     """This process's share: open loop at rate / processes (clients=0), or `clients` closed-loop clients."""
     loop = asyncio.get_running_loop()
     idle: list[Connection] = []
     # At most MAX_CONNECTIONS in use: a connection is opened only when none is idle, so they bound the total too.
     in_use = asyncio.Semaphore(MAX_CONNECTIONS)
-    out: list[tuple[str, Any, bool, float, float]] = []
+    out: list[Result] = []
 
     async def one(i: int, due: float) -> None:
         request = requests[i % len(requests)]
@@ -102,11 +105,11 @@ async def _generate(port: int, requests: list[Request], rate: float, start: floa
                 connection = idle.pop() if idle else (await loop.create_connection(Connection, "127.0.0.1", port))[1]
                 status, retry = await asyncio.wait_for(connection.send(request.raw), ANSWER_TIMEOUT_S)
             except (OSError, TimeoutError) as exc:
-                out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due))
+                out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due, due - start))
                 if connection is not None and connection.transport is not None:
                     connection.transport.close()
                 return
-            out.append((request.label, status, retry, time.monotonic() - due, sent - due))
+            out.append((request.label, status, retry, time.monotonic() - due, sent - due, due - start))
             if connection.closed:
                 if connection.transport is not None:
                     connection.transport.close()
@@ -168,7 +171,7 @@ def run(port: int, requests: list[Request], duration_s: float, rate: float = 0.0
     start = time.monotonic() + 0.2  # CLOCK_MONOTONIC: the same clock in every process
     for pipe in pipes:
         pipe.send(start)
-    results: list[tuple[str, Any, bool, float, float]] = []
+    results: list[Result] = []
     cpu = 0.0
     for pipe, worker in zip(pipes, workers):
         part, seconds = pipe.recv()
@@ -188,10 +191,10 @@ def ms(ordered: list[float], q: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
 
 
-def summarize(results: list[tuple[str, Any, bool, float, float]], elapsed: float) -> dict[str, Any]:
-    ok = [(label, latency) for label, status, _, latency, _ in results if isinstance(status, int) and status < 300]
-    shed = [(status, retry) for _, status, retry, _, _ in results if status in (429, 503)]
-    other = Counter(str(s) for _, s, _, _, _ in results if not (isinstance(s, int) and (s < 300 or s in (429, 503))))
+def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
+    ok = [(label, latency) for label, status, _, latency, _, _ in results if isinstance(status, int) and status < 300]
+    shed = [(status, retry) for _, status, retry, _, _, _ in results if status in (429, 503)]
+    other = Counter(str(r[1]) for r in results if not (isinstance(r[1], int) and (r[1] < 300 or r[1] in (429, 503))))
     labels = sorted({label for label, _ in ok})
     by_label = {label: sorted(lat for lab, lat in ok if lab == label) for label in labels}
     ordered = sorted(lat for _, lat in ok)
@@ -200,4 +203,20 @@ def summarize(results: list[tuple[str, Any, bool, float, float]], elapsed: float
             "by_label": {label: {"admitted": len(v), "p50_ms": ms(v, 0.5), "p99_ms": ms(v, 0.99)}
                          for label, v in by_label.items()},
             "shed_share": round(len(shed) / max(1, len(results)), 4),
-            "shed_without_retry_after": sum(1 for _, retry in shed if not retry), "errors": dict(other)}
+            "shed_without_retry_after": sum(1 for _, retry in shed if not retry), "errors": dict(other),
+            "by_second": by_second(results)}
+
+
+def by_second(results: list[Result]) -> list[dict[str, Any]]:
+    """Each second of the schedule (by due time): requests answered, refused, and the answered ones' p50 and p99,
+    which show how the service took the load's onset (a p99 over a whole run can be one bad second)."""
+    seconds: dict[int, list[Result]] = {}
+    for r in results:
+        seconds.setdefault(int(r[5]), []).append(r)
+    out = []
+    for second in sorted(seconds):
+        answered = sorted(r[3] for r in seconds[second] if isinstance(r[1], int) and r[1] < 300)
+        out.append({"second": second, "answered": len(answered),
+                    "refused": sum(1 for r in seconds[second] if r[1] in (429, 503)),
+                    "p50_ms": ms(answered, 0.5), "p99_ms": ms(answered, 0.99)})
+    return out

@@ -56,6 +56,7 @@ def test_the_schedule_is_sent_on_time_and_latency_counts_from_each_due_time(port
     slow, fast = r["by_label"]["slow"], r["by_label"]["fast"]
     assert slow["admitted"] == fast["admitted"] == rate * duration / 2
     assert slow["p50_ms"] >= 1000 * DELAY_S > fast["p50_ms"]
+    assert [s["second"] for s in r["by_second"]] == [0, 1] and sum(s["answered"] for s in r["by_second"]) == 400
 
 
 def test_refusals_are_counted_apart_with_their_retry_after(port):
