@@ -99,6 +99,7 @@ class Metrics:
 
         self._http_children: dict[tuple[str, str, int], Tally] = {}
         self._engine_children: dict[tuple[str, str, str, bool], Tally] = {}
+        self._shed_children: dict[tuple[str, str], Tally] = {}
 
     def _tally(self, counter: Any, histogram: Any = None) -> "Tally":
         tally = Tally(counter, histogram)
@@ -146,7 +147,11 @@ class Metrics:
         self._in_protocol.add()
 
     def shed(self, engine: str, reason: str) -> None:
-        self.shed_total.labels(engine, reason).inc()
+        """One request refused unrun (a process under overload counts thousands a second: a Tally, as admitted)."""
+        tally = self._shed_children.get((engine, reason))
+        if tally is None:
+            tally = self._shed_children[(engine, reason)] = self._tally(self.shed_total.labels(engine, reason))
+        tally.add()
 
     def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None) -> None:
         """Report each engine gate's running and queued requests and limit, and the process's in-flight limit

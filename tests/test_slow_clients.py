@@ -119,6 +119,24 @@ def test_headers_that_do_not_arrive_in_time_are_cut_off(make_settings):
             partial.close()
 
 
+def test_a_later_requests_headers_are_timed_from_its_own_first_byte(make_settings):
+    """On a kept-alive connection the deadline of a request's headers runs from its first byte, not from the
+    connection's opening or an earlier request: the timer is armed lazily, only while headers are awaited."""
+    with serving(make_settings(read_timeout_s=1)) as (url, _):
+        with raw_socket(url) as sock:
+            sock.sendall(request("GET", "/v1/collections"))
+            assert read_response(sock)[0] == 200
+            time.sleep(0.7)
+            sock.sendall(b"GET /v1/collections HTTP/1.1\r\nHost: t\r\n")  # most of the headers, 0.7 s in
+            started = time.monotonic()
+            time.sleep(0.6)  # past the connection's first second, within this request's
+            sock.sendall(f"Authorization: Bearer {KEY}\r\n\r\n".encode())
+            assert read_response(sock)[0] == 200
+            sock.sendall(b"GET /v1/collections HTTP/1.1\r\n")  # and one that never completes
+            status, _, body = read_response(sock)
+            assert status == 408 and 0.9 < time.monotonic() - started - 0.6 < 5, body
+
+
 def test_an_unexpected_failure_is_a_problem_and_keeps_the_connection(make_settings, monkeypatch):
     """A route or a hot call that raises something no handler expects: 500 problem with an error id, on a
     connection that stays open for the next request."""

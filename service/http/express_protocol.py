@@ -62,37 +62,47 @@ class ExpressProtocol(CappedProtocol):
         self.answered = False  # whether the data being parsed completed a request answered here
         self.responded = False  # whether the inline answer to the request being completed was sent
         self.read_timeout_s = self.express.read_timeout_s if self.express is not None else None
-        self.reading: asyncio.TimerHandle | None = None  # the deadline of the headers or held body arriving now
+        self.read_by: float | None = None  # when the headers or held body arriving now must be complete ...
+        self.reading: asyncio.TimerHandle | None = None  # ... a timer for it, armed only while they are awaited
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._read_within(0.0)  # the first request's headers (uvicorn times nothing before a first response)
+        self._watch_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._read_done()
-        super().connection_lost(exc)
-
-    def _read_within(self, extra_s: float) -> None:
-        """(Re)arm the arrival deadline: SWITCHYARD_READ_TIMEOUT_S (+ extra_s) from now."""
-        if self.read_timeout_s is None:
-            return
-        if self.reading is not None:
-            self.reading.cancel()
-        self.reading = self.loop.call_later(self.read_timeout_s + extra_s, self._read_timed_out)
-
-    def _read_done(self) -> None:
         if self.reading is not None:
             self.reading.cancel()
             self.reading = None
+        super().connection_lost(exc)
+
+    def _read_within(self, extra_s: float) -> None:
+        """The arrival deadline: SWITCHYARD_READ_TIMEOUT_S (+ extra_s) from now. No timer yet: most requests arrive
+        whole in one read, and a timer armed and cancelled for each cost a refusal a fifth of its CPU."""
+        if self.read_timeout_s is not None:
+            self.read_by = self.loop.time() + self.read_timeout_s + extra_s
+
+    def _read_done(self) -> None:
+        self.read_by = None
+
+    def _watch_reading(self) -> None:
+        """After a read: a timer for the deadline of a request still arriving (one at a time, kept while it is)."""
+        if self.read_by is not None and self.reading is None:
+            self.reading = self.loop.call_at(self.read_by, self._read_timed_out)
 
     def _read_timed_out(self) -> None:
         """Headers, or a held body, still incomplete at their deadline: 408 and close. Not while the app is
         answering an earlier request of the connection."""
         self.reading = None
-        if self.transport.is_closing():
+        if self.read_by is None or self.transport.is_closing():
+            return  # nothing awaited now
+        if self.loop.time() < self.read_by:  # a later request's deadline: watched from now on
+            self._watch_reading()
             return
         if self.held is None and self.cycle is not None and not self.cycle.response_complete:
             self._read_within(0.0)  # a pipelined request's headers: looked at again once that answer is out
+            self._watch_reading()
             return
         what = "body" if self.held is not None else "headers"
         problem = problem_response(408, "request-timeout", "Request timeout", (
@@ -108,6 +118,7 @@ class ExpressProtocol(CappedProtocol):
     def data_received(self, data: bytes) -> None:
         self.answered = False
         super().data_received(data)
+        self._watch_reading()
         # The keep-alive timer, as uvicorn arms it once a response is complete: here once all of this data was
         # parsed, and only when no request is left in flight (a pipelined one may have started a cycle).
         if (self.answered and self.held is None and (self.cycle is None or self.cycle.response_complete)
