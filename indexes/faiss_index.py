@@ -19,6 +19,7 @@ import faiss  # noqa: E402
 
 from . import hugepages  # noqa: E402
 from .ann import IndexConfig, default_n_lists, default_pq_dim  # noqa: E402
+from .cores import usable_cores  # noqa: E402
 from .distance import omp_threads, uses_inner_product  # noqa: E402
 
 VERSION = faiss.__version__
@@ -30,7 +31,7 @@ def _use_threads(rows: int, threads: int | None) -> None:
     (default all cores) for real work, one for a handful of rows, where waking a second thread costs more than it
     saves. With several worker processes sharing the cores, `threads` is their share: an OpenMP barrier waiting
     for a thread that has no core stalls the call, with the replica's lock held, for a scheduler tick or more."""
-    omp_threads(1 if rows < 4 else threads or os.cpu_count() or 1)
+    omp_threads(1 if rows < 4 else threads or usable_cores())
 
 
 def _metric(metric: str) -> int:
@@ -65,7 +66,7 @@ class FaissIndex:
               huge_pages: bool = True) -> "FaissIndex":
         """`threads`: the built index's, for its searches and adds. The build itself takes every core: builds run
         on a thread of lower CPU priority, whose OpenMP threads take only what searches leave."""
-        every_core = os.cpu_count() or 1
+        every_core = usable_cores()
         _use_threads(len(vectors), every_core)
         d, metric, p, n = config.dim, _metric(config.metric), config.params, len(vectors)
         t = config.index_type

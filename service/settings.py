@@ -14,13 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, fi
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
+from indexes.cores import usable_cores
 
 ENV_PREFIX = "SWITCHYARD_"
 # SWITCHYARD_INLINE_SEARCH_US's defaults (docs/design/vectors.md): the hop to a worker thread pays where the event
