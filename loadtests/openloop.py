@@ -85,8 +85,8 @@ class Connection(asyncio.Protocol):
             self.answer.set_result(("reset" if self.buffer or exc else "closed", False))
 
 
-async def _generate(port: int, requests: list[Request], rate: float, start: float, duration_s: float, index: int,
-                    processes: int, clients: int) -> list[Result]:
+async def _generate(port: int, requests: list[Request], rate: float, duration_s: float, index: int, processes: int,
+                    clients: int, start: float) -> list[Result]:
     """This process's share: open loop at rate / processes (clients=0), or `clients` closed-loop clients."""
     loop = asyncio.get_running_loop()
     idle: list[Connection] = []
@@ -148,7 +148,7 @@ def _worker(conn: Any, args: tuple, cpus: set[int] | None) -> None:
     conn.send("ready")  # started and imported: the schedule's start comes once every process is
     start = conn.recv()
     cpu = time.process_time()
-    results = asyncio.run(_generate(*args[:3], start, *args[3:]))
+    results = asyncio.run(_generate(*args, start))
     conn.send((results, time.process_time() - cpu))
     conn.close()
 
@@ -191,10 +191,18 @@ def ms(ordered: list[float], q: float) -> float | None:
     return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else None
 
 
+def answered(status: Any) -> bool:
+    return isinstance(status, int) and status < 300
+
+
+def refused(status: Any) -> bool:
+    return status in (429, 503)
+
+
 def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
-    ok = [(label, latency) for label, status, _, latency, _, _ in results if isinstance(status, int) and status < 300]
-    shed = [(status, retry) for _, status, retry, _, _, _ in results if status in (429, 503)]
-    other = Counter(str(r[1]) for r in results if not (isinstance(r[1], int) and (r[1] < 300 or r[1] in (429, 503))))
+    ok = [(label, latency) for label, status, _, latency, _, _ in results if answered(status)]
+    shed = [(status, retry) for _, status, retry, _, _, _ in results if refused(status)]
+    other = Counter(str(r[1]) for r in results if not (answered(r[1]) or refused(r[1])))
     labels = sorted({label for label, _ in ok})
     by_label = {label: sorted(lat for lab, lat in ok if lab == label) for label in labels}
     ordered = sorted(lat for _, lat in ok)
@@ -215,8 +223,8 @@ def by_second(results: list[Result]) -> list[dict[str, Any]]:
         seconds.setdefault(int(r[5]), []).append(r)
     out = []
     for second in sorted(seconds):
-        answered = sorted(r[3] for r in seconds[second] if isinstance(r[1], int) and r[1] < 300)
-        out.append({"second": second, "answered": len(answered),
-                    "refused": sum(1 for r in seconds[second] if r[1] in (429, 503)),
-                    "p50_ms": ms(answered, 0.5), "p99_ms": ms(answered, 0.99)})
+        latencies = sorted(r[3] for r in seconds[second] if answered(r[1]))
+        out.append({"second": second, "answered": len(latencies),
+                    "refused": sum(1 for r in seconds[second] if refused(r[1])),
+                    "p50_ms": ms(latencies, 0.5), "p99_ms": ms(latencies, 0.99)})
     return out
