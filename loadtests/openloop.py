@@ -18,9 +18,11 @@ import asyncio
 import multiprocessing
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import uvloop
 
 HEAD_END = b"\r\n\r\n"
 ANSWER_TIMEOUT_S = 30.0  # an answer later than this is counted as a TimeoutError
@@ -45,22 +47,22 @@ def http_request(method: str, path: str, body: bytes, label: str, headers: dict[
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection with at most one request outstanding."""
+    """One keep-alive connection with at most one request outstanding; `finished` hears each answer (or failure)."""
 
-    def __init__(self) -> None:
+    def __init__(self, finished: Callable[["Connection", Any, bool], None]) -> None:
         self.buffer = bytearray()
-        self.answer: asyncio.Future | None = None
+        self.finished = finished
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.outstanding: tuple[Request, float, float] | None = None  # the request sent, its due and send times
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def send(self, raw: bytes) -> asyncio.Future:
-        self.answer = asyncio.get_running_loop().create_future()
+    def send(self, request: Request, due: float, sent: float) -> None:
         assert self.transport is not None
-        self.transport.write(raw)
-        return self.answer
+        self.outstanding = (request, due, sent)
+        self.transport.write(request.raw)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -73,73 +75,148 @@ class Connection(asyncio.Protocol):
         if len(self.buffer) < end + 4 + length:
             return
         del self.buffer[:end + 4 + length]
-        close = b"connection: close" in head
-        if close:
+        if b"connection: close" in head:
             self.closed = True
-        if self.answer is not None and not self.answer.done():
-            self.answer.set_result((int(head[9:12]), b"retry-after" in head))
+        self.finished(self, int(head[9:12]), b"retry-after" in head)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.answer is not None and not self.answer.done():
-            self.answer.set_result(("reset" if self.buffer or exc else "closed", False))
+        self.finished(self, "reset" if self.buffer or exc else "closed", False)
+
+
+class Generator:
+    """One process's sender: each request goes out on an idle connection when it is due, or on a new one (at most
+    MAX_CONNECTIONS), or else waits for the next to come free (the generator's lateness). Callbacks, not a task per
+    request: the generator's CPU per request is what bounds the rate one core can offer."""
+
+    def __init__(self, port: int, requests: list[Request], start: float, stop: float, closed_loop: bool) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.port, self.requests, self.start, self.stop = port, requests, start, stop
+        self.closed_loop = closed_loop  # each answer sends the next request at once, until stop
+        self.idle: list[Connection] = []
+        self.connections: set[Connection] = set()
+        self.opening = 0
+        self.waiting: deque[tuple[int, float]] = deque()  # (request index, due): no connection free
+        self.out: list[Result] = []
+        self.sent_count = 0  # requests dispatched, and ...
+        self.done_count = 0  # ... those with an outcome
+        self.drained = self.loop.create_future()  # every dispatched request has an outcome
+
+    async def open_connections(self, n: int) -> None:
+        for _ in range(min(MAX_CONNECTIONS, n)):
+            connection = await self._connect()
+            self.idle.append(connection)
+
+    async def _connect(self) -> Connection:
+        _, connection = await self.loop.create_connection(lambda: Connection(self._finished), "127.0.0.1", self.port)
+        self.connections.add(connection)
+        return connection
+
+    def dispatch(self, i: int, due: float) -> None:
+        """Request i, due at `due` (monotonic): sent now if a connection is free or can be opened, else queued."""
+        self.sent_count += 1
+        while self.idle and self.idle[-1].closed:  # the service closed it (keep-alive timeout) while it was idle
+            self.connections.discard(self.idle.pop())
+        if self.idle:
+            self.idle.pop().send(self.requests[i % len(self.requests)], due, time.monotonic())
+            return
+        self.waiting.append((i, due))
+        if len(self.connections) + self.opening < MAX_CONNECTIONS:
+            self.opening += 1
+            self.loop.create_task(self._open_one())
+
+    async def _open_one(self) -> None:
+        try:
+            connection = await self._connect()
+        except OSError as exc:
+            self.opening -= 1
+            if self.waiting:  # the request it was opened for fails with the reason
+                i, due = self.waiting.popleft()
+                now = time.monotonic()
+                self._record(self.requests[i % len(self.requests)], type(exc).__name__, False, due, now)
+            return
+        self.opening -= 1
+        self._free(connection)
+
+    def _finished(self, connection: Connection, status: Any, retry: bool) -> None:
+        if connection.outstanding is None:
+            return  # closed while idle
+        (request, due, sent), connection.outstanding = connection.outstanding, None
+        self._record(request, status, retry, due, sent)
+        if connection.closed:
+            if connection.transport is not None:
+                connection.transport.close()
+            self.connections.discard(connection)
+            if self.waiting and not self.opening:  # those waiting for a connection need another
+                self.opening += 1
+                self.loop.create_task(self._open_one())
+            return
+        self._free(connection)
+
+    def _free(self, connection: Connection) -> None:
+        """A connection free for the next request: the longest waiting, or the next of a closed loop's client."""
+        now = time.monotonic()
+        if self.waiting:
+            i, due = self.waiting.popleft()
+            connection.send(self.requests[i % len(self.requests)], due, now)
+        elif self.closed_loop and now < self.stop:
+            self.sent_count += 1
+            connection.send(self.requests[self.sent_count % len(self.requests)], now, now)
+        else:
+            self.idle.append(connection)
+
+    def _record(self, request: Request, status: Any, retry: bool, due: float, sent: float) -> None:
+        self.out.append((request.label, status, retry, time.monotonic() - due, sent - due, due - self.start))
+        self.done_count += 1
+        if self.done_count == self.sent_count and not self.drained.done() and time.monotonic() >= self.stop:
+            self.drained.set_result(None)
+
+    def expire(self) -> None:
+        """Requests unanswered for ANSWER_TIMEOUT_S: a TimeoutError each, and their connection closed."""
+        limit = time.monotonic() - ANSWER_TIMEOUT_S
+        for connection in list(self.connections):
+            if connection.outstanding is not None and connection.outstanding[2] < limit:
+                (request, due, sent), connection.outstanding = connection.outstanding, None
+                self._record(request, "TimeoutError", False, due, sent)
+                connection.closed = True
+                self.connections.discard(connection)
+                if connection.transport is not None:
+                    connection.transport.abort()
+
+    def close(self) -> None:
+        for connection in self.connections:
+            if connection.transport is not None:
+                connection.transport.close()
 
 
 async def _generate(port: int, requests: list[Request], rate: float, duration_s: float, index: int, processes: int,
                     clients: int, start: float) -> list[Result]:
     """This process's share: open loop at rate / processes (clients=0), or `clients` closed-loop clients."""
-    loop = asyncio.get_running_loop()
-    idle: list[Connection] = []
-    # At most MAX_CONNECTIONS in use: a connection is opened only when none is idle, so they bound the total too.
-    in_use = asyncio.Semaphore(MAX_CONNECTIONS)
-    out: list[Result] = []
-
-    async def one(i: int, due: float) -> None:
-        request = requests[i % len(requests)]
-        async with in_use:
-            sent = time.monotonic()
-            while idle and idle[-1].closed:  # the service closed it (keep-alive timeout) while it was idle
-                idle.pop()
-            connection = None
-            try:
-                connection = idle.pop() if idle else (await loop.create_connection(Connection, "127.0.0.1", port))[1]
-                status, retry = await asyncio.wait_for(connection.send(request.raw), ANSWER_TIMEOUT_S)
-            except (OSError, TimeoutError) as exc:
-                out.append((request.label, type(exc).__name__, False, time.monotonic() - due, sent - due, due - start))
-                if connection is not None and connection.transport is not None:
-                    connection.transport.close()
-                return
-            out.append((request.label, status, retry, time.monotonic() - due, sent - due, due - start))
-            if connection.closed:
-                if connection.transport is not None:
-                    connection.transport.close()
-            else:
-                idle.append(connection)
-
-    # Connections opened before the schedule starts, as wrk2 does: enough for about 10 ms of its requests in flight.
-    for _ in range(min(MAX_CONNECTIONS, clients or 1 + int(rate / processes * PRE_OPEN_S))):
-        idle.append((await loop.create_connection(Connection, "127.0.0.1", port))[1])
     stop = start + duration_s
-    if clients:  # closed loop: each client sends its next request when the last is answered
-        async def client(c: int) -> None:
-            i = c
-            while (now := time.monotonic()) < stop:
-                await one(i, now)
-                i += clients
-        await asyncio.sleep(max(0.0, start - time.monotonic()))
-        await asyncio.gather(*(client(index * clients + c) for c in range(clients)))
-    else:
-        tasks, i = [], index
+    generator = Generator(port, requests, start, stop, closed_loop=bool(clients))
+    # Connections opened before the schedule starts, as wrk2 does: enough for about 10 ms of its requests in flight.
+    await generator.open_connections(clients or 1 + int(rate / processes * PRE_OPEN_S))
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    if clients:  # closed loop: each client's connection sends its next request when the last is answered
+        idle, generator.idle = generator.idle, []
+        for connection in idle:
+            generator._free(connection)
+    else:  # every request due by now goes out in this wake-up; then a sleep until the next is due
+        i = index
         while (due := start + i / rate) < stop:
             if (delay := due - time.monotonic()) > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, due)))
+            generator.dispatch(i, due)
             i += processes
-        await asyncio.gather(*tasks)
-    for connection in idle:
-        if connection.transport is not None:
-            connection.transport.close()
-    return out
+    while time.monotonic() < stop:
+        await asyncio.sleep(min(1.0, stop - time.monotonic()))
+    while generator.done_count < generator.sent_count:
+        try:
+            await asyncio.wait_for(asyncio.shield(generator.drained), 1.0)
+        except TimeoutError:
+            generator.expire()
+    generator.close()
+    return generator.out
 
 
 def _worker(conn: Any, args: tuple, cpus: set[int] | None) -> None:
@@ -148,7 +225,7 @@ def _worker(conn: Any, args: tuple, cpus: set[int] | None) -> None:
     conn.send("ready")  # started and imported: the schedule's start comes once every process is
     start = conn.recv()
     cpu = time.process_time()
-    results = asyncio.run(_generate(*args, start))
+    results = uvloop.run(_generate(*args, start))  # as `switchyard serve` runs: its callbacks cost less
     conn.send((results, time.process_time() - cpu))
     conn.close()
 
