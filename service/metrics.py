@@ -153,10 +153,11 @@ class Metrics:
             tally = self._shed_children[(engine, reason)] = self._tally(self.shed_total.labels(engine, reason))
         tally.add()
 
-    def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None) -> None:
-        """Report each engine gate's running and queued requests and limit, and the process's in-flight limit
-        (service/admission/pressure.py: work class -> its limit), at every scrape."""
-        collector = _GateCollector(gates, classes)
+    def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None, loop_lag: Any = None) -> None:
+        """Report each engine gate's running and queued requests and limit, the process's in-flight limit
+        (service/admission/pressure.py: work class -> its limit) and its event loop's lag (loop_lag.py), at every
+        scrape."""
+        collector = _GateCollector(gates, classes, loop_lag)
         self._gate_collectors.append(collector)
         self.registry.register(collector)
 
@@ -211,8 +212,8 @@ class _GateCollector(Collector):
     """Admission's gauges, read on the event loop (snapshot: ClassLimit.current() may hand a slot over, which
     resolves a waiter's future) and yielded from there by collect(), on whichever thread makes the text."""
 
-    def __init__(self, gates: Callable[[], dict[str, Any]], classes: Any) -> None:
-        self.gates, self.classes = gates, classes
+    def __init__(self, gates: Callable[[], dict[str, Any]], classes: Any, loop_lag: Any) -> None:
+        self.gates, self.classes, self.loop_lag = gates, classes, loop_lag
         self.families: list[GaugeMetricFamily] = []
 
     def snapshot(self) -> None:
@@ -245,6 +246,12 @@ class _GateCollector(Collector):
                 inflight.add_metric([name], work.inflight)
                 slowdown.add_metric([name], work.slowdown)
             yield from (inflight, limit, slowdown)
+        if self.loop_lag is not None:
+            yield GaugeMetricFamily("switchyard_event_loop_lag_seconds", "How long readable sockets wait for the "
+                                    "event loop, standing (the least of its last probes).", value=self.loop_lag.lag_s)
+            if self.loop_lag.target_s:
+                yield GaugeMetricFamily("switchyard_event_loop_refused_share", "Share of new /v1 requests refused "
+                                        "while the event loop runs behind.", value=self.loop_lag.share)
 
 
 class ReplicationTrace:

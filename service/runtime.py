@@ -70,7 +70,7 @@ class Runtime:
         self.pool: asyncpg.Pool | None = None
         self.sql_pool: asyncpg.Pool | None = None  # OLAP reads on PostgreSQL, apart from writes and readiness
         self.admission = Admission(settings, self.metrics)
-        self.metrics.watch_gates(lambda: self.admission.gates, self.admission.classes)
+        self.metrics.watch_gates(lambda: self.admission.gates, self.admission.classes, self.admission.loop_lag)
         self.database: DatabaseSupervisor | None = None
         self.vectors: CollectionManager | None = None
         self.jobs: JobRunner | None = None
@@ -191,9 +191,11 @@ class Runtime:
         # collector's passes, which walk every object they hold with the GIL held (see docs/design/serving.md).
         gc.collect()
         gc.freeze()
+        self.admission.start(asyncio.get_running_loop())
 
     async def stop(self) -> None:
         self.phase = "stopping"
+        self.admission.stop()
         await self._release()
         # What start() set for the process is given back (a process that starts another runtime: tests).
         gc.unfreeze()

@@ -360,13 +360,13 @@ def test_the_protocol_refuses_a_request_whose_class_is_full_and_keeps_the_connec
         express = app.express
         sql = [(b"content-type", b"application/json"), (b"content-length", b"21"),
                (b"authorization", f"Bearer {KEY}".encode())]
-        assert express.refusal(b"POST", b"/v1/olap/sql", sql) is None  # room: the app runs it
+        assert express.refusal(b"POST", b"/v1/olap/sql", sql) == (None, False)  # room: the app runs it
         full(express.admission.classes["heavy"])
-        reply = express.refusal(b"POST", b"/v1/olap/sql", sql)
-        assert reply is not None and reply.status == 503 and ("retry-after", "1") in reply.headers
-        assert express.refusal(b"POST", b"/v1/olap/sql", sql[:2]) is None  # no key: the app answers 401
-        assert express.refusal(b"GET", b"/v1/collections", sql[2:]) is None  # light work has room
-        assert express.refusal(b"GET", b"/healthz", []) is None
+        reply, screened = express.refusal(b"POST", b"/v1/olap/sql", sql)
+        assert reply is not None and reply.status == 503 and ("retry-after", "1") in reply.headers and screened
+        assert express.refusal(b"POST", b"/v1/olap/sql", sql[:2]) == (None, False)  # no key: the app answers 401
+        assert express.refusal(b"GET", b"/v1/collections", sql[2:]) == (None, True)  # light work has room
+        assert express.refusal(b"GET", b"/healthz", []) == (None, False)
         with raw_socket(url) as sock:
             sock.sendall(request("POST", "/v1/olap/sql", b'{"sql": "SELECT 1"}'))
             status, headers, body = read_response(sock)

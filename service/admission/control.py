@@ -22,6 +22,7 @@ from typing import Any, Hashable
 from service.admission import pressure
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
+from service.admission.loop_lag import LoopLag
 from service.admission.pressure import ClassLimit, class_limits
 from service.errors import BadRequest, ProblemError
 from service.process.devices import is_out_of_memory
@@ -241,6 +242,7 @@ class Admission:
         a = settings.admission
         self.classes = (class_limits(a.max_inflight, a.min_inflight, a.inflight_latency_tolerance, self.max_wait_s)
                         if a.enabled and a.max_inflight else None)  # work class -> its in-flight limit
+        self.loop_lag = LoopLag(a.loop_lag_target_ms / 1000 if a.enabled else 0.0)  # started by start()
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         rate, seconds_rate = a.quota_requests_per_s, a.quota_engine_seconds_per_s
@@ -301,15 +303,36 @@ class Admission:
         limit = self.classes[work]
         return Ticket(limit) if limit.admit() else None
 
-    def crowded(self) -> bool:
-        """Whether any work class has all its slots taken (only then can check_room refuse)."""
-        return self.classes is not None and any(c.inflight >= c.limit for c in self.classes.values())
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch the event loop's lag from now on (service/admission/loop_lag.py), with admission control on."""
+        if self.enabled:
+            self.loop_lag.start(loop)
 
-    def check_room(self, work: str, kind: Hashable = None) -> None:
-        """Refuse (Shed, 503) a request of `work` and `kind` at once, before its body is read, when its class would:
-        no free slot and a full queue (service/admission/pressure.py)."""
+    def stop(self) -> None:
+        self.loop_lag.stop()
+
+    def crowded(self) -> bool:
+        """Whether the loop is behind or any work class has all its slots taken (only then can check_room
+        refuse)."""
+        return bool(self.loop_lag.share) or (self.classes is not None
+                                             and any(c.inflight >= c.limit for c in self.classes.values()))
+
+    def check_room(self, work: str, kind: Hashable = None, screened: bool = False) -> None:
+        """Refuse (Shed, 503) a request of `work` and `kind` at once, before its body is read, when its class would
+        (no free slot and a full queue: service/admission/pressure.py) or it is one of the share refused while the
+        event loop runs behind (check_loop; `screened`: it was counted there already)."""
+        if not screened:
+            self.check_loop()
         if self.classes is not None and self.classes[work].full(kind):
             raise self._no_slot(work)
+
+    def check_loop(self) -> None:
+        """Refuse (Shed, 503) the request arriving now if it is one of the share refused while the event loop runs
+        behind (service/admission/loop_lag.py); each call counts as one request."""
+        if self.loop_lag.refuse_next():
+            self.shed("requests", "loop_lag")
+            raise Shed(f"the service's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
+                       "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag")
 
     def queue_now(self, work: str, kind: Hashable = None) -> "Queued":
         """For a request that found no slot (enter_now): its place in its class's queue, taken now, before its task

@@ -50,6 +50,7 @@ INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: 
 INLINE_MIN_DEADLINE_S = 1.0
 PARSED_CALL = "switchyard.parsed_call"  # the scope key of a search answer_inline parsed but left unanswered ...
 QUEUED = "switchyard.queued"  # ... and of the place in the queue it took for it
+SCREENED = "switchyard.screened"  # a request the protocol let through Express.refusal (counted by the loop's share)
 
 
 class Headers(NamedTuple):
@@ -164,10 +165,12 @@ class Express:
         `respond` (False: nothing was sent, and the request goes through __call__); the call it was parsed to, if
         it was, and its place in the queue, if it took one: __call__ finds them in its scope (PARSED_CALL, QUEUED),
         does not parse the body again and waits in that place."""
-        ticket = self.admission.enter_now(LIGHT) if self.admission is not None else None
-        if self.admission is not None and ticket is None:
-            try:  # no slot now: a place in the queue, to wait in on the app's path, or a refusal here at once
-                return False, None, self.admission.queue_now(LIGHT, HOT_KINDS[True])
+        ticket = None
+        if self.admission is not None:
+            try:  # one of the share refused while the loop runs behind; else a slot, or a place in the queue (to
+                self.admission.check_loop()  # wait in on the app's path), or a refusal here at once
+                if (ticket := self.admission.enter_now(LIGHT)) is None:
+                    return False, None, self.admission.queue_now(LIGHT, HOT_KINDS[True])
             except ProblemError as exc:
                 refuse(problem_of(exc, {"method": "POST", "path": f"/v1/collections/{claim.collection}/search"}))
                 return True, None, None
@@ -185,29 +188,30 @@ class Express:
                          "query_string": claim.query.encode("latin-1")}, 200, 0.0, sampled=True)
         return answered, call, None
 
-    def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> Reply | None:
+    def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[Reply | None, bool]:
         """The 503 a /v1 request gets from its headers alone when its work class has no free slot and no room to
-        wait (Admission.check_room), for the protocol to answer without an ASGI cycle: the cheapest refusal, which
-        a process refusing most of what it is sent must keep cheap. None: the request goes on to __call__, which
-        also answers whatever fails an earlier step (the key, a bad header, a quota)."""
+        wait, or it is one of the share refused while the event loop runs behind (Admission.check_room), for the
+        protocol to answer without an ASGI cycle: the cheapest refusal, which a process refusing most of what it is
+        sent must keep cheap. None: the request goes on to __call__, which also answers whatever fails an earlier
+        step (the key, a bad header, a quota); and whether it was screened (counted in the loop's share)."""
         if self.admission is None or self.quota or not self.admission.crowded() or not url.startswith(b"/v1/"):
-            return None
+            return None, False
         try:
             h = read_headers(headers)
             check_bearer(self.key, h.authorization)
             if h.timeout is not None:
                 parse_timeout(h.timeout)
         except ProblemError:
-            return None
+            return None, False
         if h.chunked or h.length > INLINE_MAX_BODY:  # the protocol holds the body it refuses: a small one only
-            return None
+            return None, False
         verb, path = method.decode("latin-1"), url.partition(b"?")[0].decode("latin-1")
         work, kind = work_of(verb, path, is_bulk(verb, path, headers))
         try:
             self.admission.check_room(work, kind)
         except ProblemError as exc:
-            return problem_of(exc, {"method": verb, "path": path})
-        return None
+            return problem_of(exc, {"method": verb, "path": path}), True
+        return None, True
 
     # -- ASGI ------------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -234,8 +238,8 @@ class Express:
                 check_bearer(self.key, h.authorization)
                 if h.timeout is not None or self.default_timeout is not None or self.quota:
                     self._begin(scope, h)  # a bad X-Request-Timeout, or over quota, refuses it
-                if self.admission is not None and queued is None:
-                    self.admission.check_room(work, kind)  # no slot, no room to wait: refused before its body
+                if self.admission is not None and queued is None:  # no slot, no room to wait, or the loop behind:
+                    self.admission.check_room(work, kind, bool(scope.get(SCREENED)))  # refused before its body
         except ProblemError as exc:
             await self._refused(scope, receive, send, exc)
             return

@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from service.errors import problem_response
 from service.http.connections import CappedProtocol
-from service.http.express import INLINE_MAX_BODY, PARSED_CALL, QUEUED, Claim, Express
+from service.http.express import INLINE_MAX_BODY, PARSED_CALL, QUEUED, SCREENED, Claim, Express
 from service.http.limits import BODY_MIN_RATE
 from service.process.messages import Reply
 
@@ -58,6 +58,7 @@ class ExpressProtocol(CappedProtocol):
         self.held: list[bytes] | None = None  # the body of a request express may answer inline ...
         self.claim: Claim | None = None  # ... and what express took of its headers, or ...
         self.refusing: Reply | None = None  # ... the 503 it answers once that body is read (Express.refusal)
+        self.screened = False  # whether the request being read went through Express.refusal and was let through
         self.stopping = False
         self.answered = False  # whether the data being parsed completed a request answered here
         self.responded = False  # whether the inline answer to the request being completed was sent
@@ -141,20 +142,24 @@ class ExpressProtocol(CappedProtocol):
 
     def on_headers_complete(self) -> None:
         self._read_done()
+        self.screened = False
         if (self.express is not None and not self.pipeline and not self.refused
                 and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade()):
             method = self.parser.get_method()
             if (claim := self.express.claim(method, self.url, self.headers)) is not None:
                 self.claim, self.held = claim, []  # the ASGI cycle, if one is needed, is made when the body is read
+                self.screened = self.express.admission is not None  # answer_inline counts it in the loop's share
                 self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)  # the held body's arrival, as express times others
                 if self.expect_100_continue:  # as uvicorn's cycle does once the app reads the body
                     self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     self.expect_100_continue = False
                 return
-            if not self.expect_100_continue and (refusal := self.express.refusal(method, self.url, self.headers)):
-                self.refusing, self.held = refusal, []  # answered once its (small) body is read, as a claim's
-                self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)
-                return
+            if not self.expect_100_continue:
+                refusal, self.screened = self.express.refusal(method, self.url, self.headers)
+                if refusal is not None:
+                    self.refusing, self.held = refusal, []  # answered once its (small) body is read, as a claim's
+                    self._read_within(INLINE_MAX_BODY / BODY_MIN_RATE)
+                    return
         self._app_headers_complete()
 
     def _app_headers_complete(self) -> None:
@@ -163,6 +168,8 @@ class ExpressProtocol(CappedProtocol):
         super().on_message_begin()
         self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
         self.scope["headers"] = headers
+        if self.screened:
+            self.scope[SCREENED] = True  # type: ignore[literal-required]
         super().on_headers_complete()
         self.cycle.transport = OneWrite(self.cycle)  # type: ignore[assignment]
 

@@ -1,0 +1,84 @@
+"""The event loop's lag probe and its refused share (service/admission/loop_lag.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import uvloop
+
+from service.admission.control import Admission, Shed
+from service.admission.loop_lag import GAIN, LoopLag
+from service.settings import Settings
+
+
+def test_one_slow_turn_moves_nothing_a_standing_lag_raises_the_share_and_it_falls_back():
+    lag = LoopLag(0.001)
+    for sample in (0.0, 0.0, 0.050, 0.0, 0.0):  # one slow turn among turns on time
+        lag.observe(sample)
+    assert lag.share == 0 and lag.lag_s == 0
+    for _ in range(10):
+        lag.observe(0.010)  # ten times the target, standing
+    assert lag.lag_s == 0.010 and lag.share == pytest.approx(8 * GAIN)  # from the third sample on, GAIN each
+    for _ in range(7):  # on time again: GAIN less each
+        lag.observe(0.0)
+    assert lag.share == pytest.approx(GAIN)
+    lag.observe(0.0)
+    assert lag.share == 0
+
+
+def test_without_a_target_the_lag_is_measured_and_nothing_refused():
+    lag = LoopLag(0.0)
+    for _ in range(10):
+        lag.observe(0.5)
+    assert lag.lag_s == 0.5 and lag.share == 0 and not lag.refuse_next()
+
+
+def test_the_share_refused_is_spread_evenly():
+    lag = LoopLag(0.001)
+    lag.share = 0.25
+    refused = [lag.refuse_next() for _ in range(100)]
+    assert sum(refused) == 25 and all(sum(refused[i:i + 4]) == 1 for i in range(0, 100, 4))
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_the_probe_sees_a_loop_kept_busy_and_then_idle(loop_factory):
+    async def measure() -> tuple[float, float]:
+        lag = LoopLag(0.0)
+        lag.start(asyncio.get_running_loop())
+        try:
+            stop = time.monotonic() + 0.3
+            while time.monotonic() < stop:  # turns of 20 ms each: readable sockets wait about that long
+                time.sleep(0.02)
+                await asyncio.sleep(0)
+            busy = lag.lag_s
+            await asyncio.sleep(0.2)
+            return busy, lag.lag_s
+        finally:
+            lag.stop()
+
+    loop = loop_factory()
+    try:
+        busy, idle = loop.run_until_complete(measure())
+    finally:
+        loop.close()
+    assert busy >= 0.005 and idle < 0.005
+
+
+def test_admission_refuses_the_share_once_per_request(tmp_path):
+    admission = Admission(Settings(data_dir=tmp_path, loop_lag_target_ms=1.0))
+    assert not admission.crowded()
+    admission.loop_lag.share = 0.5
+    assert admission.crowded()
+    outcomes = []
+    for _ in range(4):
+        try:
+            admission.check_room("light")
+            outcomes.append("admitted")
+        except Shed as exc:
+            assert exc.extra["reason"] == "loop_lag" and exc.headers["Retry-After"] == "1"
+            outcomes.append("refused")
+    assert outcomes.count("refused") == 2
+    for _ in range(4):  # screened by the protocol already: not counted again
+        admission.check_room("light", screened=True)
