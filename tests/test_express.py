@@ -4,7 +4,10 @@ refuses before anything else."""
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Callable
 
+from service.admission.control import Admission
 from service.http.app import create_app
 from service.http.express import Claim, Express
 from service.settings import Settings
@@ -109,3 +112,38 @@ def test_a_search_the_inline_lane_declines_is_parsed_once(monkeypatch):
              PARSED_CALL: call}
     asyncio.run(ex(scope, receive, send))
     assert ran == [call] and sent[0]["status"] == 200
+
+
+class SlowInline:
+    """A runner whose inline answers take `seconds` each (an engine on a busy core)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def run_inline(self, call: object, respond: Callable[[bytes], None]) -> bool:
+        time.sleep(self.seconds)
+        respond(b"{}")
+        return True
+
+
+def test_inline_answers_hold_no_slot_and_neither_move_the_limit_nor_pass_a_loop_running_behind(tmp_path):
+    """An inline answer never waits for a slot, so its latency is no slowdown, and no unqueued latency for the
+    searches that go the app's way (a thread, a batch) to be measured against: counted, it held the light limit at
+    its floor. While the event loop runs behind, the share it refuses is refused here too."""
+    settings = Settings(data_dir=tmp_path, max_inflight=4, loop_lag_target_ms=1.0)
+    admission = Admission(settings)
+    light = admission.classes["light"]
+    app = Express(app=None, settings=settings, runner=SlowInline(0.002), admission=admission,  # type: ignore[arg-type]
+                  inline=True)
+    claim = Claim("c1", "application/json", "")
+    answers, refusals = [], []
+    for _ in range(40):
+        light._interval_end = 0.0  # every answer may end an interval
+        assert app.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
+    assert len(answers) == 40 and not refusals
+    assert light.inflight == 0 and light.limit == 4 and not light.kinds
+    admission.loop_lag.share = 0.5
+    for _ in range(4):
+        assert app.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
+    assert len(answers) == 42 and [r.status for r in refusals] == [503, 503]
+    assert b'"reason":"loop_lag"' in refusals[0].body.replace(b" ", b"") and light.inflight == 0

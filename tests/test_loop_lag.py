@@ -9,23 +9,34 @@ import pytest
 import uvloop
 
 from service.admission.control import Admission, Shed
-from service.admission.loop_lag import GAIN, LoopLag
+from service.admission.loop_lag import DECREASE, INCREASE, MAX_SHARE, TICK_S, LoopLag
 from service.settings import Settings
 
 
-def test_one_slow_turn_moves_nothing_a_standing_lag_raises_the_share_and_it_falls_back():
+def test_one_slow_turn_moves_nothing_a_standing_lag_cuts_what_is_admitted_and_it_grows_back():
     lag = LoopLag(0.001)
     for sample in (0.0, 0.0, 0.050, 0.0, 0.0):  # one slow turn among turns on time
         lag.observe(sample)
     assert lag.share == 0 and lag.lag_s == 0
     for _ in range(10):
-        lag.observe(0.010)  # ten times the target, standing
-    assert lag.lag_s == 0.010 and lag.share == pytest.approx(8 * GAIN)  # from the third sample on, GAIN each
-    for _ in range(7):  # on time again: GAIN less each
+        lag.observe(0.010)  # ten times the target, standing from the third sample on
+    # each such sample stands for 1 + 0.010 / TICK_S ticks, each cutting the admitted share by DECREASE at most
+    assert lag.lag_s == 0.010 and lag.share == pytest.approx(1 - DECREASE ** (8 * (1 + 0.010 / TICK_S)))
+    behind = lag.share
+    for _ in range(10):  # on time again: the admitted share grows by INCREASE per sample
         lag.observe(0.0)
-    assert lag.share == pytest.approx(GAIN)
-    lag.observe(0.0)
+    assert lag.share == pytest.approx(behind - 10 * INCREASE)
+    for _ in range(100):
+        lag.observe(0.0)
     assert lag.share == 0
+
+
+def test_a_backlog_seconds_long_is_refused_at_once():
+    """A sample comes only when the loop reads it: one sample of a 0.5 s backlog cuts as much as 100 ticks would."""
+    lag = LoopLag(0.002)
+    for _ in range(3):
+        lag.observe(0.5)
+    assert lag.share == MAX_SHARE
 
 
 def test_without_a_target_the_lag_is_measured_and_nothing_refused():

@@ -1,15 +1,15 @@
-"""The event loop's lag, and (opt in) the share of new requests refused while it runs behind, as PIE (RFC 8033)
-drops packets by their queueing delay.
+"""The event loop's lag, and the share of new requests refused while it runs behind, as PIE (RFC 8033) drops
+packets by their queueing delay.
 
 A search answered on the event loop itself (an inline answer) holds its in-flight slot for microseconds, so the
-limits of service/admission/pressure.py never see the loop full: past the loop's capacity, requests would wait
-unread in socket buffers, where nothing counts them. What shows that backlog is how long readable data waits for
-the loop, so a probe measures exactly that: every TICK_S a byte goes into a socket pair whose reading end the loop
-watches beside the clients' sockets, and the time until the loop reads it is one sample; the least of the last
-WINDOW (a standing backlog, not one slow turn: a garbage collection, a scrape) is the lag reported
-(switchyard_event_loop_lag_seconds). With SWITCHYARD_LOOP_LAG_TARGET_MS set, it also moves the refused share: up in
-proportion to its excess over the target, down as it falls below. Off by default: measured at 2x and 4x capacity it
-did not raise what was answered (docs/design/serving.md, "The event loop's own backlog").
+limits of service/admission/pressure.py never see the loop full: past the loop's capacity, requests wait unread in
+socket buffers, where nothing counts them. What shows that backlog is how long readable data waits for the loop, so
+a probe measures exactly that: every TICK_S a byte goes into a socket pair whose reading end the loop watches beside
+the clients' sockets, and the time until the loop reads it is one sample; the least of the last WINDOW (a standing
+backlog, not one slow turn: a garbage collection, a scrape) is the lag (switchyard_event_loop_lag_seconds). While it
+exceeds SWITCHYARD_LOOP_LAG_TARGET_MS the share admitted is cut in proportion, for every tick the sample stands for;
+while it does not, the share grows back a little per sample (AIMD). Why and what it measured:
+docs/design/serving.md, "The event loop's own backlog".
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from time import monotonic
 
 TICK_S = 0.005  # a probe this often (two syscalls and two callbacks: about 0.2% of a core)
 WINDOW = 3  # samples whose least is the standing lag
-GAIN = 0.02  # refused share added per sample, per target of standing lag over the target ...
-MAX_STEP = 1.0  # ... counting at most one (as it falls by GAIN per sample below it: one slow turn in four no longer
-# outweighs three on time, which held the share near 0.8 at twice the capacity)
+DECREASE = 0.9  # behind: the admitted share times target / lag per tick, but at least this (halving it per sample
+# held 0.7 refused at 2x capacity with a fifth of the core idle)
+INCREASE = 0.01  # on time: the admitted share plus this, per sample
 MAX_SHARE = 0.99  # a share of requests always goes through: their latency keeps telling the backlog
 
 
 class LoopLag:
     """One event loop's lag probe and the share of new requests it refuses (see the module's docstring).
-    `target_s`: the standing lag kept; 0: none, the lag is only measured (a metric), nothing refused."""
+    `target_s`: the standing lag kept; 0: none, the lag is only measured, nothing refused."""
 
     def __init__(self, target_s: float) -> None:
         self.target_s = target_s
@@ -93,12 +93,18 @@ class LoopLag:
         self._timer = self._loop.call_later(TICK_S, self._probe)
 
     def observe(self, lag_s: float) -> None:
-        """One sample: the share moves by the standing lag's distance from the target."""
+        """One sample: the share moves by the standing lag's distance from the target (AIMD, on the admitted
+        share)."""
         self._samples.append(lag_s)
         self.lag_s = min(self._samples)
         if self.target_s <= 0:
             return
-        excess = (self.lag_s - self.target_s) / self.target_s
-        self.share = min(MAX_SHARE, max(0.0, self.share + GAIN * max(-1.0, min(MAX_STEP, excess))))
+        admitted = 1.0 - self.share
+        if self.lag_s > self.target_s:  # behind: admit less, in proportion, for each tick this sample stands for
+            admitted *= max(DECREASE, self.target_s / self.lag_s) ** (1.0 + lag_s / TICK_S)  # (a sample comes
+            # only once the loop reads it: at a backlog of 0.5 s, one sample per half second)
+        else:  # keeping up: admit a little more
+            admitted += INCREASE
+        self.share = min(MAX_SHARE, max(0.0, 1.0 - admitted))
         if not self.share:
             self._credit = 0.0
