@@ -205,10 +205,11 @@ class AdmissionSettings(Group):
                                 description="The least the adaptive in-flight limit of light work goes down to "
                                 "(default: the cores, at least 2; the other classes' floors are the same shares of "
                                 "it as their limits).")
-    loop_lag_target_ms: float = setting(2.0, ge=0, le=1000, description=(
-        "The most readable requests may wait for the event loop, standing: past it a growing share of new /v1 "
-        "requests is refused (503) at the least cost until the loop keeps up again (0: never; the lag is measured "
-        "all the same, switchyard_event_loop_lag_seconds; docs/design/serving.md)."))
+    loop_lag_target_ms: float = setting(0.0, ge=0, le=1000, description=(
+        "If set, the most readable requests may wait for the event loop, standing: past it a growing share of new "
+        "/v1 requests is refused (503) at the least cost until the loop keeps up again, and inline answers no longer "
+        "move the in-flight limit (0: off; the lag is measured all the same, switchyard_event_loop_lag_seconds; "
+        "docs/design/serving.md)."))
     queue_wait_ms: float = setting(250.0, ge=0, le=60_000, description=(
         "The most a request waits in an engine's queue, or in its work class's queue for an in-flight slot (there "
         "also at most its route's unqueued latency), before it is refused with 503 (its deadline may cut "

@@ -126,10 +126,10 @@ class SlowInline:
         return True
 
 
-def test_inline_answers_hold_no_slot_and_neither_move_the_limit_nor_pass_a_loop_running_behind(tmp_path):
-    """An inline answer never waits for a slot, so its latency is no slowdown, and no unqueued latency for the
-    searches that go the app's way (a thread, a batch) to be measured against: counted, it held the light limit at
-    its floor. While the event loop runs behind, the share it refuses is refused here too."""
+def test_with_the_loop_gate_inline_answers_neither_move_the_limit_nor_pass_a_loop_running_behind(tmp_path):
+    """With the event loop's lag gate on, an inline answer's latency is no slowdown, and no unqueued latency for the
+    searches that go the app's way (a thread, a batch) to be measured against (counted, it held the light limit at
+    its floor); while the loop runs behind, the share the gate refuses is refused here too."""
     settings = Settings(data_dir=tmp_path, max_inflight=4, loop_lag_target_ms=1.0)
     admission = Admission(settings)
     light = admission.classes["light"]
@@ -147,3 +147,10 @@ def test_inline_answers_hold_no_slot_and_neither_move_the_limit_nor_pass_a_loop_
         assert app.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert len(answers) == 42 and [r.status for r in refusals] == [503, 503]
     assert b'"reason":"loop_lag"' in refusals[0].body.replace(b" ", b"") and light.inflight == 0
+    # Without the gate, the light limit is their only bound: their latency moves it.
+    settings = Settings(data_dir=tmp_path, max_inflight=4)
+    admission = Admission(settings)
+    app = Express(app=None, settings=settings, runner=SlowInline(0.0), admission=admission,  # type: ignore[arg-type]
+                  inline=True)
+    assert app.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
+    assert list(admission.classes["light"].kinds) == [("POST", "/v1/collections/*/search")]

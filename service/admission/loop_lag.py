@@ -8,8 +8,8 @@ a probe measures exactly that: every TICK_S a byte goes into a socket pair whose
 the clients' sockets, and the time until the loop reads it is one sample; the least of the last WINDOW (a standing
 backlog, not one slow turn: a garbage collection, a scrape) is the lag (switchyard_event_loop_lag_seconds). While it
 exceeds SWITCHYARD_LOOP_LAG_TARGET_MS the share admitted is cut in proportion, for every tick the sample stands for;
-while it does not, the share grows back a little per sample (AIMD). Why and what it measured:
-docs/design/serving.md, "The event loop's own backlog".
+while it does not, the share grows back a little per sample (AIMD). Off by default: it refused bursts that were no
+overload. Why and what it measured: docs/design/serving.md, "The event loop's own backlog".
 """
 
 from __future__ import annotations

@@ -165,8 +165,9 @@ class Express:
         `respond` (False: nothing was sent, and the request goes through __call__); the call it was parsed to, if
         it was, and its place in the queue, if it took one: __call__ finds them in its scope (PARSED_CALL, QUEUED),
         does not parse the body again and waits in that place."""
-        ticket = None
+        ticket, gated = None, False
         if self.admission is not None:
+            gated = bool(self.admission.loop_lag.target_s)
             try:  # one of the share refused while the loop runs behind; else a slot, or a place in the queue (to
                 self.admission.check_loop()  # wait in on the app's path), or a refusal here at once
                 if (ticket := self.admission.enter_now(LIGHT)) is None:
@@ -182,8 +183,10 @@ class Express:
             pass
         finally:
             if ticket is not None:
-                ticket.leave()  # it never waited: its latency is not a slowdown, nor the unqueued latency of those
-                # that go the app's way (a thread, a batch) and were measured against it (the limit sat at its floor)
+                # With the loop's lag gate on, that bounds inline answers, and their latency moves no limit: they
+                # never waited, and searches on the app's way (a thread, a batch), measured against it, looked
+                # slowed (the limit sat at its floor). Without it, the limit their latency moves is their only bound.
+                ticket.leave(HOT_KINDS[True] if answered and not gated else None)
         if answered and self.sample and random.random() < self.sample:
             log_request({"client": None, "method": "POST", "path": f"/v1/collections/{claim.collection}/search",
                          "query_string": claim.query.encode("latin-1")}, 200, 0.0, sampled=True)
