@@ -61,8 +61,12 @@ def request(path: bytes, dim: int = 128) -> bytes:
 
 async def cost(path: bytes, n: int, runs: int) -> float:
     """Least CPU seconds per refusal of `path` over `runs` runs of `n` requests, every class full."""
-    app = create_app(Settings(data_dir=tempfile.mkdtemp(prefix="bench-refusal-"), max_inflight=4,
-                              inflight_latency_tolerance=0))
+    with tempfile.TemporaryDirectory(prefix="bench-refusal-") as data_dir:
+        return await _cost(path, n, runs, data_dir)
+
+
+async def _cost(path: bytes, n: int, runs: int, data_dir: str) -> float:
+    app = create_app(Settings(data_dir=data_dir, max_inflight=4, inflight_latency_tolerance=0))
     loop = asyncio.get_running_loop()
     for work in app.express.admission.classes.values():  # every slot taken, every queue full
         work.inflight = work.limit
