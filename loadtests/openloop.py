@@ -100,7 +100,6 @@ class Generator:
         self.out: list[Result] = []
         self.sent_count = 0  # requests dispatched, and ...
         self.done_count = 0  # ... those with an outcome
-        self.drained = self.loop.create_future()  # every dispatched request has an outcome
 
     async def open_connections(self, n: int) -> None:
         for _ in range(min(MAX_CONNECTIONS, n)):
@@ -112,6 +111,12 @@ class Generator:
         self.connections.add(connection)
         return connection
 
+    def start_clients(self) -> None:
+        """Closed loop: each open connection sends its client's first request (the next follows each answer)."""
+        idle, self.idle = self.idle, []
+        for connection in idle:
+            self._free(connection)
+
     def dispatch(self, i: int, due: float) -> None:
         """Request i, due at `due` (monotonic): sent now if a connection is free or can be opened, else queued."""
         self.sent_count += 1
@@ -122,8 +127,11 @@ class Generator:
             return
         self.waiting.append((i, due))
         if len(self.connections) + self.opening < MAX_CONNECTIONS:
-            self.opening += 1
-            self.loop.create_task(self._open_one())
+            self._open_another()
+
+    def _open_another(self) -> None:
+        self.opening += 1
+        self.loop.create_task(self._open_one())
 
     async def _open_one(self) -> None:
         try:
@@ -144,14 +152,17 @@ class Generator:
         (request, due, sent), connection.outstanding = connection.outstanding, None
         self._record(request, status, retry, due, sent)
         if connection.closed:
-            if connection.transport is not None:
-                connection.transport.close()
-            self.connections.discard(connection)
+            self._drop(connection)
             if self.waiting and not self.opening:  # those waiting for a connection need another
-                self.opening += 1
-                self.loop.create_task(self._open_one())
+                self._open_another()
             return
         self._free(connection)
+
+    def _drop(self, connection: Connection, abort: bool = False) -> None:
+        connection.closed = True
+        self.connections.discard(connection)
+        if connection.transport is not None:
+            connection.transport.abort() if abort else connection.transport.close()
 
     def _free(self, connection: Connection) -> None:
         """A connection free for the next request: the longest waiting, or the next of a closed loop's client."""
@@ -168,8 +179,6 @@ class Generator:
     def _record(self, request: Request, status: Any, retry: bool, due: float, sent: float) -> None:
         self.out.append((request.label, status, retry, time.monotonic() - due, sent - due, due - self.start))
         self.done_count += 1
-        if self.done_count == self.sent_count and not self.drained.done() and time.monotonic() >= self.stop:
-            self.drained.set_result(None)
 
     def expire(self) -> None:
         """Requests unanswered for ANSWER_TIMEOUT_S: a TimeoutError each, and their connection closed."""
@@ -178,10 +187,7 @@ class Generator:
             if connection.outstanding is not None and connection.outstanding[2] < limit:
                 (request, due, sent), connection.outstanding = connection.outstanding, None
                 self._record(request, "TimeoutError", False, due, sent)
-                connection.closed = True
-                self.connections.discard(connection)
-                if connection.transport is not None:
-                    connection.transport.abort()
+                self._drop(connection, abort=True)
 
     def close(self) -> None:
         for connection in self.connections:
@@ -198,9 +204,7 @@ async def _generate(port: int, requests: list[Request], rate: float, duration_s:
     await generator.open_connections(clients or 1 + int(rate / processes * PRE_OPEN_S))
     await asyncio.sleep(max(0.0, start - time.monotonic()))
     if clients:  # closed loop: each client's connection sends its next request when the last is answered
-        idle, generator.idle = generator.idle, []
-        for connection in idle:
-            generator._free(connection)
+        generator.start_clients()
     else:  # every request due by now goes out in this wake-up; then a sleep until the next is due
         i = index
         while (due := start + i / rate) < stop:
@@ -210,11 +214,9 @@ async def _generate(port: int, requests: list[Request], rate: float, duration_s:
             i += processes
     while time.monotonic() < stop:
         await asyncio.sleep(min(1.0, stop - time.monotonic()))
-    while generator.done_count < generator.sent_count:
-        try:
-            await asyncio.wait_for(asyncio.shield(generator.drained), 1.0)
-        except TimeoutError:
-            generator.expire()
+    while generator.done_count < generator.sent_count:  # the answers still on their way, or expired
+        await asyncio.sleep(0.05)
+        generator.expire()
     generator.close()
     return generator.out
 

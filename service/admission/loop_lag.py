@@ -75,13 +75,13 @@ class LoopLag:
         return True
 
     def _probe(self) -> None:
-        assert self._pair is not None
+        assert self._pair is not None and self._loop is not None
         self._timer = None
         self._sent = monotonic()
         try:
             self._pair[1].send(b"\0")
         except OSError:  # (full: cannot happen with one byte at a time outstanding) the next tick tries again
-            self._timer = self._loop.call_later(TICK_S, self._probe) if self._loop is not None else None
+            self._timer = self._loop.call_later(TICK_S, self._probe)
 
     def _read(self) -> None:
         assert self._pair is not None and self._loop is not None
