@@ -146,10 +146,27 @@ async def problem_reply(handlers: Handlers, app: Any, exc: Exception, scope: Sco
 
 def problem_reply_of(exc: ProblemError, path: str | None) -> Reply:
     """What the app's ProblemError handler answers (errors.problem_of), made without a Response: the refusals a
-    process under overload sends by the thousand."""
-    body = problem_json(exc.status, exc.slug, exc.title, exc.detail, instance=path, field=exc.field, **exc.extra)
-    return Reply(0, exc.status, body, [*((k.lower(), v) for k, v in exc.headers.items()),
-                                       ("content-type", PROBLEM_MEDIA_TYPE)])
+    process under overload sends by the thousand, each distinct one encoded once (a fresh Reply each time: the
+    engine process sets its id)."""
+    try:
+        key: tuple | None = (type(exc), exc.detail, exc.field, path, tuple(exc.headers.items()),
+                             tuple(exc.extra.items()))
+        made = _problems.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable extra (a list of errors): encoded each time
+        key, made = None, None
+    if made is None:
+        made = (problem_json(exc.status, exc.slug, exc.title, exc.detail, instance=path, field=exc.field, **exc.extra),
+                [*((k.lower(), v) for k, v in exc.headers.items()), ("content-type", PROBLEM_MEDIA_TYPE)])
+        if key is not None and len(made[0]) <= PROBLEM_KEPT_BYTES:
+            if len(_problems) >= PROBLEMS_KEPT:
+                _problems.clear()
+            _problems[key] = made
+    return Reply(0, exc.status, *made)
+
+
+PROBLEMS_KEPT = 256  # distinct problems encoded once (refusals differ by path and by the count in their detail) ...
+PROBLEM_KEPT_BYTES = 2048  # ... of at most this size
+_problems: dict[tuple, tuple[bytes, list[tuple[str, str]]]] = {}
 
 
 def reply_of(response: Response) -> Reply:

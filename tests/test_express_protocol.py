@@ -333,3 +333,23 @@ def test_an_app_response_of_declared_length_is_written_once_head_and_body_togeth
         assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 200") and transport.closed
 
     asyncio.run(scenario())
+
+
+def test_a_refusal_head_follows_the_server_date_and_the_reply_own_headers():
+    """Refusal heads are kept per status and headers (a process under overload writes the same few thousands of
+    times a second), but never past the server's Date: uvicorn replaces its default headers each second."""
+    from service.process.messages import Reply
+
+    first = [(b"date", b"Sat, 28 Nov 2026 01:00:00 GMT"), (b"server", b"uvicorn")]
+    second = [(b"date", b"Sat, 28 Nov 2026 01:00:01 GMT"), (b"server", b"uvicorn")]
+    problem = [("retry-after", "1"), ("content-type", "application/problem+json")]
+    one = Reply(0, 503, b"{}", problem)
+    two = Reply(0, 503, b"{}", [("retry-after", "2"), problem[1]])
+    head = express_protocol._refusal_head(first, one)
+    assert head.startswith(b"HTTP/1.1 503 ") and head.endswith(b"content-length: ")
+    assert b"date: Sat, 28 Nov 2026 01:00:00 GMT\r\n" in head and b"retry-after: 1\r\n" in head
+    assert express_protocol._refusal_head(first, one) == head
+    assert b"retry-after: 2\r\n" in express_protocol._refusal_head(first, two)
+    assert b"429 " in express_protocol._refusal_head(first, Reply(0, 429, b"{}", problem)).split(b"\r\n")[0]
+    later = express_protocol._refusal_head(second, one)
+    assert b"01:00:01 GMT\r\n" in later and b"01:00:00 GMT" not in later

@@ -215,11 +215,7 @@ class ExpressProtocol(CappedProtocol):
     def _refuse(self, reply: Reply) -> None:
         """A refusal (a problem, with its own headers, content type included) answered here, as _respond answers a
         search."""
-        head = b"".join([STATUS_LINE[reply.status],
-                         *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
-                         *(f"{name}: {value}\r\n".encode("latin-1") for name, value in reply.headers),
-                         b"content-length: "])
-        self._write(head, reply.body)
+        self._write(_refusal_head(self.server_state.default_headers, reply), reply.body)
 
     def _write(self, head: bytes, body: bytes) -> None:
         keep_alive = (self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
@@ -266,6 +262,8 @@ class OneWrite:
 
 
 _heads: tuple[object, bytes] = (None, b"")
+_refusal_heads: tuple[object, dict[tuple, bytes]] = (None, {})
+REFUSAL_HEADS_KEPT = 64  # distinct refusal heads kept per second (per Date)
 
 
 def _head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -277,4 +275,23 @@ def _head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
         lines = [STATUS_LINE[200], *(name + b": " + value + b"\r\n" for name, value in default_headers)]
         head = b"".join(lines) + b"content-type: application/json\r\ncontent-length: "
         _heads = (default_headers, head)
+    return head
+
+
+def _refusal_head(default_headers: list[tuple[bytes, bytes]], reply: Reply) -> bytes:
+    """A refusal's head up to its content length, kept per status and headers as _head keeps a 200's (a process
+    under overload writes the same few refusals thousands of times a second)."""
+    global _refusal_heads
+    source, heads = _refusal_heads
+    if source is not default_headers:
+        heads = {}
+        _refusal_heads = (default_headers, heads)
+    key = (reply.status, *reply.headers)
+    head = heads.get(key)
+    if head is None:
+        head = b"".join([
+            STATUS_LINE[reply.status], *(name + b": " + value + b"\r\n" for name, value in default_headers),
+            *(f"{name}: {value}\r\n".encode("latin-1") for name, value in reply.headers), b"content-length: "])
+        if len(heads) < REFUSAL_HEADS_KEPT:
+            heads[key] = head
     return head
