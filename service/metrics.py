@@ -90,7 +90,8 @@ class Metrics:
             registry=self.registry)
         self.shed_total = Counter(
             "switchyard_shed_total", "Requests refused by admission control, by engine and reason (queue_full, "
-            "queue_wait, deadline, deadline_running, quota, cooling_down; engine 'requests' for the request quota).",
+            "queue_wait, deadline, deadline_running, quota, cooling_down, inflight, loop_lag; throttled: by a front "
+            "process while its engine refused such calls; engine 'requests' for quotas and in-flight limits).",
             ["engine", "reason"], registry=self.registry)
         self.breaker_open = Gauge(
             "switchyard_engine_breaker_open", "1 while `auto` routes around an engine that kept failing.", ["engine"],
@@ -146,12 +147,13 @@ class Metrics:
         """One search answered inline by the HTTP protocol (express)."""
         self._in_protocol.add()
 
-    def shed(self, engine: str, reason: str) -> None:
-        """One request refused unrun (a process under overload counts thousands a second: a Tally, as admitted)."""
+    def shed(self, engine: str, reason: str, count: int = 1) -> None:
+        """`count` requests refused unrun (a process under overload counts thousands a second: a Tally, as
+        admitted)."""
         tally = self._shed_children.get((engine, reason))
         if tally is None:
             tally = self._shed_children[(engine, reason)] = self._tally(self.shed_total.labels(engine, reason))
-        tally.add()
+        tally.n += count
 
     def watch_gates(self, gates: Callable[[], dict[str, Any]], classes: Any = None, loop_lag: Any = None) -> None:
         """Report each engine gate's running and queued requests and limit, the process's in-flight limit

@@ -266,3 +266,47 @@ def test_a_front_answers_an_engine_side_failure_as_a_problem(tmp_path, monkeypat
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_a_front_refuses_itself_most_of_what_an_overloaded_engine_would_refuse(tmp_path):
+    """While the engine refuses searches as overloaded, the front refuses most of them itself (503 overloaded with
+    Retry-After, reason "throttled"), so the engine's core no longer pays for each refusal; upserts, which the
+    engine accepts, are never refused by the front."""
+    from service.admission.control import Shed
+    from service.pipeline import problem_reply_of
+
+    seen = {"search": 0, "upsert": 0, "throttled": 0}
+
+    async def overloaded(request: Request) -> Reply:
+        search = isinstance(request.call, SearchCall)
+        seen["search" if search else "upsert"] += 1
+        seen["throttled"] += request.throttled  # the front's own refusals, told to the engine with its next call
+        if search:
+            reply = problem_reply_of(Shed("no room", 1.0, reason="inflight", work_class="light"), "/x")
+        else:
+            reply = Reply(0, 200, b'{"upserted": 1}')
+        reply.id = request.id
+        return reply
+
+    async def go() -> None:
+        calls = tmp_path / "calls.sock"
+        server = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), overloaded))
+        await server.start()
+        front = Front(Settings(data_dir=tmp_path), ProcessLinks((EngineSockets(calls, tmp_path / "http.sock"),)))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://front") as client:
+                answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
+                           for _ in range(200)]
+                upserts = [await client.put("/v1/collections/c/points", json={"ids": [i], "vectors": [[1.0, 2.0]]})
+                           for i in range(50)]
+        finally:
+            await front.engines[0].close()
+            await server.stop()
+        assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in answers)
+        throttled = [assert_problem(r, 503, "overloaded") for r in answers if "throttled" in r.text]
+        assert len(throttled) == 200 - seen["search"] and all(p["reason"] == "throttled" for p in throttled)
+        assert seen["search"] < 50  # the engine saw a few of them, not all 200
+        assert [r.status_code for r in upserts] == [200] * 50 and seen["upsert"] == 50
+        assert seen["throttled"] == len(throttled)
+
+    asyncio.run(go())

@@ -282,9 +282,9 @@ class Admission:
             self.metrics.admitted(engine)
         return gate
 
-    def shed(self, engine: str, reason: str) -> None:
+    def shed(self, engine: str, reason: str, count: int = 1) -> None:
         if self.metrics is not None:
-            self.metrics.shed(engine, reason)
+            self.metrics.shed(engine, reason, count)
 
     # -- requests --------------------------------------------------------------------------------------
     def begin(self, deadline: float | None, principal: str | None) -> None:

@@ -23,19 +23,22 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.errors import problem_response
+from service.admission.control import Shed
+from service.errors import TYPE_PREFIX, problem_response
 from service.http import access_log
 from service.http.express import CLIENT_HEADER, Express, deadline_and_principal, problem_of
-from service.pipeline import reply_of
+from service.pipeline import is_search, problem_reply_of, reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
 from service.process.messages import Call, Reply, SearchCall
+from service.process.throttle import Throttle
 from service.settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer
 T = TypeVar("T")
 IN_FLIGHT = operator.attrgetter("in_flight")  # of an EngineProxy or an EngineClient
+OVERLOADED = f'"type":"{TYPE_PREFIX}{Shed.slug}"'.encode()  # in an engine's refusal of a call it had no room for
 
 
 class LeastBusy:
@@ -181,18 +184,32 @@ def _labelled(sample: str, label: str) -> str:
 
 class InEngineProcess:
     """Hot calls run in an engine process, sent over its link (service/process/link.py) to the engine with the
-    least in flight, which admits, runs and counts them (with the time spent here)."""
+    least in flight, which admits, runs and counts them (with the time spent here). While that engine refuses
+    calls of a kind as overloaded, the front refuses a share of them itself (service/process/throttle.py)."""
 
     def __init__(self, engines: list[EngineClient]) -> None:
         self.engines = engines
         self.pick = LeastBusy()
+        self.throttles = {(id(engine), search): Throttle() for engine in engines for search in (True, False)}
+        self.unreported = {id(engine): 0 for engine in engines}  # refused here, not yet told to the engine
 
     async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply:
         deadline, principal = deadline_and_principal()
+        engine = self.pick(self.engines, IN_FLIGHT)
+        throttle = self.throttles[(id(engine), is_search(call))]
+        if throttle.refuse():
+            self.unreported[id(engine)] += 1
+            return problem_reply_of(Shed(
+                f"the engine process refused {100 * throttle.share():.0f}% of these calls in the last seconds as "
+                "overloaded, and this front refused this one for it; it was not run", 1.0, reason="throttled"),
+                scope["path"])
+        throttled, self.unreported[id(engine)] = self.unreported[id(engine)], 0
         try:
-            reply = await self.pick(self.engines, IN_FLIGHT).call(call, deadline, principal, spent_s)
+            reply = await engine.call(call, deadline, principal, spent_s, throttled)
         except EngineGone as exc:
+            throttle.unanswered()
             return reply_of(_unavailable(scope, exc))
+        throttle.answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
         if not reply.body:  # the engine's handler itself failed (a bug): a 500 problem with an error id, logged here
             return problem_of(RuntimeError(f"the engine process's handler failed: {reply.value}"), scope)
         return reply

@@ -88,6 +88,7 @@ class Request(msgspec.Struct, array_like=True):
     deadline: float | None = None  # time.monotonic(): one clock for every process of a machine
     principal: str = ""  # who is charged for it, under quotas
     spent_s: float = 0.0  # the time the caller spent on it already, counted in the answer's latency
+    throttled: int = 0  # calls the front refused itself since its last request (service/process/throttle.py)
 
 
 class ShardAnswer(msgspec.Struct, tag="shard_answer", frozen=True):

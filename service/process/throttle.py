@@ -1,0 +1,66 @@
+"""A front process's own refusals while its engine process refuses: client-side adaptive throttling, as the Google
+SRE book describes it ("Handling Overload").
+
+Under overload most requests are refused, and a refusal made by the engine process costs its core what an answer
+would have had (docs/design/serving.md, "Refusals cost as little as the protocol can make them"). So each front
+keeps, per engine and kind of call, the calls it was asked to make and those the engine accepted (did not refuse as
+overloaded) over the last few seconds, and refuses a new call itself with probability max(0, (requests - K *
+accepted) / (requests + 1)): while the engine accepts everything, nothing; while it accepts only some, about K times
+what it accepts goes on (K > 1 leaves the engine room to show it can take more: what goes on then grows by about K
+per TAU_S) and the rest is refused by the front, on its own core. Counts decay exponentially (time constant TAU_S),
+so a front idle for a while starts afresh. The engine counts the front's refusals in its metrics (reason
+"throttled"), told with the front's next call.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from time import monotonic
+from typing import Callable
+
+K = 1.5  # calls sent on per call the engine accepts (the book's 2 lets the engine refuse as much as it answers)
+TAU_S = 1.0  # the counts' time constant: the throttle follows the engine within a few seconds
+
+
+class Throttle:
+    """One engine's acceptance of one kind of call, seen from a front (see the module's docstring)."""
+
+    __slots__ = ("requests", "accepted", "_at", "_clock", "_draw")
+
+    def __init__(self, clock: Callable[[], float] = monotonic, draw: Callable[[], float] = random.random) -> None:
+        self.requests = 0.0  # calls asked of the front, refused here or not ...
+        self.accepted = 0.0  # ... and those the engine accepted
+        self._clock, self._draw = clock, draw
+        self._at = clock()
+
+    def share(self) -> float:
+        """The share of new calls refused by the front now."""
+        self._decay()
+        return max(0.0, (self.requests - K * self.accepted) / (self.requests + 1.0))
+
+    def refuse(self) -> bool:
+        """Whether the call arriving now is refused here (each call counts as a request)."""
+        share = self.share()
+        self.requests += 1.0
+        return bool(share) and self._draw() < share
+
+    def answered(self, accepted: bool) -> None:
+        """The engine's answer to a call sent: accepted, or refused as overloaded."""
+        if accepted:
+            self._decay()
+            self.accepted += 1.0
+
+    def unanswered(self) -> None:
+        """A call sent that the engine never answered (it is gone, or restarting): not counted at all, or a front
+        would go on refusing for its own sake after the engine is back."""
+        self._decay()
+        self.requests = max(0.0, self.requests - 1.0)
+
+    def _decay(self) -> None:
+        now = self._clock()
+        if now > self._at:
+            keep = math.exp((self._at - now) / TAU_S)
+            self.requests *= keep
+            self.accepted *= keep
+            self._at = now
