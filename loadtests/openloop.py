@@ -257,7 +257,9 @@ def run(port: int, requests: list[Request], duration_s: float, rate: float = 0.0
         results += part
         cpu += seconds
         worker.join()
-    elapsed = duration_s  # the schedule's length: answers per second of it
+    # Answers per second from the schedule's start until the last answer came: a service that answers its backlog
+    # after the schedule ended made those answers then, not within it.
+    elapsed = max([duration_s, *(r[5] + r[3] for r in results)])
     summary = summarize(results, elapsed)
     summary.update(offered_per_s=rate or None, clients=clients * processes or None,
                    generator={"processes": processes, "cpu_share": round(cpu / elapsed, 2),

@@ -7,7 +7,8 @@ processes (loadtests/openloop.py).
 A fresh `switchyard serve` (its own defaults) with a 20,000 x 128 HNSW collection, a 50,000 x 64 one and SSB at
 scale factor 0.1. Per workload: the unloaded reference (one closed-loop client), the capacity (open-loop steps at
 doubling rates until answers per second stop growing by 5%), then open loop at `factor` x capacity. Reported: the
-admitted p99 over the unloaded p99 (the issue's bound: 3x), the answers per second while refusing over capacity
+admitted p99 over the unloaded p99 (the issue's bound: 3x), the answers per second while refusing (from the
+schedule's start until the last answer came) over capacity
 (bound: 0.9), the share refused and whether each refusal had Retry-After, and the generator's lateness and CPU.
 Workloads: k10 (k=10 searches), k100 (k=100, ef=800 searches), mix (90% k=10 searches, 10% SSB queries on DuckDB).
 Client and transport: pre-encoded JSON over keep-alive HTTP/1.1 on TCP loopback. Results: results_dir("overload").
