@@ -7,9 +7,11 @@ through. Checked against a numpy oracle, with errors, auth, concurrency, metrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 import numpy as np
@@ -242,6 +244,22 @@ def test_through_a_front_a_failure_is_a_problem_on_a_kept_connection(fronted):
         sock.close()
 
 
+@contextlib.asynccontextmanager
+async def front_before(folder: Path,
+                       handler: Callable[[Request], Awaitable[Reply]]) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of a Front (over ASGI) whose engine answers its hot calls with `handler` over a real link."""
+    calls = folder / "calls.sock"
+    server = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), handler))
+    await server.start()
+    front = Front(Settings(data_dir=folder), ProcessLinks((EngineSockets(calls, folder / "http.sock"),)))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://front") as client:
+            yield client
+    finally:
+        await front.engines[0].close()
+        await server.stop()
+
+
 def test_a_front_answers_an_engine_side_failure_as_a_problem(tmp_path, monkeypatch):
     """An engine whose handler raises, and a front whose own parse step raises: each a 500 problem with an error id
     (not 503 engine-unavailable, not the server's plain text)."""
@@ -249,21 +267,13 @@ def test_a_front_answers_an_engine_side_failure_as_a_problem(tmp_path, monkeypat
         raise RuntimeError("an engine bug")
 
     async def go() -> None:
-        calls = tmp_path / "calls.sock"
-        server = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), broken))
-        await server.start()
-        front = Front(Settings(data_dir=tmp_path), ProcessLinks((EngineSockets(calls, tmp_path / "http.sock"),)))
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://front") as client:
-                r = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
-                assert assert_problem(r, 500, "internal-error")["error_id"]
-                assert "engine bug" not in r.text
-                monkeypatch.setattr("service.http.express.parse_call", lambda *args: 1 / 0)
-                r = await client.put("/v1/collections/c/points", json={"ids": [1], "vectors": [[1.0, 2.0]]})
-                assert assert_problem(r, 500, "internal-error")["error_id"]
-        finally:
-            await front.engines[0].close()
-            await server.stop()
+        async with front_before(tmp_path, broken) as client:
+            r = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
+            assert assert_problem(r, 500, "internal-error")["error_id"]
+            assert "engine bug" not in r.text
+            monkeypatch.setattr("service.http.express.parse_call", lambda *args: 1 / 0)
+            r = await client.put("/v1/collections/c/points", json={"ids": [1], "vectors": [[1.0, 2.0]]})
+            assert assert_problem(r, 500, "internal-error")["error_id"]
 
     asyncio.run(go())
 
@@ -289,19 +299,10 @@ def test_a_front_refuses_itself_most_of_what_an_overloaded_engine_would_refuse(t
         return reply
 
     async def go() -> None:
-        calls = tmp_path / "calls.sock"
-        server = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), overloaded))
-        await server.start()
-        front = Front(Settings(data_dir=tmp_path), ProcessLinks((EngineSockets(calls, tmp_path / "http.sock"),)))
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(front), base_url="http://front") as client:
-                answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
-                           for _ in range(200)]
-                upserts = [await client.put("/v1/collections/c/points", json={"ids": [i], "vectors": [[1.0, 2.0]]})
-                           for i in range(50)]
-        finally:
-            await front.engines[0].close()
-            await server.stop()
+        async with front_before(tmp_path, overloaded) as client:
+            answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]}) for _ in range(200)]
+            upserts = [await client.put("/v1/collections/c/points", json={"ids": [i], "vectors": [[1.0, 2.0]]})
+                       for i in range(50)]
         assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in answers)
         throttled = [assert_problem(r, 503, "overloaded") for r in answers if "throttled" in r.text]
         assert len(throttled) == 200 - seen["search"] and all(p["reason"] == "throttled" for p in throttled)
