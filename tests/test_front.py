@@ -311,3 +311,43 @@ def test_a_front_refuses_itself_most_of_what_an_overloaded_engine_would_refuse(t
         assert seen["throttled"] == len(throttled)
 
     asyncio.run(go())
+
+
+def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counted_in_metrics(tmp_path):
+    """A real `serve` with one front and an engine of one light slot, searched by 32 clients at once: each answer is
+    200 or a 503 `overloaded` with Retry-After whose reason is the engine's (`inflight`) or the front's own
+    (`throttled`, when the engine refused enough of them: test_a_front_refuses_itself... makes sure it does), and
+    /metrics counts exactly the refusals the clients saw, of each reason."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {"SWITCHYARD_FRONTS": "1", "SWITCHYARD_MAX_INFLIGHT": "1", "SWITCHYARD_MIN_INFLIGHT": "1",
+           "SWITCHYARD_INFLIGHT_LATENCY_TOLERANCE": "0"}
+    with local_service(1, tmp_path / "data", tmp_path / "serve.log", env=env) as url:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.post("/v1/collections", json={"name": "busy", "dim": DIM}).status_code == 201
+            data = clustered(500, DIM, seed=3)
+            assert client.put("/v1/collections/busy/points", json={"ids": list(range(500)),
+                                                                   "vectors": data.tolist()}).status_code == 200
+
+            def searches(seed: int) -> list[httpx.Response]:
+                queries = np.random.default_rng(seed).random((60, DIM))
+                with httpx.Client(base_url=url, timeout=60) as own:
+                    return [own.post("/v1/collections/busy/search", json={"vector": q.tolist(), "k": 10})
+                            for q in queries]
+
+            with ThreadPoolExecutor(32) as pool:
+                answers = [r for part in pool.map(searches, range(32)) for r in part]
+            for _ in range(3):  # calls the engine accepts carry the front's last refusals to it
+                assert client.post("/v1/collections/busy/search", json={"vector": data[0].tolist()}).status_code == 200
+            metrics = client.get("/metrics").text
+    reasons: dict[str, int] = {}
+    for r in answers:
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            problem = assert_problem(r, 503, "overloaded")
+            assert r.headers["retry-after"] == "1" and problem["reason"] in ("inflight", "throttled"), problem
+            reasons[problem["reason"]] = reasons.get(problem["reason"], 0) + 1
+    counted = {reason: int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+               if line.startswith('switchyard_shed_total{engine="requests"')
+               for reason in ("inflight", "throttled") if f'reason="{reason}"' in line}
+    assert {reason: n for reason, n in counted.items() if n} == reasons
