@@ -78,7 +78,16 @@ def test_calls_an_absent_engine_never_answered_do_not_make_the_front_refuse(thro
     throttle, clock = throttled
     for _ in range(2000):
         clock.now += 0.001
-        assert not throttle.refuse()
-        throttle.unanswered()
+        assert not throttle.refuse()  # sent, and never answered
     assert throttle.share() == 0.0
     assert offer(throttle, clock, 4 * CAPACITY, 1.0, capacity=10 * CAPACITY)[1] == 4 * CAPACITY
+
+
+def test_a_burst_of_calls_sent_together_is_not_refused_while_none_has_been_answered(throttled):
+    """32 calls sent at once, before the first answer: calls in flight say nothing of the engine's acceptance."""
+    throttle, clock = throttled
+    assert not any(throttle.refuse() for _ in range(32))
+    for _ in range(32):
+        throttle.answered(True)
+    clock.now += 0.01
+    assert not any(throttle.refuse() for _ in range(32))

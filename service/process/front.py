@@ -39,6 +39,9 @@ FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every 
 T = TypeVar("T")
 IN_FLIGHT = operator.attrgetter("in_flight")  # of an EngineProxy or an EngineClient
 OVERLOADED = f'"type":"{TYPE_PREFIX}{Shed.slug}"'.encode()  # in an engine's refusal of a call it had no room for
+# The detail of a front's own refusal: one for all, so that the problem is encoded once (pipeline.problem_reply_of).
+THROTTLED = ("the engine process has been refusing most of these calls as overloaded, and this front refused this one "
+             "for it; it was not run")
 
 
 class LeastBusy:
@@ -190,24 +193,20 @@ class InEngineProcess:
     def __init__(self, engines: list[EngineClient]) -> None:
         self.engines = engines
         self.pick = LeastBusy()
-        self.throttles = {(id(engine), search): Throttle() for engine in engines for search in (True, False)}
-        self.unreported = {id(engine): 0 for engine in engines}  # refused here, not yet told to the engine
+        self.throttles = {(engine, search): Throttle() for engine in engines for search in (True, False)}
+        self.unreported = dict.fromkeys(engines, 0)  # calls refused here, not yet told to the engine
 
     async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply:
         deadline, principal = deadline_and_principal()
         engine = self.pick(self.engines, IN_FLIGHT)
-        throttle = self.throttles[(id(engine), is_search(call))]
+        throttle = self.throttles[(engine, is_search(call))]
         if throttle.refuse():
-            self.unreported[id(engine)] += 1
-            return problem_reply_of(Shed(
-                f"the engine process refused {100 * throttle.share():.0f}% of these calls in the last seconds as "
-                "overloaded, and this front refused this one for it; it was not run", 1.0, reason="throttled"),
-                scope["path"])
-        throttled, self.unreported[id(engine)] = self.unreported[id(engine)], 0
+            self.unreported[engine] += 1
+            return problem_reply_of(Shed(THROTTLED, 1.0, reason="throttled"), scope["path"])
+        throttled, self.unreported[engine] = self.unreported[engine], 0
         try:
             reply = await engine.call(call, deadline, principal, spent_s, throttled)
         except EngineGone as exc:
-            throttle.unanswered()
             return reply_of(_unavailable(scope, exc))
         throttle.answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
         if not reply.body:  # the engine's handler itself failed (a bug): a 500 problem with an error id, logged here

@@ -3,13 +3,13 @@ SRE book describes it ("Handling Overload").
 
 Under overload most requests are refused, and a refusal made by the engine process costs its core what an answer
 would have had (docs/design/serving.md, "Refusals cost as little as the protocol can make them"). So each front
-keeps, per engine and kind of call, the calls it was asked to make and those the engine accepted (did not refuse as
-overloaded) over the last few seconds, and refuses a new call itself with probability max(0, (requests - K *
-accepted) / (requests + 1)): while the engine accepts everything, nothing; while it accepts only some, about K times
-what it accepts goes on (K > 1 leaves the engine room to show it can take more: what goes on then grows by about K
-per TAU_S) and the rest is refused by the front, on its own core. Counts decay exponentially (time constant TAU_S),
-so a front idle for a while starts afresh. The engine counts the front's refusals in its metrics (reason
-"throttled"), told with the front's next call.
+keeps, per engine and kind of call, the requests it has an outcome for (refused here, or answered by the engine) and
+those the engine accepted (did not refuse as overloaded) over the last few seconds, and refuses a new call itself
+with probability max(0, (requests - K * accepted) / (requests + 1)): while the engine accepts everything, nothing;
+while it accepts only some, about K times what it accepts goes on (K > 1 leaves the engine room to show it can take
+more: what goes on then grows by about K per TAU_S) and the rest is refused by the front, on its own core. Counts
+decay exponentially (time constant TAU_S), so a front idle for a while starts afresh. The engine counts the front's
+refusals in its metrics (reason "throttled"), told with the front's next call.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Throttle:
     __slots__ = ("requests", "accepted", "_at", "_clock", "_draw")
 
     def __init__(self, clock: Callable[[], float] = monotonic, draw: Callable[[], float] = random.random) -> None:
-        self.requests = 0.0  # calls asked of the front, refused here or not ...
+        self.requests = 0.0  # calls refused here or answered by the engine ...
         self.accepted = 0.0  # ... and those the engine accepted
         self._clock, self._draw = clock, draw
         self._at = clock()
@@ -40,22 +40,22 @@ class Throttle:
         return max(0.0, (self.requests - K * self.accepted) / (self.requests + 1.0))
 
     def refuse(self) -> bool:
-        """Whether the call arriving now is refused here (each call counts as a request)."""
+        """Whether the call arriving now is refused here. A refused call counts as a request now; one sent on counts
+        once the engine answers it (answered): counted while in flight, a burst of calls sent together would look
+        unaccepted and the front would refuse the burst's tail. A call the engine never answers (it is gone) never
+        counts, or the front would go on refusing for its own sake once the engine is back."""
         share = self.share()
-        self.requests += 1.0
-        return bool(share) and self._draw() < share
+        if share and self._draw() < share:
+            self.requests += 1.0
+            return True
+        return False
 
     def answered(self, accepted: bool) -> None:
         """The engine's answer to a call sent: accepted, or refused as overloaded."""
-        if accepted:
-            self._decay()
-            self.accepted += 1.0
-
-    def unanswered(self) -> None:
-        """A call sent that the engine never answered (it is gone, or restarting): not counted at all, or a front
-        would go on refusing for its own sake after the engine is back."""
         self._decay()
-        self.requests = max(0.0, self.requests - 1.0)
+        self.requests += 1.0
+        if accepted:
+            self.accepted += 1.0
 
     def _decay(self) -> None:
         now = self._clock()
