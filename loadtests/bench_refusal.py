@@ -36,6 +36,7 @@ from uvicorn.server import ServerState  # noqa: E402
 
 from loadtests import openloop  # noqa: E402
 from loadtests.overload import searches  # noqa: E402
+from service.errors import problem_json  # noqa: E402
 from service.http.app import create_app  # noqa: E402
 from service.http.express_protocol import ExpressProtocol  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -103,8 +104,8 @@ async def _cost(path: bytes, n: int, runs: int, data_dir: str) -> float:
     return best
 
 
-FLOOR_BODY = (b'{"type":"urn:switchyard:problem:overloaded","title":"Overloaded","status":503,"detail":"the service is '
-              b'serving 4 light requests, the limit of that work class; this one was not run","retry_after_s":1}')
+FLOOR_BODY = problem_json(503, "overloaded", "Overloaded", "the service is serving 4 light requests, the limit of "
+                          "that work class; this one was not run", retry_after_s=1)
 FLOOR_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\ndate: Sat, 28 Nov 2026 00:00:00 GMT\r\nserver: uvicorn\r\n"
                b"retry-after: 1\r\ncontent-type: application/problem+json\r\ncontent-length: %d\r\n\r\n"
                % len(FLOOR_BODY)) + FLOOR_BODY

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import assert_problem, raw_socket, read_response
 from loadtests.processes import local_service
@@ -347,7 +348,7 @@ def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counte
             problem = assert_problem(r, 503, "overloaded")
             assert r.headers["retry-after"] == "1" and problem["reason"] in ("inflight", "throttled"), problem
             reasons[problem["reason"]] = reasons.get(problem["reason"], 0) + 1
-    counted = {reason: int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
-               if line.startswith('switchyard_shed_total{engine="requests"')
-               for reason in ("inflight", "throttled") if f'reason="{reason}"' in line}
+    counted = {s.labels["reason"]: int(s.value) for family in text_string_to_metric_families(metrics)
+               if family.name == "switchyard_shed" for s in family.samples
+               if s.name == "switchyard_shed_total" and s.labels["engine"] == "requests"}
     assert {reason: n for reason, n in counted.items() if n} == reasons
