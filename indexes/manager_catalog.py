@@ -47,6 +47,7 @@ class Catalog(Builds):
         if self.resident_kind is not None and c.id not in self.by_id:
             r = self._new_replica(c)
             r.loaded, r.fresh_as_of = True, time.monotonic()  # nothing can have been written to it yet
+            r.settled.set()
             self._register(r)
         return c
 
@@ -166,6 +167,12 @@ class Catalog(Builds):
     async def start(self) -> None:
         await self.follower.start()  # listening before loading: nothing committed meanwhile is missed
         self.loading = asyncio.create_task(self._load_all())
+        self.loading.add_done_callback(self._loaded_all)
+
+    def _loaded_all(self, loading: asyncio.Task) -> None:
+        """Then the collections created while it loaded: a catalog event meanwhile was left to the initial load."""
+        if not loading.cancelled():
+            self._sync_catalog()
 
     async def stop(self) -> None:
         await self.follower.stop()
@@ -186,7 +193,6 @@ class Catalog(Builds):
             self._register(self._new_replica(c))
         for r in list(self.resident.values()):
             await self._load_one(r)
-        self._sync_catalog()  # collections created while this process loaded
 
     async def _load_one(self, r: Replica) -> None:
         try:
@@ -203,6 +209,21 @@ class Catalog(Builds):
         except Exception as exc:  # noqa: BLE001 - one broken collection must not stop the others
             log.exception("loading collection %s failed; pgvector serves it", r.collection.name)
             r.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            r.settled.set()
+
+    async def wait_loaded(self, name: str, timeout_s: float) -> bool:
+        """Whether this process's replica of the collection is loaded, after waiting up to timeout_s for a load in
+        progress (a collection another process created a moment ago)."""
+        r = self.resident.get(name)
+        if r is None:
+            return False
+        if not r.settled.is_set():
+            try:
+                await asyncio.wait_for(r.settled.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return r.loaded
 
     async def _load(self, r: Replica) -> None:
         c = r.collection

@@ -50,6 +50,7 @@ class Replica:
     on_followed: Callable[["Replica", int], None] = lambda replica, rows: None
     loaded: bool = False
     error: str | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set once loaded, or its load failed
     loaded_from: str | None = None  # "snapshot" (+ catch-up) or "postgres" (rebuilt), said by GET collection
     saved: tuple | None = None  # (watermark, digest, index type) of the last snapshot written
     layout_seq: int = 0  # the seq of the rows its index was last built over, loaded or adopted at

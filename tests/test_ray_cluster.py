@@ -173,9 +173,22 @@ def test_sharded_hnsw_keeps_its_recall(service):
         assert hits / truth.size >= 0.9
 
 
-def _replicas_ready(http: httpx.Client) -> bool:
+def _unready_replicas(http: httpx.Client) -> list[dict]:
+    """The shard replicas that do not report ready, as /v1/engines describes them."""
     shards = http.get("/v1/engines").json()["shards"]
-    return all(r.get("ready") for s in shards for r in s["replicas"])
+    return [{"shard": s["shard"], **r} for s in shards for r in s["replicas"] if not r.get("ready")]
+
+
+def _actor_states() -> dict[str, str] | str:
+    """What Ray's GCS says of each named actor (ALIVE, RESTARTING, ...), for a failure's message: whether a replica
+    that is not back is still being restarted by Ray or is up and not loading. (The state API needs the dashboard,
+    which the test cluster does without; this reads the GCS table through Ray's private helper.)"""
+    try:
+        from ray._private.state import actors
+
+        return {a["Name"]: a["State"] for a in actors().values() if a.get("Name")}
+    except Exception as exc:  # noqa: BLE001 - only a diagnostic
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ray_address):
@@ -246,8 +259,8 @@ def test_killing_replicas_during_traffic_loses_no_acknowledged_write(service, ra
     try:
         with httpx.Client(base_url=service.url, timeout=60) as http:
             deadline = time.monotonic() + 120
-            while not _replicas_ready(http):  # every replica back from the churn (each in its reserved bundle)
-                assert time.monotonic() < deadline, "replicas did not come back"
+            while unready := _unready_replicas(http):  # every replica back from the churn (in its reserved bundle)
+                assert time.monotonic() < deadline, f"replicas did not come back: {unready}, Ray: {_actor_states()}"
                 time.sleep(0.5)
             # One SIGKILL (not ray.kill) of one replica's process, traffic still running: back within 30 s.
             back_s = _sigkill_and_wait_back(http, "shards", 1, 0)

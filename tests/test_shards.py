@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import run
-from indexes.errors import InvalidInput, ShardUnavailable
+from indexes.errors import EngineUnavailable, InvalidInput, ShardUnavailable
 from indexes.manager import CollectionManager
 from indexes.resident import Changes, SearchResult
 from indexes.shards import Shard, merge_results, shard_of
@@ -194,3 +194,64 @@ async def _scenario(dsn: str, data_dir: Path) -> None:
 
 def test_an_ingress_over_two_shards_of_two_replicas_answers_as_one_process(database_url, tmp_path):
     run(_scenario(database_url, tmp_path / "data"))
+
+
+async def _a_new_collection_loads_on_its_own(dsn: str, data_dir: Path) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_migrations(conn)
+    finally:
+        await conn.close()
+    pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
+    writer = CollectionManager(pool, data_dir / "writer", dsn=dsn, guard=Admission(Settings(data_dir=data_dir)))
+    from indexes.faiss_index import FaissBackend
+    writer.attach("cpu", FaissBackend())
+    await writer.start()
+    host = ShardHost(dsn, str(data_dir), 0, 1, 0, {"shard_call_timeout_s": 0.5})
+    rng = np.random.default_rng(11)
+    ids = np.arange(1, 51, dtype=np.int64)
+
+    async def collection(name: str) -> tuple[np.ndarray, int]:
+        await writer.create(name, 4, "l2", "brute_force", None, {"type": "none"})
+        vectors = rng.standard_normal((50, 4)).astype(np.float32)
+        return vectors, await writer.upsert(name, Points(ids, vectors, encode_payloads([{}] * 50, 50)))
+
+    try:
+        older, _ = await collection("older")
+        await host.start()
+        while not host.ready():  # what it held at its start is loaded
+            await asyncio.sleep(0.05)
+        assert host.vectors is not None
+        gate, load = asyncio.Event(), host.vectors._load
+
+        async def held(r: Any) -> None:  # the new collection's load waits for the gate
+            if r.collection.name == "newer":
+                await gate.wait()
+            await load(r)
+
+        host.vectors._load = held  # type: ignore[method-assign]
+        newer, seq = await collection("newer")
+        while "newer" not in host.vectors.resident:
+            await host.vectors.sync_catalog_now()
+        # Loading the new collection, the host stays ready, and the older one is served.
+        assert host.ready()
+        old, _ = await host.search("older", older[3:4], 1, None, None, "strong", None, None)
+        assert old.ids == [[4]]
+        # A search of the one loading waits for its load, as long as the ingress waits for a call (0.5 s) ...
+        with pytest.raises(EngineUnavailable, match="still loading"):
+            await host.search("newer", newer[7:8], 1, None, None, "strong", None, None)
+        # ... and is answered once the load is over.
+        waiting = asyncio.ensure_future(host.search("newer", newer[7:8], 1, None, None, "session", seq, None))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        gate.set()
+        new, _ = await waiting
+        assert new.ids == [[8]]
+    finally:
+        await host.stop()
+        await writer.stop()
+        await pool.close()
+
+
+def test_a_host_serves_while_a_new_collection_loads_and_searches_of_it_wait_for_the_load(database_url, tmp_path):
+    run(_a_new_collection_loads_on_its_own(database_url, tmp_path / "data"))

@@ -38,7 +38,8 @@ log = logging.getLogger("switchyard.cluster")
 SHARD_SETTINGS = ("batch_max", "batch_window_ms", "inline_search_us", "inline_turn_us", "consistency",
                   "bounded_staleness_ms", "consistency_timeout_ms", "replication_poll_ms", "rebuild_dead_fraction",
                   "rebuild_delta_rows", "db_command_timeout_s", "db_acquire_timeout_s", "cpu_threads", "huge_pages",
-                  "gpu", "gpu_build_process", "admission", "breaker_failures", "breaker_cooldown_s", "duckdb_memory_mb")
+                  "gpu", "gpu_build_process", "admission", "breaker_failures", "breaker_cooldown_s", "duckdb_memory_mb",
+                  "shard_call_timeout_s")
 
 
 def ray_module() -> Any:

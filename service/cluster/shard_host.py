@@ -100,7 +100,9 @@ class ShardHost:
                 "ready": self.ready(), "data": self.data_address, "started_at": self.started_at}
 
     def ready(self) -> bool:
-        return self.vectors is not None and self.vectors.ready
+        """Started, and every collection it held at its start loaded. A collection created since loads on its own:
+        calls for it wait for that load (_knows) while the others are served."""
+        return self.vectors is not None and self.vectors.loading is not None and self.vectors.loading.done()
 
     def _manager(self) -> CollectionManager:
         self._kick()
@@ -154,13 +156,20 @@ class ShardHost:
         return out
 
     async def _knows(self, name: str) -> None:
-        """A collection created a moment ago may not have reached this host's catalog yet: read it now."""
+        """Return once this host's replica of the collection is loaded. One created a moment ago may not have
+        reached the host's catalog yet (read now), or may still be loading: waited for as long as the ingress waits
+        for a call, then EngineUnavailable (the ingress asks another replica)."""
         vectors = self.vectors
         assert vectors is not None
         if name not in vectors.resident:
             await vectors.sync_catalog_now()
-            if name not in vectors.resident:
-                raise CollectionNotFound(f"no collection named {name!r}", field="collection")
+        if name in vectors.resident and await vectors.wait_loaded(name, self.settings.cluster.shard_call_timeout_s):
+            return
+        r = vectors.resident.get(name)
+        if r is None:  # unknown, or dropped while it loaded
+            raise CollectionNotFound(f"no collection named {name!r}", field="collection")
+        why = f"could not load it ({r.error})" if r.error else "is still loading it"
+        raise EngineUnavailable(f"shard {self.shard} replica {self.replica} {why}", field="engine")
 
 
 async def _replied(request: Request, answer: Awaitable[Any]) -> Reply:
