@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
 import uvloop
 
 from service.admission.control import Admission, Shed
-from service.admission.loop_lag import DECREASE, INCREASE, MAX_SHARE, TICK_S, LoopLag
+from service.admission.loop_lag import BURST_S, DECREASE, INCREASE, MAX_SHARE, TICK_S, WINDOW, LoopLag
 from service.settings import Settings
 
 
@@ -20,8 +21,10 @@ def test_one_slow_turn_moves_nothing_a_standing_lag_cuts_what_is_admitted_and_it
     assert lag.share == 0 and lag.lag_s == 0
     for _ in range(10):
         lag.observe(0.010)  # ten times the target, standing from the third sample on
-    # each such sample stands for 1 + 0.010 / TICK_S ticks, each cutting the admitted share by DECREASE at most
-    assert lag.lag_s == 0.010 and lag.share == pytest.approx(1 - DECREASE ** (8 * (1 + 0.010 / TICK_S)))
+    # each such sample stands for 1 + 0.010 / TICK_S ticks; those past the burst allowance cut the admitted share
+    # by DECREASE at most per tick
+    past_burst = 8 - math.ceil(BURST_S / (TICK_S + 0.010))
+    assert lag.lag_s == 0.010 and lag.share == pytest.approx(1 - DECREASE ** (past_burst * (1 + 0.010 / TICK_S)))
     behind = lag.share
     for _ in range(10):  # on time again: the admitted share grows by INCREASE per sample
         lag.observe(0.0)
@@ -37,6 +40,20 @@ def test_a_backlog_seconds_long_is_refused_at_once():
     for _ in range(3):
         lag.observe(0.5)
     assert lag.share == MAX_SHARE
+
+
+def test_a_burst_the_loop_drains_within_the_allowance_refuses_nothing_and_renews_it():
+    lag = LoopLag(0.002)
+    for _ in range(3):
+        for _ in range(int(BURST_S / (TICK_S + 0.01)) - 1):  # behind by 10 ms, for less than the allowance
+            lag.observe(0.010)
+        assert lag.lag_s == 0.010 and lag.share == 0 and not lag.refuse_next()
+        for _ in range(3):  # caught up: the whole allowance again for the next burst
+            lag.observe(0.0)
+    # a backlog that outlasts it is cut (it stands from the WINDOW-th sample on)
+    for _ in range(WINDOW - 1 + math.ceil(BURST_S / (TICK_S + 0.01)) + 1):
+        lag.observe(0.010)
+    assert lag.share > 0 and any(lag.refuse_next() for _ in range(10))
 
 
 def test_without_a_target_the_lag_is_measured_and_nothing_refused():

@@ -6,10 +6,11 @@ limits of service/admission/pressure.py never see the loop full: past the loop's
 socket buffers, where nothing counts them. What shows that backlog is how long readable data waits for the loop, so
 a probe measures exactly that: every TICK_S a byte goes into a socket pair whose reading end the loop watches beside
 the clients' sockets, and the time until the loop reads it is one sample; the least of the last WINDOW (a standing
-backlog, not one slow turn: a garbage collection, a scrape) is the lag (switchyard_event_loop_lag_seconds). While it
-exceeds SWITCHYARD_LOOP_LAG_TARGET_MS the share admitted is cut in proportion, for every tick the sample stands for;
-while it does not, the share grows back a little per sample (AIMD). Off by default: it refused bursts that were no
-overload. Why and what it measured: docs/design/serving.md, "The event loop's own backlog".
+backlog, not one slow turn: a garbage collection, a scrape) is the lag (switchyard_event_loop_lag_seconds). Once it
+has exceeded SWITCHYARD_LOOP_LAG_TARGET_MS for BURST_S (PIE's burst allowance: a burst the loop drains within that
+is no overload), the share admitted is cut in proportion, for every tick each sample stands for; while it does not
+exceed it, the share grows back a little per sample (AIMD). Why and what it measured: docs/design/serving.md, "The
+event loop's own backlog".
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ DECREASE = 0.9  # behind: the admitted share times target / lag per tick, but at
 # held 0.7 refused at 2x capacity with a fifth of the core idle)
 INCREASE = 0.01  # on time: the admitted share plus this, per sample
 MAX_SHARE = 0.99  # a share of requests always goes through: their latency keeps telling the backlog
+BURST_S = 0.1  # how long the lag may stand above the target before any request is refused (RFC 8033: 150 ms)
 
 
 class LoopLag:
@@ -37,6 +39,7 @@ class LoopLag:
         self.lag_s = 0.0  # the standing lag of the last samples
         self._samples: deque[float] = deque(maxlen=WINDOW)
         self._credit = 0.0  # refusals owed: share added per request, one refused per whole unit
+        self._burst_left = BURST_S  # of the burst allowance: renewed while the loop keeps up, used while behind
         self._sent = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pair: tuple[socket.socket, socket.socket] | None = None
@@ -98,6 +101,12 @@ class LoopLag:
         self._samples.append(lag_s)
         self.lag_s = min(self._samples)
         if self.target_s <= 0:
+            return
+        if not self.share and self.lag_s <= self.target_s / 2:  # keeping up, nothing refused: a burst may come
+            self._burst_left = BURST_S
+        elif self._burst_left > 0 and self.lag_s > self.target_s:  # a burst, or an overload's onset: the time
+            # this sample stands for is taken from the allowance
+            self._burst_left -= TICK_S + lag_s
             return
         admitted = 1.0 - self.share
         if self.lag_s > self.target_s:  # behind: admit less, in proportion, for each tick this sample stands for
