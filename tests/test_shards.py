@@ -97,12 +97,16 @@ def local_shards(hosts: list[list[ShardHost]], off: set[tuple[int, int]], calls:
     return ShardSet(hosts, call, call_timeout_s=10)
 
 
-async def _scenario(dsn: str, data_dir: Path) -> None:
+async def _migrated(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         await apply_migrations(conn)
     finally:
         await conn.close()
+
+
+async def _scenario(dsn: str, data_dir: Path) -> None:
+    await _migrated(dsn)
     settings = Settings(database_url=dsn, data_dir=data_dir)
     hosts = [[ShardHost(dsn, str(data_dir), s, 2, r) for r in range(2)] for s in range(2)]
     off: set[tuple[int, int]] = set()
@@ -197,11 +201,7 @@ def test_an_ingress_over_two_shards_of_two_replicas_answers_as_one_process(datab
 
 
 async def _a_new_collection_loads_on_its_own(dsn: str, data_dir: Path) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_migrations(conn)
-    finally:
-        await conn.close()
+    await _migrated(dsn)
     pool = await open_pool(dsn, min_size=1, max_size=4, command_timeout=60)
     writer = CollectionManager(pool, data_dir / "writer", dsn=dsn, guard=Admission(Settings(data_dir=data_dir)))
     from indexes.faiss_index import FaissBackend
