@@ -180,13 +180,15 @@ def _unready_replicas(http: httpx.Client) -> list[dict]:
 
 
 def _actor_states() -> dict[str, str] | str:
-    """What Ray's GCS says of each named actor (ALIVE, RESTARTING, ...), for a failure's message: whether a replica
+    """What Ray's GCS says of each named actor (ALIVE, RESTARTING, ..., and its restarts), for a failure's message:
+    whether a replica
     that is not back is still being restarted by Ray or is up and not loading. (The state API needs the dashboard,
     which the test cluster does without; this reads the GCS table through Ray's private helper.)"""
     try:
         from ray._private.state import actors
 
-        return {a["Name"]: a["State"] for a in actors().values() if a.get("Name")}
+        return {a["Name"]: f"{a['State']} after {a['NumRestarts']} restarts" for a in actors().values()
+                if a.get("Name")}
     except Exception as exc:  # noqa: BLE001 - only a diagnostic
         return f"unknown ({type(exc).__name__}: {exc})"
 
