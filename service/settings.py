@@ -205,7 +205,7 @@ class AdmissionSettings(Group):
                                 description="The least the adaptive in-flight limit of light work goes down to "
                                 "(default: the cores, at least 2; the other classes' floors are the same shares of "
                                 "it as their limits).")
-    loop_lag_target_ms: float = setting(0.0, ge=0, le=1000, description=(
+    loop_lag_target_ms: float = setting(2.0, ge=0, le=1000, description=(
         "If set, the most readable requests may wait for the event loop, standing: once the lag has stood past it "
         "for 100 ms (a burst the loop drains sooner is no overload), a growing share of new /v1 requests is refused "
         "(503) at the least cost until the loop keeps up again, and inline answers no longer "

@@ -148,7 +148,7 @@ def test_with_the_loop_gate_inline_answers_neither_move_the_limit_nor_pass_a_loo
     assert len(answers) == 42 and [r.status for r in refusals] == [503, 503]
     assert b'"reason":"loop_lag"' in refusals[0].body.replace(b" ", b"") and light.inflight == 0
     # Without the gate, the light limit is their only bound: their latency moves it.
-    settings = Settings(data_dir=tmp_path, max_inflight=4)
+    settings = Settings(data_dir=tmp_path, max_inflight=4, loop_lag_target_ms=0)
     admission = Admission(settings)
     app = Express(app=None, settings=settings, runner=SlowInline(0.0), admission=admission,  # type: ignore[arg-type]
                   inline=True)

@@ -130,7 +130,8 @@ def test_a_scrape_makes_its_text_off_the_event_loop_and_reads_admission_on_it(cl
     assert 'switchyard_http_requests_total{method="GET",route="/v1/engines",status="200"} 1.0' in text
     assert re.search(r'^switchyard_inflight_limit\{work="light"\} \d', text, re.M)
     assert re.search(r'^switchyard_event_loop_lag_seconds \d', text, re.M)
-    assert "switchyard_event_loop_refused_share" not in text  # no target (the default): nothing refused by it
+    # the gate's share refused (on by default): none while the loop keeps up
+    assert re.search(r'^switchyard_event_loop_refused_share 0\.0$', text, re.M)
 
 
 def test_engine_call_metrics_record_outcome_and_latency(client):
