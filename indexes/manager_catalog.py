@@ -4,6 +4,7 @@ snapshot or PostgreSQL) and kept in step with the catalog other processes change
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -218,11 +219,8 @@ class Catalog(Builds):
         r = self.resident.get(name)
         if r is None:
             return False
-        if not r.settled.is_set():
-            try:
-                await asyncio.wait_for(r.settled.wait(), timeout_s)
-            except TimeoutError:
-                pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(r.settled.wait(), timeout_s)
         return r.loaded
 
     async def _load(self, r: Replica) -> None:
