@@ -91,3 +91,13 @@ def test_a_burst_of_calls_sent_together_is_not_refused_while_none_has_been_answe
         throttle.answered(True)
     clock.now += 0.01
     assert not any(throttle.refuse() for _ in range(32))
+
+
+def test_refusing_says_whether_any_share_is_refused_without_decaying(throttled):
+    throttle, clock = throttled
+    assert not throttle.refusing()
+    offer(throttle, clock, 4 * CAPACITY, 3.0, CAPACITY)
+    assert throttle.refusing() and throttle.share() > 0
+    offer(throttle, clock, 4 * CAPACITY, 8 * TAU_S, capacity=10 * CAPACITY)
+    clock.now += 3 * TAU_S
+    assert throttle.refusing() == (throttle.share() > 0)

@@ -50,7 +50,8 @@ INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: 
 INLINE_MIN_DEADLINE_S = 1.0
 PARSED_CALL = "switchyard.parsed_call"  # the scope key of a search answer_inline parsed but left unanswered ...
 QUEUED = "switchyard.queued"  # ... and of the place in the queue it took for it
-SCREENED = "switchyard.screened"  # a request the protocol let through Express.refusal (counted by the loop's share)
+SCREENED = "switchyard.screened"  # a request the protocol let through Express.refusal, drawn for there already (the
+# loop's share; a front's throttle)
 
 
 class Headers(NamedTuple):

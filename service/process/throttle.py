@@ -39,6 +39,10 @@ class Throttle:
         self._decay()
         return max(0.0, (self.requests - K * self.accepted) / (self.requests + 1.0))
 
+    def refusing(self) -> bool:
+        """Whether any share is refused now: decay scales both counts alike, so this needs none."""
+        return self.requests > K * self.accepted
+
     def refuse(self) -> bool:
         """Whether the call arriving now is refused here. A refused call counts as a request now; one sent on counts
         once the engine answers it (answered): counted while in flight, a burst of calls sent together would look
