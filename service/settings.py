@@ -208,8 +208,9 @@ class AdmissionSettings(Group):
     loop_lag_target_ms: float = setting(2.0, ge=0, le=1000, description=(
         "If set, the most readable requests may wait for the event loop, standing: once the lag has stood past it "
         "for 100 ms (a burst the loop drains sooner is no overload), a growing share of new /v1 requests is refused "
-        "(503) at the least cost until the loop keeps up again, and inline answers no longer "
-        "move the in-flight limit (0: off; the lag is measured all the same, switchyard_event_loop_lag_seconds; "
+        "(503) at the least cost until the loop keeps up again (in the engine and in each front process), and "
+        "inline answers no longer move the in-flight limit (0: off; the lag is measured all the same, "
+        "switchyard_event_loop_lag_seconds; "
         "docs/design/serving.md)."))
     queue_wait_ms: float = setting(250.0, ge=0, le=60_000, description=(
         "The most a request waits in an engine's queue, or in its work class's queue for an in-flight slot (there "

@@ -291,7 +291,7 @@ def test_a_front_refuses_itself_most_of_what_an_overloaded_engine_would_refuse(t
     async def overloaded(request: Request) -> Reply:
         search = isinstance(request.call, SearchCall)
         seen["search" if search else "upsert"] += 1
-        seen["throttled"] += request.throttled  # the front's own refusals, told to the engine with its next call
+        seen["throttled"] += request.refused.get("throttled", 0)  # told with the next call
         if search:
             reply = problem_reply_of(Shed("no room", 1.0, reason="inflight", work_class="light"), "/x")
         else:
@@ -314,14 +314,43 @@ def test_a_front_refuses_itself_most_of_what_an_overloaded_engine_would_refuse(t
     asyncio.run(go())
 
 
+@contextlib.asynccontextmanager
+async def front_over_tcp(folder: Path, handler: Callable[[Request], Awaitable[Reply]],
+                         **settings: object) -> AsyncIterator[tuple[Front, httpx.AsyncClient]]:
+    """A Front served by uvicorn with the express protocol on a TCP port (its lifespan off: nothing started),
+    whose engine answers its hot calls with `handler` over a real link, and a keep-alive client holding the key."""
+    import uvicorn
+
+    from service.http.express_protocol import ExpressProtocol
+
+    calls = folder / "calls.sock"
+    engine = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), handler))
+    await engine.start()
+    front = Front(Settings(data_dir=folder, api_key=KEY, **settings),  # type: ignore[arg-type]
+                  ProcessLinks((EngineSockets(calls, folder / "http.sock"),)))
+    server = uvicorn.Server(uvicorn.Config(front, host="127.0.0.1", port=0, http=ExpressProtocol, lifespan="off",
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=AUTH) as client:
+            yield front, client
+    finally:
+        server.should_exit = True
+        await serving
+        await front.engines[0].close()
+        await engine.stop()
+
+
 def test_over_tcp_a_front_refuses_from_the_headers_and_never_runs_what_it_refuses(tmp_path, monkeypatch):
     """Through the express protocol, the throttle refuses a search from its headers, once its body is read: the
     app's way (an ASGI cycle, the JSON parsed, InEngineProcess.run) costs the front about eight times the CPU and is
     taken only by the searches sent on, which are not drawn for again there. A client without the key still gets
     401 from the app, however much the front refuses."""
-    import uvicorn
-
-    from service.http.express_protocol import ExpressProtocol
+    from service.admission.control import Shed
+    from service.pipeline import problem_reply_of
     from service.process.front import InEngineProcess
 
     seen = {"search": 0, "throttled": 0, "runs": 0}
@@ -334,55 +363,72 @@ def test_over_tcp_a_front_refuses_from_the_headers_and_never_runs_what_it_refuse
     monkeypatch.setattr(InEngineProcess, "run", counted_run)
 
     async def overloaded(request: Request) -> Reply:
-        from service.admission.control import Shed
-        from service.pipeline import problem_reply_of
-
         seen["search"] += 1
-        seen["throttled"] += request.throttled
+        seen["throttled"] += request.refused.get("throttled", 0)
         reply = problem_reply_of(Shed("no room", 1.0, reason="inflight", work_class="light"), "/x")
         reply.id = request.id
         return reply
 
     async def go() -> None:
-        calls = tmp_path / "calls.sock"
-        engine = EngineServer(calls, dict.fromkeys((SearchCall, UpsertCall, UnparsedCall), overloaded))
-        await engine.start()
-        front = Front(Settings(data_dir=tmp_path, api_key=KEY),
-                      ProcessLinks((EngineSockets(calls, tmp_path / "http.sock"),)))
-        server = uvicorn.Server(uvicorn.Config(front, host="127.0.0.1", port=0, http=ExpressProtocol,
-                                               lifespan="off", log_level="warning"))
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=AUTH) as client:
-                answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
-                           for _ in range(200)]
-                keyless = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]},
-                                            headers={"Authorization": ""})
-                for _ in range(3):  # the front's last refusals reach the engine with a call it sends on
-                    await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
-        finally:
-            server.should_exit = True
-            await serving
-            await front.engines[0].close()
-            await engine.stop()
+        async with front_over_tcp(tmp_path, overloaded) as (front, client):
+            answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
+                       for _ in range(200)]
+            keyless = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]},
+                                        headers={"Authorization": ""})
+            refusing = front.calls.throttles[(front.engines[0], True)].share()
         throttled = [assert_problem(r, 503, "overloaded") for r in answers if "throttled" in r.text]
         assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in answers)
         assert len(throttled) > 150 and all(p["reason"] == "throttled" for p in throttled)
         assert seen["runs"] == seen["search"] < 60  # run only for the searches sent on: none of them refused there
         assert_problem(keyless, 401, "unauthorized")
-        assert front.calls.throttles[(front.engines[0], True)].share() > 0.5  # it was refusing when the key was missed
+        assert refusing > 0.5  # it was refusing when the key was missed
 
     asyncio.run(go())
+
+
+def test_a_front_whose_event_loop_runs_behind_refuses_a_share_from_the_headers(tmp_path):
+    """A front's own backlog is bounded as the engine's is (service/admission/loop_lag.py): once its event loop has
+    stood behind the target past the burst allowance, the share the gate sets of /v1 requests is refused from their
+    headers (503 overloaded, reason loop_lag, Retry-After), spread evenly, and the engine counts those refusals with
+    the next call; a keyless request still gets 401. With the target 0, nothing is refused however far behind."""
+    seen = {"search": 0, "loop_lag": 0}
+
+    async def answering(request: Request) -> Reply:
+        seen["search"] += 1
+        seen["loop_lag"] += request.refused.get("loop_lag", 0)
+        return Reply(request.id, 200, b'{"ids": [], "distances": []}')
+
+    async def go(target_ms: float) -> tuple[list[httpx.Response], httpx.Response, float]:
+        async with front_over_tcp(tmp_path, answering, loop_lag_target_ms=target_ms) as (front, client):
+            for _ in range(6):  # 20 ms behind a 2 ms target: the burst allowance used up, then a share refused
+                front.loop_lag.observe(0.02)
+            share = front.loop_lag.share
+            answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
+                       for _ in range(100)]
+            keyless = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]},
+                                        headers={"Authorization": ""})
+            while front.loop_lag.share:  # caught up: the next call carries the last refusals to the engine
+                front.loop_lag.observe(0.0)
+            assert (await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})).status_code == 200
+        return answers, keyless, share
+
+    answers, keyless, share = asyncio.run(go(2.0))
+    refused = [assert_problem(r, 503, "overloaded") for r in answers if r.status_code != 200]
+    assert 0.3 < share < 1 and abs(len(refused) - 100 * share) <= 1, (share, len(refused))
+    assert all(p["reason"] == "loop_lag" and "front process" in p["detail"] for p in refused)
+    assert all(r.headers["retry-after"] == "1" for r in answers if r.status_code == 503)
+    assert seen["loop_lag"] == len(refused) and seen["search"] == 100 - len(refused) + 1
+    assert_problem(keyless, 401, "unauthorized")
+    seen.update(search=0, loop_lag=0)
+    answers, _, share = asyncio.run(go(0.0))
+    assert share == 0 and [r.status_code for r in answers] == [200] * 100 and seen["loop_lag"] == 0
 
 
 def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counted_in_metrics(tmp_path):
     """A real `serve` with one front and an engine of one light slot, searched by 32 clients at once: each answer is
     200 or a 503 `overloaded` with Retry-After whose reason is the engine's (`inflight`) or the front's own
-    (`throttled`, when the engine refused enough of them: test_a_front_refuses_itself... makes sure it does), and
-    /metrics counts exactly the refusals the clients saw, of each reason."""
+    (`throttled`, when the engine refused enough of them: test_a_front_refuses_itself... makes sure it does; or
+    `loop_lag`, a loop behind), and /metrics counts exactly the refusals the clients saw, of each reason."""
     from concurrent.futures import ThreadPoolExecutor
 
     env = {"SWITCHYARD_FRONTS": "1", "SWITCHYARD_MAX_INFLIGHT": "1", "SWITCHYARD_MIN_INFLIGHT": "1",
@@ -410,7 +456,8 @@ def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counte
         assert r.status_code in (200, 503), r.text
         if r.status_code == 503:
             problem = assert_problem(r, 503, "overloaded")
-            assert r.headers["retry-after"] == "1" and problem["reason"] in ("inflight", "throttled"), problem
+            assert r.headers["retry-after"] == "1", problem
+            assert problem["reason"] in ("inflight", "throttled", "loop_lag"), problem
             reasons[problem["reason"]] = reasons.get(problem["reason"], 0) + 1
     counted = {s.labels["reason"]: int(s.value) for family in text_string_to_metric_families(metrics)
                if family.name == "switchyard_shed" for s in family.samples

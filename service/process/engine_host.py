@@ -18,8 +18,8 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
     async def handle(request: Request) -> Reply:
         # Each request runs as its own task here: what begin() sets holds for it alone.
         call, search = request.call, is_search(request.call)
-        if request.throttled:  # refused by the front meanwhile: counted here, where /metrics is read
-            admission.shed("requests", "throttled", request.throttled)
+        for reason, count in request.refused.items():  # refused by the front meanwhile: counted here, where
+            admission.shed("requests", reason, count)  # /metrics is read
         try:
             admission.begin(request.deadline, request.principal)
             ticket = await admission.enter(LIGHT if search else WRITE, HOT_KINDS[search])

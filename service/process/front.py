@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from service.admission.control import Shed, parse_timeout
+from service.admission.loop_lag import LoopLag
 from service.errors import TYPE_PREFIX, ProblemError, problem_response
 from service.http import access_log
 from service.http.auth import check_bearer
@@ -203,7 +204,8 @@ class InEngineProcess:
         self.engines = engines
         self.pick = LeastBusy()
         self.throttles = {(engine, search): Throttle() for engine in engines for search in (True, False)}
-        self.unreported = dict.fromkeys(engines, 0)  # calls refused here, not yet told to the engine
+        # requests refused here, by reason, not yet told to the engine
+        self.unreported: dict[EngineClient, dict[str, int]] = {engine: {} for engine in engines}
 
     def refused(self, search: bool, path: str) -> Reply | None:
         """The front's own refusal of a call of this kind arriving now, for the engine with the least in flight
@@ -211,8 +213,13 @@ class InEngineProcess:
         engine = self.pick(self.engines, IN_FLIGHT)
         if not self.throttles[(engine, search)].refuse():
             return None
-        self.unreported[engine] += 1
-        return problem_reply_of(Shed(THROTTLED, 1.0, reason="throttled"), path)
+        return self.refuse(engine, Shed(THROTTLED, 1.0, reason="throttled"), path)
+
+    def refuse(self, engine: EngineClient, shed: Shed, path: str) -> Reply:
+        """A refusal made here, counted for `engine` (told with the next call sent to it)."""
+        told = self.unreported[engine]
+        told[shed.extra["reason"]] = told.get(shed.extra["reason"], 0) + 1
+        return problem_reply_of(shed, path)
 
     async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply:
         search = is_search(call)
@@ -221,9 +228,9 @@ class InEngineProcess:
             return refusal
         deadline, principal = deadline_and_principal()
         engine = self.pick(self.engines, IN_FLIGHT)
-        throttled, self.unreported[engine] = self.unreported[engine], 0
+        refused, self.unreported[engine] = self.unreported[engine], {}
         try:
-            reply = await engine.call(call, deadline, principal, spent_s, throttled)
+            reply = await engine.call(call, deadline, principal, spent_s, refused)
         except EngineGone as exc:
             return reply_of(_unavailable(scope, exc))
         self.throttles[(engine, search)].answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
@@ -245,22 +252,22 @@ class Front(Express):
         self.proxies = proxies
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
         self.calls = InEngineProcess(self.engines)
+        admission = settings.admission  # the engine admits; a front bounds only its own backlog
+        self.loop_lag = LoopLag(admission.loop_lag_target_ms / 1000 if admission.enabled else 0.0)
         super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self.calls)
 
     def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[Reply | None, bool]:
-        """The throttle's refusal of a hot call, made from its headers (answered by the protocol once its small body
-        is read), as InEngineProcess.run would make it once the body is parsed, at about an eighth of the CPU
-        (loadtests/bench_refusal.py): under overload the front refuses most of what it is sent. None: the request
-        goes on, and whether it was drawn for (it is not drawn for again). A request run would not reach (a body
-        not parsed here, a missing key, a bad header) is left to __call__, which answers it as before."""
-        if not any(throttle.refusing() for throttle in self.calls.throttles.values()):
+        """A front's own refusals, made from a request's headers (answered by the protocol once its small body is
+        read), as the engine makes its own (Express.refusal): one of the share of /v1 requests refused while this
+        front's event loop runs behind (its backlog, bounded as the engine bounds its own: loop_lag.py), or a hot
+        call the throttle refuses for the engine (through the app's way, InEngineProcess.run would refuse it once
+        its body is parsed, at about eight times the CPU: loadtests/bench_refusal.py). None: the request goes on,
+        and whether the throttle drew for it (run does not draw again). A request with a missing key or a bad header
+        is left to __call__, which answers it as before."""
+        lagging = bool(self.loop_lag.share)
+        if not lagging and not any(throttle.refusing() for throttle in self.calls.throttles.values()):
             return None, False  # the common case, made cheap: no header is read
-        path = url.partition(b"?")[0].decode("latin-1")
-        match = HOT.match(path)
-        if match is None:
-            return None, False
-        search = match.group(2) == "search"
-        if method != (b"POST" if search else b"PUT"):
+        if not url.startswith(b"/v1/"):
             return None, False
         try:
             h = read_headers(headers)
@@ -269,8 +276,20 @@ class Front(Express):
                 parse_timeout(h.timeout)
         except ProblemError:
             return None, False
-        if h.chunked or not 0 < h.length <= min(INLINE_MAX_BODY, self.max_body) or not self._parses(h, search):
+        if h.chunked or h.length > INLINE_MAX_BODY:  # the protocol holds the body it refuses: a small one only
             return None, False
+        path = url.partition(b"?")[0].decode("latin-1")
+        if lagging and self.loop_lag.refuse_next():
+            engine = self.calls.pick(self.engines, IN_FLIGHT)
+            return self.calls.refuse(engine, Shed(
+                f"this front process's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
+                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag"), path), False
+        match = HOT.match(path)
+        if match is None:
+            return None, False
+        search = match.group(2) == "search"
+        if method != (b"POST" if search else b"PUT") or h.length <= 0 or not self._parses(h, search):
+            return None, False  # not a call run() would draw for
         return self.calls.refused(search, path), True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -285,12 +304,15 @@ class Front(Express):
             if message["type"] == "lifespan.startup":
                 if self.sample:
                     access_log.start()
+                if self.loop_lag.target_s:
+                    self.loop_lag.start(asyncio.get_running_loop())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 for engine, proxy in zip(self.engines, self.proxies):
                     await engine.close()
                     await proxy.client.aclose()
                 access_log.stop()
+                self.loop_lag.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -311,16 +311,16 @@ class EngineClient:
         return len(self._link.pending) if self._link is not None else 0
 
     async def call(self, call: Call, deadline: float | None = None, principal: str = "", spent_s: float = 0.0,
-                   throttled: int = 0) -> Reply:
-        """The engine's reply; EngineGone if it cannot be reached or goes away before answering. `throttled`: the
-        calls the front refused itself since its last one, for the engine's metrics."""
+                   refused: dict[str, int] | None = None) -> Reply:
+        """The engine's reply; EngineGone if it cannot be reached or goes away before answering. `refused`: the
+        requests the front refused itself since its last call, by reason, for the engine's metrics."""
         link = self._link
         if link is None or link.lost:
             link = await self._connect()
         rid = next(self._ids)
         answer = link.pending[rid] = asyncio.get_running_loop().create_future()
         try:
-            link.send(Request(rid, call, deadline, principal, spent_s, throttled))
+            link.send(Request(rid, call, deadline, principal, spent_s, refused or {}))
             return await answer
         finally:
             link.pending.pop(rid, None)

@@ -88,7 +88,9 @@ class Request(msgspec.Struct, array_like=True):
     deadline: float | None = None  # time.monotonic(): one clock for every process of a machine
     principal: str = ""  # who is charged for it, under quotas
     spent_s: float = 0.0  # the time the caller spent on it already, counted in the answer's latency
-    throttled: int = 0  # calls the front refused itself since its last request (service/process/throttle.py)
+    # Requests the front refused itself since its last request to this engine, by reason (the throttle's
+    # "throttled", its event loop's "loop_lag"): counted by the engine, where /metrics is read.
+    refused: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ShardAnswer(msgspec.Struct, tag="shard_answer", frozen=True):
