@@ -90,8 +90,9 @@ class Metrics:
             registry=self.registry)
         self.shed_total = Counter(
             "switchyard_shed_total", "Requests refused by admission control, by engine and reason (queue_full, "
-            "queue_wait, deadline, deadline_running, quota, cooling_down, inflight, loop_lag; throttled: by a front "
-            "process while its engine refused such calls; engine 'requests' for quotas and in-flight limits).",
+            "queue_wait, deadline, deadline_running, quota, cooling_down, inflight, loop_lag (the engine's loop or a "
+            "front process's); throttled: by a front process while its engine refused such calls; engine 'requests' "
+            "for quotas and in-flight limits).",
             ["engine", "reason"], registry=self.registry)
         self.breaker_open = Gauge(
             "switchyard_engine_breaker_open", "1 while `auto` routes around an engine that kept failing.", ["engine"],
