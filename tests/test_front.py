@@ -370,17 +370,20 @@ def test_over_tcp_a_front_refuses_from_the_headers_and_never_runs_what_it_refuse
         return reply
 
     async def go() -> None:
-        async with front_over_tcp(tmp_path, overloaded) as (front, client):
+        async with front_over_tcp(tmp_path, overloaded, max_body_bytes=4096) as (front, client):
             answers = [await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})
                        for _ in range(200)]
             keyless = await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]},
                                         headers={"Authorization": ""})
+            too_large = [await client.post("/v1/collections/c/search", json={"vector": [1.0] * 2000})
+                         for _ in range(5)]  # past the body limit: never run, so never throttled
             refusing = front.calls.throttles[(front.engines[0], True)].share()
         throttled = [assert_problem(r, 503, "overloaded") for r in answers if "throttled" in r.text]
         assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in answers)
         assert len(throttled) > 150 and all(p["reason"] == "throttled" for p in throttled)
         assert seen["runs"] == seen["search"] < 60  # run only for the searches sent on: none of them refused there
         assert_problem(keyless, 401, "unauthorized")
+        assert not any("throttled" in r.text for r in too_large), [r.text for r in too_large]
         assert refusing > 0.5  # it was refusing when the key was missed
 
     asyncio.run(go())

@@ -288,8 +288,9 @@ class Front(Express):
         if match is None:
             return None, False
         search = match.group(2) == "search"
-        if method != (b"POST" if search else b"PUT") or h.length <= 0 or not self._parses(h, search):
-            return None, False  # not a call run() would draw for
+        runs = method == (b"POST" if search else b"PUT") and 0 < h.length <= self.max_body and self._parses(h, search)
+        if not runs:
+            return None, False  # not a call run() would draw for (__call__ answers it otherwise)
         return self.calls.refused(search, path), True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
