@@ -7,8 +7,10 @@ Under overload most requests are refused, and f + (4 - f) r / s <= 1 says what t
 (docs/design/serving.md, "Refusals cost as little as the protocol can make them"). Two kinds: a claimed search
 (refused once its body is read, `Express.answer_inline`) and an SSB query (refused from its headers,
 `Express.refusal`). Reported: the least CPU per refusal over the runs (uvloop, as `switchyard serve` runs), the
-kernel left out (no socket: requests are fed to the protocol's data_received). A third kind: a search refused by a
-front process's throttle for its engine (service/process/throttle.py), the throttle held refusing.
+kernel left out (no socket: requests are fed to the protocol's data_received). Two more: a search refused by a
+front process's throttle for its engine (service/process/throttle.py), the throttle held refusing; and a search a
+front sent over its link, refused by the engine process as the frame arrives (service/process/engine_host.py),
+frames fed to the link's protocol.
 
 --over-tcp RATE: the kernel counted in. A server process on the first core (the rest run the open-loop generator,
 loadtests/openloop.py) refuses k=10 searches sent at RATE per second over keep-alive TCP loopback connections;
@@ -31,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import uvicorn  # noqa: E402
 import uvloop  # noqa: E402
 from uvicorn.server import ServerState  # noqa: E402
@@ -40,8 +43,11 @@ from loadtests.overload import searches  # noqa: E402
 from service.errors import problem_json  # noqa: E402
 from service.http.app import create_app  # noqa: E402
 from service.http.express_protocol import ExpressProtocol  # noqa: E402
+from service.process.engine_host import engine_server  # noqa: E402
 from service.process.front import Front  # noqa: E402
+from service.process.link import _EngineSide, frame  # noqa: E402
 from service.process.links import EngineSockets, ProcessLinks  # noqa: E402
+from service.process.messages import Request, SearchCall  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 SEARCH = b"/v1/collections/c128/search"
@@ -96,6 +102,28 @@ def throttling_front(data_dir: str) -> Front:
     for throttle in front.calls.throttles.values():
         throttle.requests = 1e12
     return front
+
+
+async def link_cost(n: int, runs: int) -> float:
+    """Least CPU seconds per refusal of a front's search by the engine process, every class full: frames fed to the
+    engine's end of the link."""
+    with tempfile.TemporaryDirectory(prefix="bench-refusal-") as data_dir:
+        runtime = crowded_app(data_dir, asyncio.get_running_loop()).state.switchyard
+        server = engine_server(runtime, runtime.pipeline, Path(data_dir) / "engine.sock")
+        side = _EngineSide(server.handlers, set(), set(), None, server.max_frame, 5.0, server.screen)
+        sink = Sink()
+        side.connection_made(sink)  # type: ignore[arg-type]
+        query = np.random.default_rng(0).random(128, dtype=np.float32).tobytes()
+        data, best = frame(Request(1, SearchCall("c128", query, 128, "vector", True))), float("inf")
+        for _ in range(runs):
+            started = time.process_time()
+            for _ in range(n):
+                written = sink.writes
+                side.data_received(data)
+                while sink.writes == written:  # answered by a task (no screen) rather than as it arrives
+                    await asyncio.sleep(0)
+            best = min(best, (time.process_time() - started) / n)
+        return best
 
 
 async def _cost(path: bytes, n: int, runs: int, data_dir: str) -> float:
@@ -213,6 +241,8 @@ def main() -> None:
                        ("search refused by a front process's throttle", FRONT)):
         seconds = uvloop.run(cost(path, args.requests, args.runs))
         print(f"{name}: {seconds * 1e6:.1f} us of CPU per refusal")
+    seconds = uvloop.run(link_cost(args.requests, args.runs))
+    print(f"search sent by a front, refused by the engine process as it arrives: {seconds * 1e6:.1f} us of CPU")
 
 
 if __name__ == "__main__":

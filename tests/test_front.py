@@ -427,6 +427,54 @@ def test_a_front_whose_event_loop_runs_behind_refuses_a_share_from_the_headers(t
     assert share == 0 and [r.status_code for r in answers] == [200] * 100 and seen["loop_lag"] == 0
 
 
+def test_an_engine_refuses_a_call_it_has_no_room_for_as_it_arrives_without_running_its_handler(tmp_path):
+    """A front's call that finds its work class without a free slot or room to wait is refused by the engine as its
+    frame arrives (503 overloaded, reason inflight, Retry-After), without a task or its handler: under overload the
+    engine still refuses about one call in three that the fronts send it (throttle.K). The front's own refusals it
+    carries are counted all the same; once there is room, calls are run again."""
+    from service.admission.pressure import LIGHT
+    from service.http.app import create_app
+    from service.process.engine_host import engine_server
+
+    async def go() -> None:
+        app = create_app(Settings(data_dir=tmp_path, max_inflight=4))
+        runtime = app.state.switchyard
+        server = engine_server(runtime, runtime.pipeline, tmp_path / "e.sock")
+        handled: list[int] = []
+        handle = server.handlers[SearchCall]
+
+        async def counted(request: Request) -> Reply:
+            handled.append(request.id)
+            return await handle(request)
+
+        server.handlers = dict.fromkeys(server.handlers, counted)
+        light = runtime.admission.classes[LIGHT]
+        light.inflight = light.limit
+        light.waiters.extend(asyncio.get_running_loop().create_future() for _ in range(2 * light.limit))
+        await server.start()
+        client = EngineClient(tmp_path / "e.sock")
+        call = SearchCall("c", np.zeros(2, "<f4").tobytes(), 2, "vector", True)
+        try:
+            refused = [await client.call(call, refused={"throttled": 2}) for _ in range(5)]
+            light.inflight = 0
+            light.waiters.clear()
+            await client.call(call)
+        finally:
+            await client.close()
+            await server.stop()
+        for reply in refused:
+            problem = orjson.loads(reply.body)
+            assert reply.status == 503 and ("retry-after", "1") in reply.headers, reply
+            assert problem["reason"] == "inflight" and problem["instance"] == "/v1/collections/c/search", problem
+        assert len(handled) == 1  # only the call made once there was room
+        shed = {s.labels["reason"]: s.value for family in text_string_to_metric_families(
+            (await runtime.metrics.render()).decode()) if family.name == "switchyard_shed"
+            for s in family.samples if s.name == "switchyard_shed_total" and s.labels["engine"] == "requests"}
+        assert shed["throttled"] == 10 and shed["inflight"] == 5, shed
+
+    asyncio.run(go())
+
+
 def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counted_in_metrics(tmp_path):
     """A real `serve` with one front and an engine of one light slot, searched by 32 clients at once: each answer is
     200 or a 503 `overloaded` with Retry-After whose reason is the engine's (`inflight`) or the front's own

@@ -189,14 +189,16 @@ class FrameProtocol(asyncio.Protocol):
 
 
 Handler = Callable[[Request], Awaitable[Reply]]  # answers one kind of call
+Screen = Callable[[Request], "Reply | None"]  # answers a request as it arrives, without a task; None: its handler does
 Address = Path | tuple[str, int]  # a unix socket, or a TCP host and port (0: any free one)
 
 
 class _EngineSide(FrameProtocol):
     def __init__(self, handlers: dict[type, Handler], tasks: set[asyncio.Task], links: set[_EngineSide],
-                 key: bytes | None, max_frame: int, handshake_timeout_s: float) -> None:
+                 key: bytes | None, max_frame: int, handshake_timeout_s: float, screen: Screen | None) -> None:
         super().__init__(self._request, request_decoder, key, max_frame, handshake_timeout_s)
         self.handlers = handlers
+        self.screen = screen
         self.tasks = tasks
         self.links = links
 
@@ -209,6 +211,9 @@ class _EngineSide(FrameProtocol):
         self.links.discard(self)
 
     def _request(self, request: Request) -> None:
+        if self.screen is not None and (reply := self.screen(request)) is not None:
+            self.send(reply)
+            return
         task = asyncio.ensure_future(self._answer(request))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -222,12 +227,15 @@ class _EngineSide(FrameProtocol):
 
 
 class EngineServer:
-    """The engine process's end: runs each request's handler as its own task and sends answers as they finish.
+    """The engine process's end: runs each request's handler as its own task and sends answers as they finish;
+    `screen` may answer a request as it arrives instead (a refusal, which a task would cost as much again as).
     A request frame over `max_frame` bytes closes its connection (see frame_limit)."""
 
     def __init__(self, path: Address, handlers: dict[type, Handler], key: bytes | None = None,
-                 max_frame: int = MAX_FRAME, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 max_frame: int = MAX_FRAME, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 screen: Screen | None = None) -> None:
         self.path = path
+        self.screen = screen
         self.key = key
         self.max_frame = max_frame
         self.handshake_timeout_s = handshake_timeout_s
@@ -240,7 +248,7 @@ class EngineServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         make = lambda: _EngineSide(self.handlers, self._tasks, self._links, self.key,  # noqa: E731
-                                   self.max_frame, self.handshake_timeout_s)
+                                   self.max_frame, self.handshake_timeout_s, self.screen)
         if isinstance(self.path, tuple):
             self._server = await loop.create_server(make, *self.path)
             self.port = self._server.sockets[0].getsockname()[1]
