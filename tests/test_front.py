@@ -475,6 +475,48 @@ def test_an_engine_refuses_a_call_it_has_no_room_for_as_it_arrives_without_runni
     asyncio.run(go())
 
 
+def test_a_front_tells_its_engine_its_refusals_on_requests_passed_through_too(tmp_path):
+    """A front's refusals reach its engine's metrics on whatever goes to it next: a hot call's frame, or a request
+    passed through over HTTP (X-Switchyard-Refused), so that a front passing through only SSB queries is counted
+    too. The header is the front's alone (a client's own is dropped) and counted only by an engine behind fronts,
+    for the reasons a front refuses for."""
+    from service.admission.control import Shed
+    from service.http.app import create_app
+    from service.http.express import REFUSED_HEADER
+
+    front = Front(Settings(data_dir=tmp_path), ProcessLinks((EngineSockets(tmp_path / "c.sock", tmp_path / "h.sock"),)))
+    engine, proxy = front.engines[0], front.proxies[0]
+    for reason in ("loop_lag", "throttled", "loop_lag"):
+        front.calls.refuse(engine, Shed("busy", 1.0, reason=reason), "/v1/olap/ssb/queries/1.1")
+    scope = {"headers": [(b"host", b"t"), (REFUSED_HEADER, b"throttled=1000")], "client": ("10.1.2.3", 5)}
+    sent = proxy.headers(scope)
+    assert [v for k, v in sent if k == REFUSED_HEADER] == [b"loop_lag=2,throttled=1"]
+    assert REFUSED_HEADER not in dict(proxy.headers(scope))  # told once; the client's own never
+    assert front.calls.unreported[engine] == {}
+
+    def shed_after(app, value: bytes) -> dict[str, float]:
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            pass
+
+        async def go() -> bytes:
+            await app({"type": "http", "method": "GET", "path": "/v1/collections", "raw_path": b"/v1/collections",
+                       "root_path": "", "query_string": b"", "headers": [(REFUSED_HEADER, value)], "client": None,
+                       "server": None, "scheme": "http", "http_version": "1.1"}, receive, send)
+            return await app.state.switchyard.metrics.render()
+
+        return {s.labels["reason"]: s.value for family in text_string_to_metric_families(asyncio.run(go()).decode())
+                if family.name == "switchyard_shed" for s in family.samples
+                if s.name == "switchyard_shed_total" and s.labels["engine"] == "requests" and s.value}
+
+    value = b"loop_lag=2,throttled=1,inflight=7,quota=x,bogus"
+    links = ProcessLinks((EngineSockets(tmp_path / "c.sock", tmp_path / "h.sock"),), serving=0)  # behind fronts
+    assert shed_after(create_app(Settings(data_dir=tmp_path / "e"), links), value) == {"loop_lag": 2, "throttled": 1}
+    assert shed_after(create_app(Settings(data_dir=tmp_path / "a"), ProcessLinks()), value) == {}
+
+
 def test_under_overload_through_a_front_every_refusal_is_a_documented_503_counted_in_metrics(tmp_path):
     """A real `serve` with one front and an engine of one light slot, searched by 32 clients at once: each answer is
     200 or a 503 `overloaded` with Retry-After whose reason is the engine's (`inflight`) or the front's own

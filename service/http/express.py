@@ -44,6 +44,11 @@ RAW_VECTORS_BYTES = RAW_VECTORS.encode()
 # A front process's client address, to its engine process (quotas): trusted only by an engine process behind fronts
 # (whose HTTP socket only the fronts reach; a front drops the header from what its clients send).
 CLIENT_HEADER = b"x-switchyard-client"
+# A front process's own refusals since its last request to this engine (`throttled=3,loop_lag=1`), for the engine's
+# metrics: carried by requests passed through over HTTP (hot calls carry them in their link frame), trusted as
+# CLIENT_HEADER is.
+REFUSED_HEADER = b"x-switchyard-refused"
+FRONT_REASONS = frozenset({"throttled", "loop_lag"})  # the reasons a front refuses for: no other label is counted
 INLINE_MAX_BODY = 1 << 20  # bodies the protocol may hold for an inline answer: a few single-vector searches' worth
 # An inline answer takes microseconds (SWITCHYARD_INLINE_SEARCH_US): a deadline at least this far off cannot pass
 # while it runs, so a request carrying one may still be answered inline (clients that always send their timeout).
@@ -62,11 +67,12 @@ class Headers(NamedTuple):
     timeout: bytes | None  # X-Request-Timeout
     forwarded: bytes | None  # a front process's client address
     chunked: bool
+    refused: bytes | None  # a front process's own refusals (REFUSED_HEADER)
 
 
 def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
     """What express reads of the headers; BadRequest for a repeated Content-Type (service/http/media.py)."""
-    length, authorization, timeout, forwarded, chunked = -1, None, None, None, False
+    length, authorization, timeout, forwarded, chunked, refused = -1, None, None, None, False, None
     media = media_type(headers, JSON)
     for name, value in headers:
         if name == b"content-length":
@@ -79,7 +85,24 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
             forwarded = value
         elif name == b"transfer-encoding":
             chunked = True
-    return Headers(length, media, authorization, timeout, forwarded, chunked)
+        elif name == REFUSED_HEADER:
+            refused = value
+    return Headers(length, media, authorization, timeout, forwarded, chunked, refused)
+
+
+def refused_header(counts: dict[str, int]) -> bytes:
+    """A front's refusals by reason, as REFUSED_HEADER carries them."""
+    return ",".join(f"{reason}={count}" for reason, count in counts.items()).encode("latin-1")
+
+
+def refused_counts(value: bytes) -> dict[str, int]:
+    """REFUSED_HEADER's counts, by reason; what is malformed, or names another reason, is left out."""
+    counts = {}
+    for item in value.decode("latin-1").split(","):
+        reason, _, count = item.partition("=")
+        if reason in FRONT_REASONS and count.isdigit():
+            counts[reason] = int(count)
+    return counts
 
 
 class Claim(NamedTuple):
@@ -215,6 +238,7 @@ class Express:
         try:
             self.admission.check_room(work, kind)
         except ProblemError as exc:
+            self._told(h)  # refused here: __call__, which would count them, does not run
             return problem_of(exc, {"method": verb, "path": path}), True
         return None, True
 
@@ -237,6 +261,7 @@ class Express:
         v1 = scope["path"].startswith("/v1/")  # probes and metrics: never refused here (but a repeated Content-Type)
         try:
             h = read_headers(scope["headers"])
+            self._told(h)
             bulk = is_bulk(scope["method"], scope["path"], scope["headers"])
             work, kind = work_of(scope["method"], scope["path"], bulk)
             if v1:  # authorize first: a client without the key sends no body and takes no slot
@@ -307,6 +332,12 @@ class Express:
         await _send_reply(send, reply)
         if (self.log_failures and reply.status != 200) or (self.sample and random.random() < self.sample):
             log_request(scope, reply.status, time.perf_counter() - started, sampled=reply.status == 200)
+
+    def _told(self, h: Headers) -> None:
+        """Count the refusals a front made for this engine, which the request carries (REFUSED_HEADER)."""
+        if h.refused and self.trust_forwarded and self.admission is not None:
+            for reason, count in refused_counts(h.refused).items():
+                self.admission.shed("requests", reason, count)
 
     def _parses(self, h: Headers, search: bool) -> bool:
         return h.media == JSON or (search and h.media == RAW_VECTORS_BYTES)

@@ -31,11 +31,13 @@ from service.http.auth import check_bearer
 from service.http.express import (
     CLIENT_HEADER,
     INLINE_MAX_BODY,
+    REFUSED_HEADER,
     SCREENED,
     Express,
     deadline_and_principal,
     problem_of,
     read_headers,
+    refused_header,
 )
 from service.pipeline import HOT, is_search, problem_reply_of, reply_of
 from service.process.link import EngineClient, EngineGone
@@ -46,6 +48,7 @@ from service.settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
 FRONT_SETS = {b"date", b"server"}  # the front's own server adds these to every answer
+FRONT_HEADERS = {CLIENT_HEADER, REFUSED_HEADER}  # set by the front alone: a client's own are dropped
 T = TypeVar("T")
 IN_FLIGHT = operator.attrgetter("in_flight")  # of an EngineProxy or an EngineClient
 OVERLOADED = f'"type":"{TYPE_PREFIX}{Shed.slug}"'.encode()  # in an engine's refusal of a call it had no room for
@@ -69,18 +72,22 @@ class LeastBusy:
 
 
 class EngineProxy:
-    """Passes a request through to the engine process's HTTP socket and streams its answer back."""
+    """Passes a request through to the engine process's HTTP socket and streams its answer back. `refused`: the
+    refusals this front made for that engine not yet told to it (InEngineProcess.unreported), which the next request
+    passed through carries."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, refused: dict[str, int]) -> None:
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
                                         timeout=None)
         self.in_flight = 0
+        self.refused = refused
 
-    @staticmethod
-    def headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER]
+    def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k not in FRONT_HEADERS]
         if scope.get("client"):
             headers.append((CLIENT_HEADER, scope["client"][0].encode("latin-1")))
+        if self.refused:
+            headers.append((REFUSED_HEADER, refused_header(taken(self.refused))))
         return headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,6 +127,14 @@ class EngineProxy:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+
+
+def taken(counts: dict[str, int]) -> dict[str, int]:
+    """What `counts` holds, which it then no longer does (it is shared: kept by InEngineProcess, told by either
+    way to the engine)."""
+    told = dict(counts)
+    counts.clear()
+    return told
 
 
 def _unavailable(scope: Scope, exc: Exception) -> Response:
@@ -216,7 +231,8 @@ class InEngineProcess:
         return self.refuse(engine, Shed(THROTTLED, 1.0, reason="throttled"), path)
 
     def refuse(self, engine: EngineClient, shed: Shed, path: str) -> Reply:
-        """A refusal made here, counted for `engine` (told with the next call sent to it)."""
+        """A refusal made here, counted for `engine` (told with the next request sent to it: a call, or a request
+        passed through)."""
         told = self.unreported[engine]
         told[shed.extra["reason"]] = told.get(shed.extra["reason"], 0) + 1
         return problem_reply_of(shed, path)
@@ -228,9 +244,8 @@ class InEngineProcess:
             return refusal
         deadline, principal = deadline_and_principal()
         engine = self.pick(self.engines, IN_FLIGHT)
-        refused, self.unreported[engine] = self.unreported[engine], {}
         try:
-            reply = await engine.call(call, deadline, principal, spent_s, refused)
+            reply = await engine.call(call, deadline, principal, spent_s, taken(self.unreported[engine]))
         except EngineGone as exc:
             return reply_of(_unavailable(scope, exc))
         self.throttles[(engine, search)].answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
@@ -248,10 +263,11 @@ class Front(Express):
     def __init__(self, settings: Settings, links: ProcessLinks) -> None:
         if not links.engines:
             raise RuntimeError("a front process is started by `switchyard serve`, which hands it the engines' sockets")
-        proxies = [EngineProxy(str(engine.http)) for engine in links.engines]
-        self.proxies = proxies
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
         self.calls = InEngineProcess(self.engines)
+        proxies = [EngineProxy(str(sockets.http), self.calls.unreported[engine])
+                   for sockets, engine in zip(links.engines, self.engines)]
+        self.proxies = proxies
         admission = settings.admission  # the engine admits; a front bounds only its own backlog
         self.loop_lag = LoopLag(admission.loop_lag_target_ms / 1000 if admission.enabled else 0.0)
         super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self.calls)

@@ -9,7 +9,7 @@ with probability max(0, (requests - K * accepted) / (requests + 1)): while the e
 while it accepts only some, about K times what it accepts goes on (K > 1 leaves the engine room to show it can take
 more: what goes on then grows by about K per TAU_S) and the rest is refused by the front, on its own core. Counts
 decay exponentially (time constant TAU_S), so a front idle for a while starts afresh. The engine counts the front's
-refusals in its metrics (reason "throttled"), told with the front's next call.
+refusals in its metrics (reason "throttled"), told with the front's next request to it.
 """
 
 from __future__ import annotations
