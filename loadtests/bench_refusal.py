@@ -99,8 +99,9 @@ def throttling_front(data_dir: str) -> Front:
     """A front process's app whose throttles refuse (almost) every call: its engine refused all it was sent."""
     folder = Path(data_dir)
     front = Front(Settings(data_dir=data_dir), ProcessLinks((EngineSockets(folder / "c.sock", folder / "h.sock"),)))
-    for throttle in front.calls.throttles.values():
-        throttle.requests = 1e12
+    for throttles in front.calls.throttles.values():
+        for throttle in throttles.values():
+            throttle.requests = 1e12
     return front
 
 

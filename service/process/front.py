@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from service.admission.control import Shed, parse_timeout
 from service.admission.loop_lag import LoopLag
+from service.admission.pressure import LIGHT, WORK_SHARES, WRITE
 from service.errors import TYPE_PREFIX, ProblemError, problem_response
 from service.http import access_log
 from service.http.auth import check_bearer
@@ -34,11 +35,14 @@ from service.http.express import (
     REFUSED_HEADER,
     SCREENED,
     Express,
+    Headers,
     deadline_and_principal,
     problem_of,
     read_headers,
     refused_header,
 )
+from service.http.limits import is_bulk
+from service.http.work import work_of
 from service.pipeline import HOT, is_search, problem_reply_of, reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
@@ -53,8 +57,8 @@ T = TypeVar("T")
 IN_FLIGHT = operator.attrgetter("in_flight")  # of an EngineProxy or an EngineClient
 OVERLOADED = f'"type":"{TYPE_PREFIX}{Shed.slug}"'.encode()  # in an engine's refusal of a call it had no room for
 # The detail of a front's own refusal: one for all, so that the problem is encoded once (pipeline.problem_reply_of).
-THROTTLED = ("the engine process has been refusing most of these calls as overloaded, and this front refused this one "
-             "for it; it was not run")
+THROTTLED = ("the engine process has been refusing most requests of this work class as overloaded, and this front "
+             "refused this one for it; it was not run")
 
 
 class LeastBusy:
@@ -74,13 +78,15 @@ class LeastBusy:
 class EngineProxy:
     """Passes a request through to the engine process's HTTP socket and streams its answer back. `refused`: the
     refusals this front made for that engine not yet told to it (InEngineProcess.unreported), which the next request
-    passed through carries."""
+    passed through carries; `throttles`: the front's throttle of each work class for that engine, told whether the
+    engine accepted each /v1 request passed through."""
 
-    def __init__(self, socket_path: str, refused: dict[str, int]) -> None:
+    def __init__(self, socket_path: str, refused: dict[str, int], throttles: dict[str, Throttle]) -> None:
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), base_url="http://engine",
                                         timeout=None)
         self.in_flight = 0
         self.refused = refused
+        self.throttles = throttles
 
     def headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k not in FRONT_HEADERS]
@@ -122,11 +128,18 @@ class EngineProxy:
         try:
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": _passed_headers(response)})
+            # refused as overloaded? a 503's problem says, in its first bytes (None: not read yet)
+            refused: bool | None = None if response.status_code == Shed.status else False
             async for chunk in response.aiter_raw():
+                if refused is None:
+                    refused = OVERLOADED in chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+        if scope["path"].startswith("/v1/"):
+            work, _ = work_of(scope["method"], scope["path"], is_bulk(scope["method"], scope["path"], scope["headers"]))
+            self.throttles[work].answered(refused is not True)
 
 
 def taken(counts: dict[str, int]) -> dict[str, int]:
@@ -213,22 +226,27 @@ def _labelled(sample: str, label: str) -> str:
 class InEngineProcess:
     """Hot calls run in an engine process, sent over its link (service/process/link.py) to the engine with the
     least in flight, which admits, runs and counts them (with the time spent here). While that engine refuses
-    calls of a kind as overloaded, the front refuses a share of them itself (service/process/throttle.py)."""
+    requests of a work class as overloaded (calls sent here, or requests passed through: EngineProxy), the front
+    refuses a share of them itself (service/process/throttle.py)."""
 
     def __init__(self, engines: list[EngineClient]) -> None:
         self.engines = engines
         self.pick = LeastBusy()
-        self.throttles = {(engine, search): Throttle() for engine in engines for search in (True, False)}
+        self.throttles = {engine: {work: Throttle() for work in WORK_SHARES} for engine in engines}
         # requests refused here, by reason, not yet told to the engine
         self.unreported: dict[EngineClient, dict[str, int]] = {engine: {} for engine in engines}
 
-    def refused(self, search: bool, path: str) -> Reply | None:
-        """The front's own refusal of a call of this kind arriving now, for the engine with the least in flight
-        (its throttle), or None: the call goes on."""
+    def refused(self, work: str, path: str) -> Reply | None:
+        """The front's own refusal of a request of this work class arriving now, for the engine with the least in
+        flight (its throttle), or None: the request goes on."""
         engine = self.pick(self.engines, IN_FLIGHT)
-        if not self.throttles[(engine, search)].refuse():
+        if not self.throttles[engine][work].refuse():
             return None
-        return self.refuse(engine, Shed(THROTTLED, 1.0, reason="throttled"), path)
+        return self.refuse(engine, Shed(THROTTLED, 1.0, reason="throttled", work_class=work), path)
+
+    def refusing(self) -> bool:
+        """Whether any throttle refuses a share now."""
+        return any(throttle.refusing() for throttles in self.throttles.values() for throttle in throttles.values())
 
     def refuse(self, engine: EngineClient, shed: Shed, path: str) -> Reply:
         """A refusal made here, counted for `engine` (told with the next request sent to it: a call, or a request
@@ -238,9 +256,9 @@ class InEngineProcess:
         return problem_reply_of(shed, path)
 
     async def run(self, call: Call, spent_s: float, scope: Scope) -> Reply:
-        search = is_search(call)
+        work = LIGHT if is_search(call) else WRITE  # as the engine admits it (engine_host.py)
         # A call the protocol screened (Front.refusal) was drawn for already, from its headers.
-        if not scope.get(SCREENED) and (refusal := self.refused(search, scope["path"])) is not None:
+        if not scope.get(SCREENED) and (refusal := self.refused(work, scope["path"])) is not None:
             return refusal
         deadline, principal = deadline_and_principal()
         engine = self.pick(self.engines, IN_FLIGHT)
@@ -248,7 +266,7 @@ class InEngineProcess:
             reply = await engine.call(call, deadline, principal, spent_s, taken(self.unreported[engine]))
         except EngineGone as exc:
             return reply_of(_unavailable(scope, exc))
-        self.throttles[(engine, search)].answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
+        self.throttles[engine][work].answered(not (reply.status == Shed.status and OVERLOADED in reply.body))
         if not reply.body:  # the engine's handler itself failed (a bug): a 500 problem with an error id, logged here
             return problem_of(RuntimeError(f"the engine process's handler failed: {reply.value}"), scope)
         return reply
@@ -265,7 +283,7 @@ class Front(Express):
             raise RuntimeError("a front process is started by `switchyard serve`, which hands it the engines' sockets")
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
         self.calls = InEngineProcess(self.engines)
-        proxies = [EngineProxy(str(sockets.http), self.calls.unreported[engine])
+        proxies = [EngineProxy(str(sockets.http), self.calls.unreported[engine], self.calls.throttles[engine])
                    for sockets, engine in zip(links.engines, self.engines)]
         self.proxies = proxies
         admission = settings.admission  # the engine admits; a front bounds only its own backlog
@@ -275,13 +293,13 @@ class Front(Express):
     def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[Reply | None, bool]:
         """A front's own refusals, made from a request's headers (answered by the protocol once its small body is
         read), as the engine makes its own (Express.refusal): one of the share of /v1 requests refused while this
-        front's event loop runs behind (its backlog, bounded as the engine bounds its own: loop_lag.py), or a hot
-        call the throttle refuses for the engine (through the app's way, InEngineProcess.run would refuse it once
-        its body is parsed, at about eight times the CPU: loadtests/bench_refusal.py). None: the request goes on,
-        and whether the throttle drew for it (run does not draw again). A request with a missing key or a bad header
-        is left to __call__, which answers it as before."""
+        front's event loop runs behind (its backlog, bounded as the engine bounds its own: loop_lag.py), or one its
+        work class's throttle refuses for the engine (for a hot call, InEngineProcess.run would refuse it once its
+        body is parsed, at about eight times the CPU; other requests would be passed through over HTTP first). None:
+        the request goes on, drawn for (run does not draw again). A request with a missing key or a bad header is
+        left to __call__, which answers it as before."""
         lagging = bool(self.loop_lag.share)
-        if not lagging and not any(throttle.refusing() for throttle in self.calls.throttles.values()):
+        if not lagging and not self.calls.refusing():
             return None, False  # the common case, made cheap: no header is read
         if not url.startswith(b"/v1/"):
             return None, False
@@ -299,15 +317,18 @@ class Front(Express):
             engine = self.calls.pick(self.engines, IN_FLIGHT)
             return self.calls.refuse(engine, Shed(
                 f"this front process's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
-                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag"), path), False
+                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag"), path), True
+        return self.calls.refused(self._work(method, path, headers, h), path), True
+
+    def _work(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], h: Headers) -> str:
+        """The work class the engine admits a request in: a hot call run here (run), or one passed through."""
         match = HOT.match(path)
-        if match is None:
-            return None, False
-        search = match.group(2) == "search"
-        runs = method == (b"POST" if search else b"PUT") and 0 < h.length <= self.max_body and self._parses(h, search)
-        if not runs:
-            return None, False  # not a call run() would draw for (__call__ answers it otherwise)
-        return self.calls.refused(search, path), True
+        if match is not None:
+            search = match.group(2) == "search"
+            if method == (b"POST" if search else b"PUT") and 0 < h.length <= self.max_body and self._parses(h, search):
+                return LIGHT if search else WRITE
+        verb = method.decode("latin-1")
+        return work_of(verb, path, is_bulk(verb, path, headers))[0]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
