@@ -35,7 +35,6 @@ from service.http.express import (
     REFUSED_HEADER,
     SCREENED,
     Express,
-    Headers,
     deadline_and_principal,
     problem_of,
     read_headers,
@@ -43,7 +42,7 @@ from service.http.express import (
 )
 from service.http.limits import is_bulk
 from service.http.work import work_of
-from service.pipeline import HOT, is_search, problem_reply_of, reply_of
+from service.pipeline import is_search, problem_reply_of, reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
 from service.process.messages import Call, Reply, SearchCall
@@ -318,17 +317,8 @@ class Front(Express):
             return self.calls.refuse(engine, Shed(
                 f"this front process's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
                 "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag"), path), True
-        return self.calls.refused(self._work(method, path, headers, h), path), True
-
-    def _work(self, method: bytes, path: str, headers: list[tuple[bytes, bytes]], h: Headers) -> str:
-        """The work class the engine admits a request in: a hot call run here (run), or one passed through."""
-        match = HOT.match(path)
-        if match is not None:
-            search = match.group(2) == "search"
-            if method == (b"POST" if search else b"PUT") and 0 < h.length <= self.max_body and self._parses(h, search):
-                return LIGHT if search else WRITE
-        verb = method.decode("latin-1")
-        return work_of(verb, path, is_bulk(verb, path, headers))[0]
+        verb = method.decode("latin-1")  # the work class the engine admits it in (a hot call's too: run)
+        return self.calls.refused(work_of(verb, path, is_bulk(verb, path, headers))[0], path), True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
