@@ -222,16 +222,9 @@ class Express:
         protocol to answer without an ASGI cycle: the cheapest refusal, which a process refusing most of what it is
         sent must keep cheap. None: the request goes on to __call__, which also answers whatever fails an earlier
         step (the key, a bad header, a quota); and whether it was screened (counted in the loop's share)."""
-        if self.admission is None or self.quota or not self.admission.crowded() or not url.startswith(b"/v1/"):
+        if self.admission is None or self.quota or not self.admission.crowded():
             return None, False
-        try:
-            h = read_headers(headers)
-            check_bearer(self.key, h.authorization)
-            if h.timeout is not None:
-                parse_timeout(h.timeout)
-        except ProblemError:
-            return None, False
-        if h.chunked or h.length > INLINE_MAX_BODY:  # the protocol holds the body it refuses: a small one only
+        if (h := self.refusable(url, headers)) is None:
             return None, False
         verb, path = method.decode("latin-1"), url.partition(b"?")[0].decode("latin-1")
         work, kind = work_of(verb, path, is_bulk(verb, path, headers))
@@ -241,6 +234,21 @@ class Express:
             self._told(h)  # refused here: __call__, which would count them, does not run
             return problem_of(exc, {"method": verb, "path": path}), True
         return None, True
+
+    def refusable(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> Headers | None:
+        """The headers of a /v1 request the protocol may refuse from them: its key verified, its X-Request-Timeout
+        well formed and its body small enough to hold (the protocol reads the body it refuses); None: the request
+        goes on to __call__, which answers whatever fails those steps."""
+        if not url.startswith(b"/v1/"):
+            return None
+        try:
+            h = read_headers(headers)
+            check_bearer(self.key, h.authorization)
+            if h.timeout is not None:
+                parse_timeout(h.timeout)
+        except ProblemError:
+            return None
+        return None if h.chunked or h.length > INLINE_MAX_BODY else h
 
     # -- ASGI ------------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

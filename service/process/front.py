@@ -23,21 +23,18 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.admission.control import Shed, parse_timeout
+from service.admission.control import Shed
 from service.admission.loop_lag import LoopLag
 from service.admission.pressure import LIGHT, WORK_SHARES, WRITE
-from service.errors import TYPE_PREFIX, ProblemError, problem_response
+from service.errors import TYPE_PREFIX, problem_response
 from service.http import access_log
-from service.http.auth import check_bearer
 from service.http.express import (
     CLIENT_HEADER,
-    INLINE_MAX_BODY,
     REFUSED_HEADER,
     SCREENED,
     Express,
     deadline_and_principal,
     problem_of,
-    read_headers,
     refused_header,
 )
 from service.http.limits import is_bulk
@@ -300,16 +297,7 @@ class Front(Express):
         lagging = bool(self.loop_lag.share)
         if not lagging and not self.calls.refusing():
             return None, False  # the common case, made cheap: no header is read
-        if not url.startswith(b"/v1/"):
-            return None, False
-        try:
-            h = read_headers(headers)
-            check_bearer(self.key, h.authorization)
-            if h.timeout is not None:
-                parse_timeout(h.timeout)
-        except ProblemError:
-            return None, False
-        if h.chunked or h.length > INLINE_MAX_BODY:  # the protocol holds the body it refuses: a small one only
+        if self.refusable(url, headers) is None:
             return None, False
         path = url.partition(b"?")[0].decode("latin-1")
         if lagging and self.loop_lag.refuse_next():
