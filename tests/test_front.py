@@ -123,7 +123,7 @@ def test_fronts_hold_no_data(fronted):
     engine, fronts = service_processes(fronted)
     assert len(fronts) == 2
     before = [p.memory_info().rss for p in fronts]
-    data = clustered(20_000, 128, seed=31)
+    data = clustered(40_000, 128, seed=31)
     assert fronted.post("/v1/collections", json={"name": "f4", "dim": 128}).status_code == 201
     engine_before = engine.memory_info().rss
     for start in range(0, len(data), 2_000):
@@ -131,9 +131,10 @@ def test_fronts_hold_no_data(fronted):
                                                            "vectors_b64": b64(data[start:start + 2_000])})
         assert r.status_code == 200, r.text
     after = [p.memory_info().rss for p in fronts]
-    # 20,000 x 128 float32 is 10 MB: the engine holds it, a front's memory stays where it was
-    assert engine.memory_info().rss - engine_before > 5e6
-    assert all(a - b < 5e6 for a, b in zip(after, before)), (before, after)
+    # 40,000 x 128 float32 is 20 MB: the engine holds it; a front keeps at most what its allocator retains of the
+    # 1.4 MB bodies it parsed (a few MB, however many it parsed), far under half of it
+    assert engine.memory_info().rss - engine_before > 10e6
+    assert all(a - b < 10e6 for a, b in zip(after, before)), (before, after)
 
 
 def _echo(body: bytes, delay: float = 0.0) -> UnparsedCall:
