@@ -52,7 +52,6 @@ from service.settings import Settings  # noqa: E402
 
 SEARCH = b"/v1/collections/c128/search"
 SSB = b"/v1/olap/ssb/queries/1.1"
-FRONT = b"front: " + SEARCH  # a search, sent to a front process
 
 
 class Sink:
@@ -80,10 +79,11 @@ def request(path: bytes, dim: int = 128) -> bytes:
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-async def cost(path: bytes, n: int, runs: int) -> float:
-    """Least CPU seconds per refusal of `path` over `runs` runs of `n` requests, every class full."""
+async def cost(path: bytes, n: int, runs: int, front: bool = False) -> float:
+    """Least CPU seconds per refusal of `path` over `runs` runs of `n` requests, every class full (`front`: sent to
+    a front process whose throttle refuses them)."""
     with tempfile.TemporaryDirectory(prefix="bench-refusal-") as data_dir:
-        return await _cost(path, n, runs, data_dir)
+        return await _cost(path, n, runs, data_dir, front)
 
 
 def crowded_app(data_dir: str, loop: asyncio.AbstractEventLoop) -> Any:
@@ -127,15 +127,15 @@ async def link_cost(n: int, runs: int) -> float:
         return best
 
 
-async def _cost(path: bytes, n: int, runs: int, data_dir: str) -> float:
+async def _cost(path: bytes, n: int, runs: int, data_dir: str, front: bool) -> float:
     loop = asyncio.get_running_loop()
-    app = throttling_front(data_dir) if path == FRONT else crowded_app(data_dir, loop)
+    app = throttling_front(data_dir) if front else crowded_app(data_dir, loop)
     config = uvicorn.Config(app, http=ExpressProtocol, lifespan="off", log_level="warning", access_log=False)
     config.load()
     protocol = ExpressProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
     sink = Sink()
     protocol.connection_made(sink)  # type: ignore[arg-type]
-    raw, best = request(path.removeprefix(b"front: ")), float("inf")
+    raw, best = request(path), float("inf")
     for _ in range(runs):
         started = time.process_time()
         for _ in range(n):
@@ -237,10 +237,10 @@ def main() -> None:
     if args.over_tcp:
         over_tcp(args.over_tcp, args.seconds)
         return
-    for name, path in (("search (claimed, refused once its body is read)", SEARCH),
-                       ("SSB query (refused from its headers)", SSB),
-                       ("search refused by a front process's throttle", FRONT)):
-        seconds = uvloop.run(cost(path, args.requests, args.runs))
+    for name, path, front in (("search (claimed, refused once its body is read)", SEARCH, False),
+                              ("SSB query (refused from its headers)", SSB, False),
+                              ("search refused by a front process's throttle", SEARCH, True)):
+        seconds = uvloop.run(cost(path, args.requests, args.runs, front))
         print(f"{name}: {seconds * 1e6:.1f} us of CPU per refusal")
     seconds = uvloop.run(link_cost(args.requests, args.runs))
     print(f"search sent by a front, refused by the engine process as it arrives: {seconds * 1e6:.1f} us of CPU")

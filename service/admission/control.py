@@ -61,6 +61,17 @@ class DeadlineExceeded(ProblemError):
     status, slug, title = 504, "deadline-exceeded", "Deadline exceeded"
 
 
+def loop_lag_of(admission: Any) -> LoopLag:
+    """The event loop's lag gate of a process (the engine's, a front's), from the admission settings."""
+    return LoopLag(admission.loop_lag_target_ms / 1000 if admission.enabled else 0.0)
+
+
+def behind(loop_lag: LoopLag, whose: str) -> Shed:
+    """The refusal of a request that is one of the share refused while `whose` event loop runs behind."""
+    return Shed(f"{whose} event loop is {loop_lag.lag_s * 1000:.1f} ms behind its sockets "
+                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag")
+
+
 def parse_timeout(value: bytes | str) -> float:
     try:
         seconds = float(value)
@@ -242,7 +253,7 @@ class Admission:
         a = settings.admission
         self.classes = (class_limits(a.max_inflight, a.min_inflight, a.inflight_latency_tolerance, self.max_wait_s)
                         if a.enabled and a.max_inflight else None)  # work class -> its in-flight limit
-        self.loop_lag = LoopLag(a.loop_lag_target_ms / 1000 if a.enabled else 0.0)  # started by start()
+        self.loop_lag = loop_lag_of(a)  # started by start()
         self.gates: dict[str, Gate] = {}
         self.breakers: dict[str, Breaker] = {}
         rate, seconds_rate = a.quota_requests_per_s, a.quota_engine_seconds_per_s
@@ -331,8 +342,7 @@ class Admission:
         behind (service/admission/loop_lag.py); each call counts as one request."""
         if self.loop_lag.refuse_next():
             self.shed("requests", "loop_lag")
-            raise Shed(f"the service's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
-                       "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag")
+            raise behind(self.loop_lag, "the service's")
 
     def queue_now(self, work: str, kind: Hashable = None) -> "Queued":
         """For a request that found no slot (enter_now): its place in its class's queue, taken now, before its task

@@ -23,8 +23,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.admission.control import Shed
-from service.admission.loop_lag import LoopLag
+from service.admission.control import Shed, behind, loop_lag_of
 from service.admission.pressure import LIGHT, WORK_SHARES, WRITE
 from service.errors import TYPE_PREFIX, problem_response
 from service.http import access_log
@@ -282,8 +281,7 @@ class Front(Express):
         proxies = [EngineProxy(str(sockets.http), self.calls.unreported[engine], self.calls.throttles[engine])
                    for sockets, engine in zip(links.engines, self.engines)]
         self.proxies = proxies
-        admission = settings.admission  # the engine admits; a front bounds only its own backlog
-        self.loop_lag = LoopLag(admission.loop_lag_target_ms / 1000 if admission.enabled else 0.0)
+        self.loop_lag = loop_lag_of(settings.admission)  # the engine admits; a front bounds only its own backlog
         super().__init__(proxies[0] if len(proxies) == 1 else EngineProxies(proxies), settings, self.calls)
 
     def refusal(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple[Reply | None, bool]:
@@ -302,9 +300,7 @@ class Front(Express):
         path = url.partition(b"?")[0].decode("latin-1")
         if lagging and self.loop_lag.refuse_next():
             engine = self.calls.pick(self.engines, IN_FLIGHT)
-            return self.calls.refuse(engine, Shed(
-                f"this front process's event loop is {self.loop_lag.lag_s * 1000:.1f} ms behind its sockets "
-                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag"), path), True
+            return self.calls.refuse(engine, behind(self.loop_lag, "this front process's"), path), True
         verb = method.decode("latin-1")  # the work class the engine admits it in (a hot call's too: run)
         return self.calls.refused(work_of(verb, path, is_bulk(verb, path, headers))[0], path), True
 
