@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 
@@ -101,14 +104,24 @@ def measure(port: int, requests: list[openloop.Request], duration_s: float, fact
     cap = capacity(port, requests, max(20.0, unloaded["admitted_per_s"] / 2), max(3.0, duration_s / 4), cpus,
                    processes)
     wait_for_quiet(10)
+    before = refusals(port)
     over = openloop.run(port, requests, duration_s, rate=factor * cap["admitted_per_s"], cpus=cpus,
                         processes=processes)
+    after = refusals(port)
+    over["refused_by"] = {key: after[key] - before.get(key, 0) for key in after if after[key] > before.get(key, 0)}
     return {"unloaded": unloaded, "capacity": cap, "overload": over,
             "p99_vs_unloaded": round(over["p99_ms"] / unloaded["p99_ms"], 2) if over["p99_ms"] else None,
             "p99_vs_unloaded_by_label": {
                 label: round(over["by_label"][label]["p99_ms"] / unloaded["by_label"][label]["p99_ms"], 2)
                 for label in over["by_label"] if label in unloaded["by_label"]},
             "throughput_vs_capacity": round(over["admitted_per_s"] / cap["admitted_per_s"], 3)}
+
+
+def refusals(port: int) -> dict[str, float]:
+    """The service's refusals so far, by engine and reason (`switchyard_shed_total`, from /metrics)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return {f"{engine}/{reason}": float(count) for engine, reason, count in
+            re.findall(r'^switchyard_shed_total\{engine="([^"]*)",reason="([^"]*)"\} (\S+)$', text, re.M)}
 
 
 def main() -> None:
@@ -123,6 +136,10 @@ def main() -> None:
     parser.add_argument("--service-cores", type=int, default=0, help=(
         "start the service and PostgreSQL on the first N cores (they size themselves to them), the generator on "
         "the rest: a machine with cores to spare, where the generator need not share the service's"))
+    parser.add_argument("--fronts-apart", action="store_true", help=(
+        "with --service-cores: the front processes moved onto the generator's cores once started, the engine and "
+        "PostgreSQL left on the service's (a small machine's stand-in for fronts with cores of their own; pass "
+        "--env SWITCHYARD_FRONTS=N, as a service on few cores starts none)"))
     parser.add_argument("--generator-processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=results_dir("overload"))
     args = parser.parse_args()
@@ -140,6 +157,8 @@ def main() -> None:
         cpus = set(cores[args.service_cores:]) if service_cpus else None
         try:
             prepare(service.url)
+            if args.fronts_apart and cpus:
+                print("fronts moved onto cores", sorted(cpus), ":", move_fronts(service, cpus), flush=True)
             if args.pin and not service_cpus:
                 half = max(1, len(cores) // 2)
                 pin(service, set(cores[:half]))
@@ -148,10 +167,12 @@ def main() -> None:
                 wait_for_quiet(20)
                 results[name] = measure(service.port, requests, args.duration, args.factor, cpus,
                                         args.generator_processes)
-                print(name, table_row(name, results[name]), flush=True)
+                print(name, table_row(name, results[name]), "refused by", results[name]["overload"]["refused_by"],
+                      flush=True)
         finally:
             service.stop()
     report = {"what": __doc__.split("\n\n")[0], "factor": args.factor, "env": env, "pinned": args.pin,
+              "fronts_apart": args.fronts_apart,
               "service_cpus": sorted(service_cpus) if service_cpus else None, "cores": len(cores),
               "generator_cpus": sorted(cpus) if cpus else None, "workloads": results,
               "versions": versions("fastapi", "uvicorn", "faiss-cpu", "duckdb")}
@@ -166,12 +187,29 @@ def main() -> None:
 
 def pin(service: Service, cpus: set[int]) -> None:
     """Every thread of the service and of PostgreSQL onto `cpus` (new backends inherit the postmaster's)."""
-    for pid in service.pids():
+    set_affinity(service.pids(), cpus)
+
+
+def set_affinity(pids: Iterable[int], cpus: set[int]) -> None:
+    for pid in pids:
         for task in Path(f"/proc/{pid}/task").glob("*"):
             try:
                 os.sched_setaffinity(int(task.name), cpus)
             except OSError:
                 pass
+
+
+def move_fronts(service: Service, cpus: set[int]) -> list[int]:
+    """The front processes (the supervisor named by its command line, and its workers) onto `cpus`: their pids."""
+    import psutil
+
+    moved = [proc.pid for p in psutil.process_iter(["cmdline"])
+             if "service.process.front:create_front" in " ".join(p.info["cmdline"] or [])
+             for proc in (p, *p.children(recursive=True))]
+    set_affinity(moved, cpus)
+    if not moved:
+        raise SystemExit("--fronts-apart: the service runs no front processes (pass --env SWITCHYARD_FRONTS=N)")
+    return moved
 
 
 def table_row(name: str, r: dict[str, Any]) -> str:
