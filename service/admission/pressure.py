@@ -226,11 +226,16 @@ class ClassLimit:
         self._interval_end = now + INTERVAL_S
 
 
+def class_shares(total: int) -> dict[str, int]:
+    """Each work class's share of a process's limit (SWITCHYARD_MAX_INFLIGHT) or floor (SWITCHYARD_MIN_INFLIGHT)."""
+    return {name: max(1, int(total * share)) for name, share in WORK_SHARES.items()}
+
+
 def class_limits(ceiling: int, floor: int, tolerance: float, max_wait_s: float) -> dict[str, ClassLimit]:
     """One ClassLimit per work class, sized by its share of the process's ceiling and floor; each knows the classes
     below it (WORK_SHARES is in order of priority)."""
-    classes = {name: ClassLimit(name, max(1, int(ceiling * share)), max(1, int(floor * share)), tolerance,
-                                max_wait_s) for name, share in WORK_SHARES.items()}
+    ceilings, floors = class_shares(ceiling), class_shares(floor)
+    classes = {name: ClassLimit(name, ceilings[name], floors[name], tolerance, max_wait_s) for name in WORK_SHARES}
     ordered = list(classes.values())
     for i, work in enumerate(ordered):
         work.lower = ordered[i + 1:]

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from service.admission.control import Shed, behind, loop_lag_of
-from service.admission.pressure import LIGHT, WORK_SHARES, WRITE
+from service.admission.pressure import LIGHT, WORK_SHARES, WRITE, class_shares
 from service.errors import TYPE_PREFIX, problem_response
 from service.http import access_log
 from service.http.express import (
@@ -42,7 +42,7 @@ from service.pipeline import is_search, problem_reply_of, reply_of
 from service.process.link import EngineClient, EngineGone
 from service.process.links import ProcessLinks
 from service.process.messages import Call, Reply, SearchCall
-from service.process.throttle import Throttle
+from service.process.throttle import Throttle, send_ratio
 from service.settings import Settings
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade"}
@@ -224,10 +224,13 @@ class InEngineProcess:
     requests of a work class as overloaded (calls sent here, or requests passed through: EngineProxy), the front
     refuses a share of them itself (service/process/throttle.py)."""
 
-    def __init__(self, engines: list[EngineClient]) -> None:
+    def __init__(self, engines: list[EngineClient], floors: dict[str, int]) -> None:
         self.engines = engines
         self.pick = LeastBusy()
-        self.throttles = {engine: {work: Throttle() for work in WORK_SHARES} for engine in engines}
+        # floors: the fewest slots each work class has in an engine (its admission's floor), which sets how much
+        # more than the engine accepts the throttle sends on
+        self.throttles = {engine: {work: Throttle(send_ratio(floors[work])) for work in WORK_SHARES}
+                          for engine in engines}
         # requests refused here, by reason, not yet told to the engine
         self.unreported: dict[EngineClient, dict[str, int]] = {engine: {} for engine in engines}
 
@@ -277,7 +280,7 @@ class Front(Express):
         if not links.engines:
             raise RuntimeError("a front process is started by `switchyard serve`, which hands it the engines' sockets")
         self.engines = [EngineClient(engine.calls) for engine in links.engines]
-        self.calls = InEngineProcess(self.engines)
+        self.calls = InEngineProcess(self.engines, class_shares(settings.admission.min_inflight))
         proxies = [EngineProxy(str(sockets.http), self.calls.unreported[engine], self.calls.throttles[engine])
                    for sockets, engine in zip(links.engines, self.engines)]
         self.proxies = proxies
