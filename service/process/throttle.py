@@ -11,12 +11,11 @@ more: what goes on then grows by about K per TAU_S) and the rest is refused by t
 decay exponentially (time constant TAU_S), so a front idle for a while starts afresh. The engine counts the front's
 refusals in its metrics (reason "throttled"), told with the front's next request to it.
 
-K is per work class, from the slots the engine gives it (send_ratio): once the throttle has settled, the engine
-refuses 1 - 1/K of what it is sent, and an engine with few slots and a short queue refuses that many only when it is
-sent well past its capacity, since calls bunch (a class of two slots with one place to wait, the least on one core,
-stays busy 0.76 of the time at K = 1.5, 0.94 at K = 3). The spare load a loss system needs falls with the square
-root of its slots (as in square-root staffing), so K = 1 + 2.5 / sqrt(slots), at least MIN_K: each call the engine
-refuses costs it about 11 us (engine_host.py's screen), against 400 us or more for a search it answers.
+K is per work class, from the slots the engine gives it (send_ratio). Once settled, the engine refuses 1 - 1/K of
+what it is sent, and a class with few slots and a short queue refuses that share while still below its capacity
+(calls bunch), so the fewer its slots, the larger the K that keeps it busy (K - 1 falls with the square root of the
+slots, as in square-root staffing). Why, and what was measured: docs/design/serving.md ("Refusals made where the
+answering core does not pay").
 """
 
 from __future__ import annotations
