@@ -136,8 +136,7 @@ def serve(throttle: Throttle, clock: Clock, rate: float, seconds: float, slots: 
 def test_an_engine_with_few_slots_is_kept_busy_at_four_times_its_capacity(slots):
     """Calls refused by the engine are what tells the throttle to send more, and with a short queue the engine
     refuses some even below its capacity (calls bunch): sent K = send_ratio(slots) times what it accepts, it stays
-    busy. At K = 1.5 a class of two slots with one place to wait was busy 0.76 of the time, and overload.py measured
-    0.45-0.84 of capacity for k=100 searches with the front on a core of its own."""
+    busy. At K = 1.5 a class of two slots with one place to wait was busy 0.76 of the time (an M/M/2/3 loss system)."""
     clock = Clock()
     throttle = Throttle(send_ratio(slots), clock, random.Random(slots).random)
     places, service_s = max(1, slots // 2), 0.004  # as the engine's queue: about a slot's worth per two slots
