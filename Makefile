@@ -9,13 +9,8 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 run: $(VENV)/.installed
 	$(BIN)/switchyard serve
 
-# Test modules run in TEST_WORKERS processes (pytest-xdist), each module whole in one of them (its services and
-# database are module fixtures): 2 took the suite from 24 to 16 minutes on a 2-core machine, and 4 there made
-# tests that kill and restart services miss their deadlines. TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
-
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest
 
 # ruff (pyflakes, pycodestyle, import order, bugbear) over the repository, mypy over the service's packages:
 # configured in pyproject.toml. `make test` runs it first.
