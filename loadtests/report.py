@@ -199,7 +199,9 @@ def _vector_plots(out: Path, summary: dict[str, Any]) -> None:
         curve = sorted((r for r in rows if r["stage"] == "params"), key=lambda r: r["recall"] or 0)
         ax.plot([r["recall"] for r in curve], [r["qps"] for r in curve], marker="o", label=target)
         for r in curve:
-            ax.annotate(r["setting"], (r["recall"], r["qps"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            if r["recall"] is not None:  # none: the step had no answer to score
+                ax.annotate(r["setting"], (r["recall"], r["qps"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
         _mark_failures(ax, [(r["recall"], r["qps"], r) for r in curve])
     _failures_legend(ax, summary["points"])
     users = summary.get("param_users") or (summary["points"][0]["users"] if summary["points"] else 0)

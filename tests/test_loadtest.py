@@ -497,3 +497,16 @@ def test_embedded_baseline_removes_its_temporary_directory(monkeypatch, tmp_path
     with processes.embedded_postgres(kept):
         pass
     assert (kept / "pgdata" / "base").exists()  # a folder given by the caller is the caller's
+
+
+def test_the_recall_plot_takes_a_step_that_had_no_answer_to_score(tmp_path):
+    """A step whose requests were all refused has no recall: it stays in the table, off the recall axis (its
+    label once crashed the plot)."""
+    def point(setting: str, recall: float | None, qps: float, failures: int) -> dict:
+        return {"target": "cpu", "stage": "params", "setting": setting, "label": f"cpu {setting}", "users": 4,
+                "recall": recall, "qps": qps, "failures": failures, "failure_rate": 1.0 if failures else 0.0}
+
+    summary = {"k": 10, "dataset": {"rows": 1000, "dim": 8}, "param_users": 4,
+               "points": [point("ef=16", 0.91, 120.0, 0), point("ef=64", None, 0.0, 40)]}
+    report._vector_plots(tmp_path, summary)
+    assert (tmp_path / "recall_vs_qps.png").stat().st_size > 0
