@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import run
+from service.process.launcher import SOCKET_NAME_MAX, sockets_directory
 
 
 def free_port() -> int:
@@ -263,3 +266,24 @@ def test_sigterm_drains_in_flight_requests_saves_snapshots_and_stops_postgres(tm
         wait_ready(port, again)
         described = httpx.get(f"{base}/v1/collections/drain").json()
         assert described["count"] == rows  # the acknowledged write is all there
+
+
+def test_the_engines_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep(tmp_path, monkeypatch):
+    """A unix socket's path is at most about 100 bytes: under a deep $TMPDIR the fronts' layout could not bind one."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    short = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        for base, expected in ((deep, Path("/tmp")), (short, short)):
+            monkeypatch.setattr(tempfile, "tempdir", str(base))
+            folder = sockets_directory(12)
+            try:
+                assert folder.parent == expected
+                path = folder / "engine-11-http.sock"
+                assert len(os.fsencode(path)) <= SOCKET_NAME_MAX
+                with socket.socket(socket.AF_UNIX) as bound:
+                    bound.bind(str(path))
+            finally:
+                shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(short)

@@ -27,6 +27,7 @@ EXPRESS_PROTOCOL = "service.http.express_protocol:ExpressProtocol"
 CAPPED_PROTOCOL = "service.http.connections:CappedProtocol"
 UVICORN_FLAGS = ("--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SOCKET_NAME_MAX = 100  # bytes of a unix socket's path, with room to spare on every platform
 
 
 class _Signalled(BaseException):
@@ -58,6 +59,16 @@ def launch(settings: Settings) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def sockets_directory(engines: int) -> Path:
+    """A private directory for the engines' unix sockets, under the temporary directory ($TMPDIR), or under /tmp
+    where that is too deep for a socket's name (at most 107 bytes on Linux, 103 on macOS)."""
+    longest = len(f"/switchyard-12345678/engine-{engines - 1}-http.sock")
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + longest > SOCKET_NAME_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="switchyard-", dir=base))
+
+
 def _launch(settings: Settings) -> int:
     import uvicorn
 
@@ -69,9 +80,8 @@ def _launch(settings: Settings) -> int:
         _serve_here(settings, common)
         return 0
     engines = settings.engine_processes
-    # Engine processes listen on unix sockets in a private directory with a short path (socket names are limited
-    # to about 100 bytes); the fronts, a child process tree, listen on the port.
-    sockets = Path(tempfile.mkdtemp(prefix="switchyard-"))
+    # Engine processes listen on unix sockets in a private directory; the fronts, a child process tree, on the port.
+    sockets = sockets_directory(engines)
     links = ProcessLinks(tuple(EngineSockets(sockets / f"engine-{i}.sock", sockets / f"engine-{i}-http.sock")
                                for i in range(engines)))
     os.environ["SWITCHYARD_ENGINES"] = str(engines)  # each engine sizes its threads and memory by it
