@@ -171,10 +171,11 @@ def test_connections_opened_together_are_spread_over_the_workers(tmp_path):
         interrupt(proc)
 
 
-def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path):
+def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path, request):
     """Uvicorn raises SIGTERM again once it has shut down; the engine's sockets' directory still goes."""
-    data_dir, port, tmp = tmp_path / "data", free_port(), tmp_path / "tmp"
-    tmp.mkdir()
+    data_dir, port = tmp_path / "data", free_port()
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short enough for the sockets' names (sockets_directory)
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
            "TMPDIR": str(tmp), "SWITCHYARD_FRONTS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir",
@@ -269,7 +270,7 @@ def test_sigterm_drains_in_flight_requests_saves_snapshots_and_stops_postgres(tm
 
 
 def test_the_engines_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep(tmp_path, monkeypatch):
-    """A unix socket's path is at most about 100 bytes: under a deep $TMPDIR the fronts' layout could not bind one."""
+    """A unix socket's path is at most 107 bytes on Linux: under a deep $TMPDIR fronts could not bind one."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     short = Path(tempfile.mkdtemp(dir="/tmp"))

@@ -27,7 +27,7 @@ EXPRESS_PROTOCOL = "service.http.express_protocol:ExpressProtocol"
 CAPPED_PROTOCOL = "service.http.connections:CappedProtocol"
 UVICORN_FLAGS = ("--no-access-log", "--no-proxy-headers", "--timeout-graceful-shutdown", "20")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SOCKET_NAME_MAX = 100  # bytes of a unix socket's path, with room to spare on every platform
+SOCKET_NAME_MAX = 103  # bytes of a unix socket's path: 107 on Linux, 103 on macOS
 
 
 class _Signalled(BaseException):
@@ -61,7 +61,7 @@ def launch(settings: Settings) -> int:
 
 def sockets_directory(engines: int) -> Path:
     """A private directory for the engines' unix sockets, under the temporary directory ($TMPDIR), or under /tmp
-    where that is too deep for a socket's name (at most 107 bytes on Linux, 103 on macOS)."""
+    where that is too deep for a socket's name (SOCKET_NAME_MAX)."""
     longest = len(f"/switchyard-12345678/engine-{engines - 1}-http.sock")
     base = tempfile.gettempdir()
     if len(os.fsencode(base)) + longest > SOCKET_NAME_MAX and os.path.isdir("/tmp"):
