@@ -30,8 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(data_dir: Path, port: int, workers: int = 1) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}
+def serve(data_dir: Path, port: int, workers: int = 1, **extra_env: str) -> subprocess.Popen:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")}, **extra_env}
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
          "--workers", str(workers)],
@@ -39,19 +39,27 @@ def serve(data_dir: Path, port: int, workers: int = 1) -> subprocess.Popen:
     )
 
 
+def stop(proc: subprocess.Popen) -> str:
+    """Ctrl-C, so that the service stops its embedded PostgreSQL too; SIGKILL only if that takes over a minute.
+    What it printed since it was last read."""
+    if proc.poll() is not None:
+        return ""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=60)[0] or ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return ""
+
+
 @contextmanager
-def serving(data_dir: Path, port: int, workers: int = 1) -> Iterator[subprocess.Popen]:
+def serving(data_dir: Path, port: int, workers: int = 1, **extra_env: str) -> Iterator[subprocess.Popen]:
     """`switchyard serve` for the duration of a block; stopped (and its PostgreSQL with it) even if a test fails."""
-    proc = serve(data_dir, port, workers)
+    proc = serve(data_dir, port, workers, **extra_env)
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc)
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> float:
@@ -65,8 +73,7 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> fl
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"not ready within {timeout_s} s:\n{proc.stdout.read()}")
+    pytest.fail(f"not ready within {timeout_s} s:\n{stop(proc)}")
 
 
 def interrupt(proc: subprocess.Popen) -> str:
@@ -176,18 +183,11 @@ def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path, request):
     data_dir, port = tmp_path / "data", free_port()
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short enough for the sockets' names (sockets_directory)
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SWITCHYARD_")},
-           "TMPDIR": str(tmp), "SWITCHYARD_FRONTS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--data-dir",
-                             str(data_dir)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with serving(data_dir, port, TMPDIR=str(tmp), SWITCHYARD_FRONTS="1") as proc:
         wait_ready(port, proc)
         assert [p.name for p in tmp.glob("switchyard-*")], "the sockets' directory is elsewhere"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == -signal.SIGTERM, out  # the exit status still says SIGTERM
     assert not list(tmp.glob("switchyard-*")), out
     assert not (data_dir / "postgres" / "postmaster.pid").exists()
