@@ -207,7 +207,8 @@ class AdmissionSettings(Group):
                                 "it as their limits).")
     loop_lag_target_ms: float = setting(2.0, ge=0, le=1000, description=(
         "If set, the most readable requests may wait for the event loop, standing: once the lag has stood past it "
-        "for 100 ms (a burst the loop drains sooner is no overload), a growing share of new /v1 requests is refused "
+        "for 100 ms with requests arriving meanwhile (a burst the loop drains sooner is no overload; nor is a loop "
+        "slowed by a job while a request or two waits), a growing share of new /v1 requests is refused "
         "(503) at the least cost until the loop keeps up again (in the engine and in each front process), and "
         "inline answers no longer move the in-flight limit (0: off; the lag is measured all the same, "
         "switchyard_event_loop_lag_seconds; "

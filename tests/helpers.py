@@ -43,7 +43,9 @@ def wait_job(client: TestClient, location: str, timeout_s: float = 240.0) -> dic
     """Poll a job until it ends; its last state."""
     deadline = time.monotonic() + timeout_s
     while True:
-        job = client.get(location).json()
+        answer = client.get(location)
+        job = answer.json()
+        assert answer.status_code == 200, (answer.status_code, dict(answer.headers), job)
         if job["state"] not in ("queued", "running"):
             return job
         if time.monotonic() > deadline:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
+import numpy as np
 import pytest
 import uvloop
 
 from service.admission.control import Admission, Shed
-from service.admission.loop_lag import BURST_S, DECREASE, INCREASE, MAX_SHARE, TICK_S, WINDOW, LoopLag
+from service.admission.loop_lag import BURST_S, DECREASE, INCREASE, MAX_SHARE, QUEUED_MIN, TICK_S, WINDOW, LoopLag
 from service.settings import Settings
 
 
@@ -54,6 +56,77 @@ def test_a_burst_the_loop_drains_within_the_allowance_refuses_nothing_and_renews
     for _ in range(WINDOW - 1 + math.ceil(BURST_S / (TICK_S + 0.01)) + 1):
         lag.observe(0.010)
     assert lag.share > 0 and any(lag.refuse_next() for _ in range(10))
+
+
+def test_a_lag_few_requests_arrived_during_refuses_nothing():
+    """Only a backlog of requests is refused for: a loop slowed by other work with one client's request now and then
+    cannot be sped up by refusing it."""
+    lag = LoopLag(0.002)
+    for _ in range(100):
+        lag.observe(0.010, arrived=QUEUED_MIN - 1)
+    assert lag.lag_s == 0.010 and lag.queued_s == 0 and lag.share == 0
+    for _ in range(100):
+        lag.observe(0.010, arrived=QUEUED_MIN)
+    assert lag.queued_s == 0.010 and lag.share > 0.5
+
+
+def _hold_the_gil_in_long_calls(stop: threading.Event) -> None:
+    """A job's thread: one C call that keeps the GIL for about 0.1 s at a time (sorting never lets it go)."""
+    numbers = np.random.default_rng(0).random(600_000).tolist()
+    while not stop.is_set():
+        sorted(numbers)
+
+
+def _spin(seconds: float) -> None:
+    """Work on the calling thread (Python running)."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+async def _most_lag_and_share(requests_per_turn: int, turn_s: float, job: bool) -> tuple[float, float]:
+    """For a second, `requests_per_turn` requests arrive in each turn of the running loop, which works `turn_s` on
+    them, then waits 1 ms for the next (beside a job's thread holding the GIL, if `job`): the most lag and the most
+    share refused the gate saw."""
+    lag = LoopLag(0.002)
+    lag.start(asyncio.get_running_loop())
+    stop = threading.Event()
+    holder = threading.Thread(target=_hold_the_gil_in_long_calls, args=(stop,))
+    if job:
+        holder.start()
+    most_lag = most_share = 0.0
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for _ in range(requests_per_turn):
+                lag.arrive()
+            _spin(turn_s)
+            await asyncio.sleep(0.001 if not turn_s else 0)
+            most_lag, most_share = max(most_lag, lag.lag_s), max(most_share, lag.share)
+    finally:
+        stop.set()
+        if holder.is_alive():
+            holder.join()
+        lag.stop()
+    return most_lag, most_share
+
+
+def test_a_job_holding_the_gil_is_seen_and_refuses_nothing():
+    """One client, one request at a time, while a job's thread holds the GIL for 0.1 s at a time. On uvloop (what
+    the service runs on): asyncio's own loop sends the probe from a timer that, starved of the GIL, fires only once
+    the loop has it again, so there the stall is not seen at all."""
+    lag_s, share = uvloop.run(_most_lag_and_share(1, 0.0, job=True))
+    assert lag_s > 0.01 and share == 0  # the lag is seen (and exported), and nothing is refused for it
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_backlog_of_requests_is_refused_for(loop_factory):
+    loop = loop_factory()
+    try:  # 5 requests a turn, 10 ms of work on them
+        lag_s, share = loop.run_until_complete(_most_lag_and_share(5, 0.01, job=False))
+    finally:
+        loop.close()
+    assert lag_s > 0.004 and share > 0.5
 
 
 def test_without_a_target_the_lag_is_measured_and_nothing_refused():

@@ -68,8 +68,9 @@ def loop_lag_of(admission: Any) -> LoopLag:
 
 def behind(loop_lag: LoopLag, whose: str) -> Shed:
     """The refusal of a request that is one of the share refused while `whose` event loop runs behind."""
-    return Shed(f"{whose} event loop is {loop_lag.lag_s * 1000:.1f} ms behind its sockets "
-                "(SWITCHYARD_LOOP_LAG_TARGET_MS); this request was not run", 1.0, reason="loop_lag")
+    return Shed(f"{whose} event loop has run behind the requests waiting in its sockets (now "
+                f"{loop_lag.lag_s * 1000:.1f} ms, SWITCHYARD_LOOP_LAG_TARGET_MS): {loop_lag.share:.0%} of new requests "
+                "are refused until it keeps up; this request was not run", 1.0, reason="loop_lag")
 
 
 def parse_timeout(value: bytes | str) -> float:
@@ -340,6 +341,7 @@ class Admission:
     def check_loop(self) -> None:
         """Refuse (Shed, 503) the request arriving now if it is one of the share refused while the event loop runs
         behind (service/admission/loop_lag.py); each call counts as one request."""
+        self.loop_lag.arrive()
         if self.loop_lag.refuse_next():
             self.shed("requests", "loop_lag")
             raise behind(self.loop_lag, "the service's")

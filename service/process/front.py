@@ -295,6 +295,7 @@ class Front(Express):
         body is parsed, at about eight times the CPU; other requests would be passed through over HTTP first). None:
         the request goes on, drawn for (run does not draw again). A request with a missing key or a bad header is
         left to __call__, which answers it as before."""
+        self.loop_lag.arrive()
         lagging = bool(self.loop_lag.share)
         if not lagging and not self.calls.refusing():
             return None, False  # the common case, made cheap: no header is read
