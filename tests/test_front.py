@@ -477,7 +477,8 @@ def test_an_engine_refuses_a_call_it_has_no_room_for_as_it_arrives_without_runni
     """A front's call that finds its work class without a free slot or room to wait is refused by the engine as its
     frame arrives (503 overloaded, reason inflight, Retry-After), without a task or its handler: under overload the
     engine still refuses about one call in three that the fronts send it (throttle.K). The front's own refusals it
-    carries are counted all the same; once there is room, calls are run again."""
+    carries are counted all the same, and every call as one request arrived (loop_lag.py); once there is room, calls
+    are run again."""
     from service.admission.pressure import LIGHT
     from service.http.app import create_app
     from service.process.engine_host import engine_server
@@ -517,6 +518,7 @@ def test_an_engine_refuses_a_call_it_has_no_room_for_as_it_arrives_without_runni
             (await runtime.metrics.render()).decode()) if family.name == "switchyard_shed"
             for s in family.samples if s.name == "switchyard_shed_total" and s.labels["engine"] == "requests"}
         assert shed["throttled"] == 10 and shed["inflight"] == 5, shed
+        assert runtime.admission.loop_lag.arrived == 6  # each call, refused or run, arrived for the loop's lag gate
 
     asyncio.run(go())
 

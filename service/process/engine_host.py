@@ -17,8 +17,11 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
     admission = runtime.admission  # the in-flight limit covers the fronts' hot calls too
 
     def told(request: Request) -> None:
-        for reason, count in request.refused.items():  # refused by the front meanwhile: counted here, where
-            admission.shed("requests", reason, count)  # /metrics is read
+        """Once per call from a front: what the front refused meanwhile, counted here, where /metrics is read; and
+        the call itself, for the event loop's lag gate (a backlog of calls is a backlog of requests)."""
+        admission.loop_lag.arrive()
+        for reason, count in request.refused.items():
+            admission.shed("requests", reason, count)
 
     def screen(request: Request) -> Reply | None:
         """A call whose work class has no free slot and no room to wait, refused as it arrives, without a task, as
