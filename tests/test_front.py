@@ -459,6 +459,7 @@ def test_a_front_whose_event_loop_runs_behind_refuses_a_share_from_the_headers(t
             while front.loop_lag.share:  # caught up: the next call carries the last refusals to the engine
                 front.loop_lag.observe(0.0)
             assert (await client.post("/v1/collections/c/search", json={"vector": [1.0, 2.0]})).status_code == 200
+            assert front.loop_lag.arrived == 102  # every request, refused or not, arrived for the gate
         return answers, keyless, share
 
     answers, keyless, share = asyncio.run(go(2.0))
