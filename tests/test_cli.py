@@ -40,16 +40,23 @@ def serve(data_dir: Path, port: int, workers: int = 1, **extra_env: str) -> subp
 
 
 def stop(proc: subprocess.Popen) -> str:
-    """Ctrl-C, so that the service stops its embedded PostgreSQL too; SIGKILL only if that takes over a minute.
-    What it printed since it was last read."""
-    if proc.poll() is not None:
-        return ""
-    proc.send_signal(signal.SIGINT)
+    """Ctrl-C (if it still runs), so that the service stops its embedded PostgreSQL too; SIGKILL only if that takes
+    over a minute. What it printed since it was last read."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
     try:
         return proc.communicate(timeout=60)[0] or ""
     except subprocess.TimeoutExpired:
         proc.kill()
         return ""
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory under /tmp, short enough for unix sockets' names (sockets_directory)."""
+    path = Path(tempfile.mkdtemp(dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager
@@ -77,8 +84,7 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> fl
 
 
 def interrupt(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    out, _ = proc.communicate(timeout=60)
+    out = stop(proc)
     assert proc.returncode == 0, out
     return out
 
@@ -178,11 +184,9 @@ def test_connections_opened_together_are_spread_over_the_workers(tmp_path):
         interrupt(proc)
 
 
-def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path, request):
+def test_sigterm_with_fronts_removes_the_sockets_directory(tmp_path, short_tmp):
     """Uvicorn raises SIGTERM again once it has shut down; the engine's sockets' directory still goes."""
-    data_dir, port = tmp_path / "data", free_port()
-    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short enough for the sockets' names (sockets_directory)
-    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    data_dir, port, tmp = tmp_path / "data", free_port(), short_tmp
     with serving(data_dir, port, TMPDIR=str(tmp), SWITCHYARD_FRONTS="1") as proc:
         wait_ready(port, proc)
         assert [p.name for p in tmp.glob("switchyard-*")], "the sockets' directory is elsewhere"
@@ -269,22 +273,19 @@ def test_sigterm_drains_in_flight_requests_saves_snapshots_and_stops_postgres(tm
         assert described["count"] == rows  # the acknowledged write is all there
 
 
-def test_the_engines_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep(tmp_path, monkeypatch):
+def test_the_engines_sockets_go_under_tmp_when_the_temporary_directory_is_too_deep(tmp_path, short_tmp,
+                                                                                  monkeypatch):
     """A unix socket's path is at most 107 bytes on Linux: under a deep $TMPDIR fronts could not bind one."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    short = Path(tempfile.mkdtemp(dir="/tmp"))
-    try:
-        for base, expected in ((deep, Path("/tmp")), (short, short)):
-            monkeypatch.setattr(tempfile, "tempdir", str(base))
-            folder = sockets_directory(12)
-            try:
-                assert folder.parent == expected
-                path = folder / "engine-11-http.sock"
-                assert len(os.fsencode(path)) <= SOCKET_NAME_MAX
-                with socket.socket(socket.AF_UNIX) as bound:
-                    bound.bind(str(path))
-            finally:
-                shutil.rmtree(folder)
-    finally:
-        shutil.rmtree(short)
+    for base, expected in ((deep, Path("/tmp")), (short_tmp, short_tmp)):
+        monkeypatch.setattr(tempfile, "tempdir", str(base))
+        folder = sockets_directory(12)
+        try:
+            assert folder.parent == expected
+            path = folder / "engine-11-http.sock"
+            assert len(os.fsencode(path)) <= SOCKET_NAME_MAX
+            with socket.socket(socket.AF_UNIX) as bound:
+                bound.bind(str(path))
+        finally:
+            shutil.rmtree(folder)

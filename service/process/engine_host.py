@@ -16,7 +16,7 @@ from service.runtime import Runtime
 def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineServer:
     admission = runtime.admission  # the in-flight limit covers the fronts' hot calls too
 
-    def told(request: Request) -> None:
+    def arrived(request: Request) -> None:
         """Once per call from a front: what the front refused meanwhile, counted here, where /metrics is read; and
         the call itself, for the event loop's lag gate (a backlog of calls is a backlog of requests)."""
         admission.loop_lag.arrive()
@@ -32,7 +32,7 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
             # screened: not one of the loop's share (as in handle, the fronts' gates and throttles bound these)
             admission.check_room(LIGHT if search else WRITE, HOT_KINDS[search], screened=True)
         except ProblemError as exc:
-            told(request)
+            arrived(request)
             reply = problem_reply_of(exc, call_scope(request.call, search)["path"])
             reply.id = request.id
             return reply
@@ -41,7 +41,7 @@ def engine_server(runtime: Runtime, pipeline: Pipeline, path: Path) -> EngineSer
     async def handle(request: Request) -> Reply:
         # Each request runs as its own task here: what begin() sets holds for it alone.
         call, search = request.call, is_search(request.call)
-        told(request)
+        arrived(request)
         try:
             admission.begin(request.deadline, request.principal)
             ticket = await admission.enter(LIGHT if search else WRITE, HOT_KINDS[search])
