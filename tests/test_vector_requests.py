@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from service.http.vector_requests import CACHED_QUERY_CHARS, _cached_search_fields, raw_search_fields
+import orjson
+import pytest
+from fastapi.exceptions import RequestValidationError
+
+from service.http.vector_requests import CACHED_QUERY_CHARS, _cached_search_fields, parse_search, raw_search_fields
 
 
 def test_long_query_strings_are_parsed_each_time_and_not_remembered():
@@ -16,3 +20,37 @@ def test_long_query_strings_are_parsed_each_time_and_not_remembered():
     assert _cached_search_fields.cache_info().currsize == before
     assert raw_search_fields(short)[0]["k"] == 7
     assert raw_search_fields(short) is raw_search_fields(short)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"vector": [1.0], "k": "3"}, "k"), ({"vector": [1.0], "k": True}, "k"),
+    ({"vector": [1.0], "params": {"ef": "64"}}, "params.ef"), ({"vector": [1.0], "params": {"ef": True}}, "params.ef"),
+    ({"vector": [1.0], "recall_target": "0.9"}, "recall_target"),
+    ({"vector": [1.0], "recall_target": 0}, "recall_target"),
+    ({"vector": [1.0], "recall_target": 1.01}, "recall_target"),
+    ({"vector": [1.0], "seq": "4", "consistency": "session"}, "seq"),
+])
+def test_numbers_are_json_numbers(body, field):
+    """A string or a boolean where the schema says number is refused, naming the field, as the schema says."""
+    with pytest.raises(RequestValidationError) as caught:
+        parse_search("c", orjson.dumps(body))
+    assert [".".join(map(str, e["loc"][1:])) for e in caught.value.errors()] == [field]
+
+
+def test_numbers_keep_their_kind():
+    """An integral number is taken by an integer field (2.0 is JSON Schema's integer), and a search parameter stays
+    the integer or float it was sent as."""
+    call = parse_search("c", orjson.dumps({"vector": [1.0], "k": 2.0, "params": {"ef": 64, "ratio": 1.5},
+                                           "recall_target": None}))
+    assert call.k == 2 and type(call.params["ef"]) is int and call.params["ratio"] == 1.5
+
+
+def test_query_string_numbers():
+    """A raw search's query string carries numbers as text: they are read as numbers, and a word is refused."""
+    fields, _ = raw_search_fields("k=5&recall_target=1&ef=64&refine=1.5&seq=3&consistency=session")
+    assert (fields["k"], fields["recall_target"], fields["seq"]) == (5, 1.0, 3)
+    assert fields["params"] == {"ef": 64, "refine": 1.5} and type(fields["params"]["ef"]) is int
+    for bad, field in (("k=five", "k"), ("k=true", "k"), ("recall_target=2", "recall_target"), ("ef=x", "ef")):
+        with pytest.raises(RequestValidationError) as caught:
+            raw_search_fields(bad)
+        assert caught.value.errors()[0]["loc"] == ("query", field), bad

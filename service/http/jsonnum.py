@@ -1,6 +1,6 @@
-"""Numbers in request bodies as JSON means them: pydantic's lax mode reads `true`/`false` as 1/0 for int and
-float fields, which the schema (and a careful client) calls a type error. These refuse booleans, and an integer
-field still takes 2.0, as JSON Schema's "integer" does."""
+"""Numbers in request bodies as JSON means them: pydantic's lax mode reads `true`/`false` as 1/0 and `"3"` as 3
+for int and float fields, which the schema (and a careful client) calls a type error. These refuse booleans and
+strings, and an integer field still takes 2.0, as JSON Schema's "integer" does."""
 
 from __future__ import annotations
 
@@ -9,23 +9,26 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, StrictFloat
 
 
-def _not_bool(value: Any) -> Any:
+def _number_only(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("a boolean is not a number")
+    if isinstance(value, str):
+        raise ValueError("a string is not a number")
     return value
 
 
-def _no_bool_items(value: Any) -> Any:
-    if isinstance(value, list) and any(isinstance(item, bool) for item in value):
-        raise ValueError("a boolean is not a number")
+def _number_items_only(value: Any) -> Any:
+    if isinstance(value, list) and any(isinstance(item, (bool, str)) for item in value):
+        raise ValueError("every item must be a number (not a boolean or a string)")
     return value
 
 
-NOT_BOOL = BeforeValidator(_not_bool)
-Int = Annotated[int, NOT_BOOL]
-# A bounded optional integer: Annotated[int, Field(ge=.., le=..), NOT_BOOL] | None, bounds before the validator.
+NUMBER_ONLY = BeforeValidator(_number_only)
+Int = Annotated[int, NUMBER_ONLY]
+# A bounded optional number: Annotated[int, Field(ge=.., le=..), NUMBER_ONLY] | None, bounds before the validator.
 # (`Int | None = Field(ge=..)`, or the bounds after it, reach the JSON schema as "ge"/"le", no JSON Schema keywords.)
-IntList = Annotated[list[int], BeforeValidator(_no_bool_items)]  # one check per list: ids lists are long
-Float = StrictFloat  # strict float takes ints, and no booleans
+IntList = Annotated[list[int], BeforeValidator(_number_items_only)]  # one check per list: ids lists are long
+Float = StrictFloat  # strict float takes ints, and no booleans or strings
+Number = Annotated[int | float, NUMBER_ONLY]  # search parameters: an integer stays one
 # json_schema_extra of an id list the service refuses duplicates in (indexes/vectors.check_ids, spatial ids)
 UNIQUE_ITEMS: dict[str, Any] = {"uniqueItems": True}

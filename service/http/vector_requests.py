@@ -28,7 +28,7 @@ from indexes.vectors import (
     unshaped_matrix,
 )
 from service.errors import ProblemError
-from service.http.jsonnum import NOT_BOOL, UNIQUE_ITEMS, Float, Int, IntList
+from service.http.jsonnum import NUMBER_ONLY, UNIQUE_ITEMS, Float, Int, IntList, Number
 from service.http.openapi import exactly_one_of
 from service.process.messages import SearchCall, UpsertCall, float32_bytes
 
@@ -37,11 +37,14 @@ RAW_VECTORS = "application/octet-stream"
 REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
 
 
+RecallTarget = Annotated[Float, Field(gt=0, le=1)]
+
+
 class SearchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k: Int = Field(default=10, ge=1, le=MAX_K)
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
-    params: dict[str, int | float] | None = Field(default=None, description=(
+    params: dict[str, Number] | None = Field(default=None, description=(
         "Search parameters of the engine: ivf_flat {n_probes}; ivf_pq {n_probes, refine_ratio}; hnsw {ef}; "
         "cagra {itopk_size, search_width}; pgvector {ef_search, probes}."))
     filter: dict[str, Any] | None = Field(default=None, description=(
@@ -50,7 +53,7 @@ class SearchOptions(BaseModel):
         "range bounds are numbers or ISO-8601 dates. The same meaning on every engine; see docs/api.md, "
         "'Filtered search'. A bad filter is a 422 naming the path inside it."),
         examples=[{"$and": [{"category": {"$in": ["books", "music"]}}, {"price": {"$lt": 20}}]}])
-    recall_target: float | None = Field(default=None, description=(
+    recall_target: RecallTarget | None = Field(default=None, description=(
         "Instead of `params`: the recall@10 wanted (e.g. 0.95). The resident engine uses the cheapest search "
         "parameters whose recall, calibrated after the index's last build, reaches it (exact search if none "
         "does); the answer's `plan` says which."))
@@ -58,7 +61,7 @@ class SearchOptions(BaseModel):
         "What the resident replica must have applied first: `strong` every commit before this search, `session` "
         "at least `seq`, `bounded` (default) every commit older than the staleness bound (1 s), `eventually` "
         "nothing. pgvector always reads the latest commit."))
-    seq: Annotated[int, Field(ge=0, le=MAX_ID), NOT_BOOL] | None = Field(
+    seq: Annotated[int, Field(ge=0, le=MAX_ID), NUMBER_ONLY] | None = Field(
         default=None, description="With `session`: the seq a write of yours returned.")
 
     @field_validator("params")
@@ -88,6 +91,7 @@ class SearchRequest(SearchOptions):
 
 
 RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
+RAW_NUMBER_FIELDS = {"k", "seq", "recall_target"}
 
 
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
@@ -98,7 +102,9 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
     params: dict[str, float] = {}
     batch = False
     for name, value in parse_qsl(query_string, keep_blank_values=True):
-        if name in RAW_QUERY_FIELDS:
+        if name in RAW_NUMBER_FIELDS:
+            fields[name] = _query_number(name, value)
+        elif name in RAW_QUERY_FIELDS:
             fields[name] = value
         elif name == "filter":  # the filter language, as JSON text
             try:
@@ -109,18 +115,23 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
         elif name == "batch":
             batch = value.lower() in ("1", "true", "yes")
         else:
-            try:
-                number = float(value)
-            except ValueError:
-                raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
-                                               "msg": "a search parameter must be a number"}]) from None
-            params[name] = int(number) if number.is_integer() else number
+            params[name] = _query_number(name, value)
     if params:
         fields["params"] = params
     try:
         return SearchOptions.model_validate(fields), batch
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
+
+
+def _query_number(name: str, value: str) -> int | float:
+    """A number written in a query string; an integral one as an int, so that integer options take it."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
+                                       "msg": f"{name} must be a number"}]) from None
+    return int(number) if number.is_integer() else number
 
 
 class UpsertPoints(BaseModel):

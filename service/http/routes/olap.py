@@ -35,7 +35,7 @@ class ImportRequest(BaseModel):
     path: str = Field(description="Directory of the five ssb-dbgen .tbl files, inside SWITCHYARD_SSB_IMPORT_DIR.")
     name: str = Field(default="imported", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                       description="Dataset name (directory under <data_dir>/ssb).")
-    expected_rows: dict[str, int] | None = Field(default=None, description="Row counts to check, per table.")
+    expected_rows: dict[str, Int] | None = Field(default=None, description="Row counts to check, per table.")
 
 
 class QueryRequest(BaseModel):

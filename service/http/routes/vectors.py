@@ -22,11 +22,12 @@ from indexes.vectors import (
     scan_arrow,
 )
 from service.http.deps import RuntimeDep, domain, v1_router
-from service.http.jsonnum import NOT_BOOL, UNIQUE_ITEMS, Float, Int, IntList
+from service.http.jsonnum import NUMBER_ONLY, UNIQUE_ITEMS, Float, Int, IntList, Number
 from service.http.media import media_type
 from service.http.vector_requests import (
     RAW_VECTORS,
     REQUEST_ERRORS,
+    RecallTarget,
     SearchRequest,
     UpsertPoints,
     matrix_of,
@@ -49,7 +50,7 @@ class IndexSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["auto", "brute_force", "ivf_flat", "ivf_pq", "cagra", "hnsw"] = Field(
         default="auto", description="`auto`: exact below 20,000 vectors, HNSW (CPU) / CAGRA (GPU) above.")
-    params: dict[str, int | float] = Field(default_factory=dict, description=(
+    params: dict[str, Number] = Field(default_factory=dict, description=(
         "Build parameters: ivf_flat {n_lists}; ivf_pq {n_lists, pq_dim, pq_bits}; hnsw {m, ef_construction}; "
         "cagra {graph_degree, intermediate_graph_degree}."))
 
@@ -73,9 +74,9 @@ class PgvectorIndexSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_pgvector_index_schema)
     type: Literal["hnsw", "ivfflat", "none"] | None = None
     # bounded optional integers as service/http/jsonnum.py says, so the schema has minimum/maximum
-    m: Annotated[int, Field(ge=2, le=100), NOT_BOOL] | None = None
-    ef_construction: Annotated[int, Field(ge=4, le=1000), NOT_BOOL] | None = None
-    lists: Annotated[int, Field(ge=1, le=32768), NOT_BOOL] | None = None
+    m: Annotated[int, Field(ge=2, le=100), NUMBER_ONLY] | None = None
+    ef_construction: Annotated[int, Field(ge=4, le=1000), NUMBER_ONLY] | None = None
+    lists: Annotated[int, Field(ge=1, le=32768), NUMBER_ONLY] | None = None
 
 
 class CreateCollection(BaseModel):
@@ -144,12 +145,13 @@ class RecallRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k: Int = Field(default=10, ge=1, le=MAX_K)
     engine: Literal["auto", "gpu", "cpu", "pgvector"] = "auto"
-    params: dict[str, int | float] | None = None
+    params: dict[str, Number] | None = None
     sample: Int = Field(default=100, ge=1, le=10_000, description="Stored vectors used as queries.")
     queries: list[list[Float]] | None = Field(default=None, min_length=1, max_length=10_000,
                                               description="Queries to use instead.")
     seed: Int = Field(default=0, ge=0, description="Seed of the sample's random choice (0 or more).")
-    recall_target: float | None = Field(default=None, description="Search as a search with this recall_target would.")
+    recall_target: RecallTarget | None = Field(default=None,
+                                               description="Search as a search with this recall_target would.")
 
 
 def json_body(model: type[BaseModel], more: dict[str, Any] | None = None) -> dict[str, Any]:
