@@ -7,8 +7,9 @@ phases) against a running service, with the settings in loadtests/schemathesis.t
 
 Without --url it starts `switchyard serve` on a fresh data directory (embedded PostgreSQL) and seeds it so the
 generated requests reach real resources: a collection, a point layer and a polygon layer, and with --ssb a small
-SSB dataset. Generating and importing SSB data are left out of the run: each generated case would start a job
-writing up to gigabytes (tests/test_ssb_service.py covers both routes). The report (case and failure counts,
+SSB dataset; generated spatial joins may name the seeded layers (loadtests/contract_hooks.py). Generating and
+importing SSB data are left out of the run: each generated case would start a job writing up to gigabytes
+(tests/test_ssb_service.py covers both routes). The report (case and failure counts,
 schemathesis's own output and JSON report) goes to results_dir("contract") (loadtests/processes.py).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,8 +62,10 @@ def run(url: str, max_examples: int, workers: int, seed_value: int | None, out: 
                "--exclude-path-regex", SKIPPED, "--report", "json", "--report-dir", str(out)]
     if seed_value is not None:
         command += ["--seed", str(seed_value)]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "loadtests.contract_hooks",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE.parent), os.environ.get("PYTHONPATH"))))}
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     (out / "schemathesis.txt").write_text(done.stdout + done.stderr)
     report = json.loads(max(out.glob("json-*.json")).read_text())  # schemathesis's own counts
     summary = {"exit_code": done.returncode, "max_examples": max_examples,
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or RESULTS / time.strftime("contract-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    env = {"SWITCHYARD_SSB_QUOTA_GB": "1", "SWITCHYARD_ACCESS_LOG": "false"}
+    env = {"SWITCHYARD_ACCESS_LOG": "false"}  # otherwise its defaults
     service = nullcontext(args.url) if args.url else local_service(
         1, tempfile.mkdtemp(prefix="switchyard-contract-"), out / "service.log", env=env)
     with service as url:

@@ -25,7 +25,7 @@ def _number_items_only(value: Any) -> Any:
 
 NUMBER_ONLY = BeforeValidator(_number_only)
 Int = Annotated[int, NUMBER_ONLY]
-# A bounded optional number: Annotated[int, Field(ge=.., le=..), NUMBER_ONLY] | None, bounds before the validator.
+# A bounded optional integer: Annotated[int, Field(ge=.., le=..), NUMBER_ONLY] | None, bounds before the validator.
 # (`Int | None = Field(ge=..)`, or the bounds after it, reach the JSON schema as "ge"/"le", no JSON Schema keywords.)
 IntList = Annotated[list[int], BeforeValidator(_number_items_only)]  # one check per list: ids lists are long
 Float = StrictFloat  # strict float takes ints, and no booleans or strings

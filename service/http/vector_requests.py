@@ -37,7 +37,7 @@ RAW_VECTORS = "application/octet-stream"
 REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
 
 
-RecallTarget = Annotated[Float, Field(gt=0, le=1)]
+RecallTarget = Annotated[Float, Field(gt=0, le=1)]  # the schema says exclusiveMinimum 0, maximum 1
 
 
 class SearchOptions(BaseModel):
