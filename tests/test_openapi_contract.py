@@ -173,7 +173,8 @@ def test_links_lead_from_what_creates_a_resource_to_the_operations_on_it(doc):
     collection = "/v1/collections/{name}"
     assert {(collection, "get"), (f"{collection}/search", "post"), (f"{collection}/points", "put"),
             (collection, "delete"), (f"{collection}/points/delete", "post")} <= targets[("/v1/collections", "post")]
-    assert (f"{collection}/points/delete", "post") in targets[(f"{collection}/points", "put")]
+    assert {(f"{collection}/points/delete", "post"), (f"{collection}/recall", "post")} <= targets[
+        (f"{collection}/points", "put")]
     for creates_a_job in [(f"{collection}/build", "post"), (f"{collection}/points", "put"),
                           ("/v1/olap/ssb/generate", "post"), ("/v1/olap/ssb/import", "post")]:
         assert ("/v1/jobs/{job_id}", "get") in targets[creates_a_job]
@@ -219,4 +220,7 @@ def test_following_the_links_works(doc, client):
                 assert answer.status_code == 200 and answer.json()["deleted"] == 2, answer.text
             elif name == "GetCollection":
                 assert client.get(target_path.format(**params)).status_code == 200
+            elif name == "Recall":
+                answer = client.post(target_path.format(**params), json={"sample": 2})
+                assert answer.status_code == 200 and answer.json()["queries"] == 2, answer.text
     assert followed >= 10

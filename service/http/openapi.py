@@ -85,13 +85,13 @@ LINKS: dict[tuple[str, str, str], dict[str, tuple[str, str, dict[str, Any]]]] = 
         "UpsertPoints": (f"{COLLECTION}/points", "put", _NAME_FROM_BODY),
         "SearchCollection": (f"{COLLECTION}/search", "post", _NAME_FROM_BODY),
         "DeletePoints": (f"{COLLECTION}/points/delete", "post", _NAME_FROM_BODY),
-        "Recall": (f"{COLLECTION}/recall", "post", _NAME_FROM_BODY),
         "BuildCollection": (f"{COLLECTION}/build", "post", _NAME_FROM_BODY),
         "DeleteCollection": (COLLECTION, "delete", _NAME_FROM_BODY),
     },
     (f"{COLLECTION}/points", "put", "200"): {
         "GetCollection": (COLLECTION, "get", _NAME_FROM_PATH),
         "SearchCollection": (f"{COLLECTION}/search", "post", _NAME_FROM_PATH),
+        "Recall": (f"{COLLECTION}/recall", "post", _NAME_FROM_PATH),  # not from creating it: empty, it is a 409
         "DeleteThesePoints": (f"{COLLECTION}/points/delete", "post",
                               {**_NAME_FROM_PATH, "requestBody": {"ids": "$request.body#/ids"}}),
         "DeleteCollection": (COLLECTION, "delete", _NAME_FROM_PATH),
