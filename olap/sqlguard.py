@@ -7,7 +7,8 @@ by exact name (`WITH "PG_ROLES" ... FROM pg_roles` reads the catalog in PostgreS
 qualified column `t.c` must name a column `t` is known to have (or an SSB column, which no PostgreSQL function is
 named after): PostgreSQL reads `t.f` on a table without a column f as the call f(t). Functions that make strings
 larger than their input (repeat, lpad, replace, concat, ||, string_agg...) are not on the list: nested, they build
-gigabytes from one character. The query's own parameters ($1, ?) are refused: no values are sent.
+gigabytes from one character. The query's own parameters ($1, ?) are refused: no values are sent. So is
+sampling (TABLESAMPLE, USING SAMPLE), which the engines read differently.
 
 This is the first of two walls: the engines also run ad-hoc SQL with file and network access off (DuckDB) or as
 an unprivileged role in a read-only transaction (PostgreSQL). The rules in full: docs/design/olap.md#the-sql-guard.
@@ -70,6 +71,10 @@ TABLE_REFS = {"BASE_TABLE", "JOIN", "SUBQUERY", "EMPTY", "EXPRESSION_LIST"}
 SESSION_NAMES = {"current_user", "session_user", "user", "current_role", "current_catalog", "current_schema",
                  "system_user"}
 TABLE_NAMES = set(TABLES)
+# A sample (on a FROM item or the whole SELECT) means different things per engine, so no rule could hold for all.
+SAMPLING_REFUSED = ("sampling (TABLESAMPLE, USING SAMPLE) is not allowed: the engines read it differently "
+                    "(TABLESAMPLE SYSTEM (10) is 10 rows in DuckDB, 10 percent in PostgreSQL; USING SAMPLE is "
+                    "DuckDB's alone)")
 _parser = threading.local()  # parse_tree's DuckDB connections, one per thread (a connection is not thread-safe)
 
 
@@ -163,7 +168,9 @@ class _Walk:
             return
         if not isinstance(node, dict):
             return
-        kind = node.get("type")
+        kind = _name(node, "type")
+        if node.get("sample"):
+            raise SqlRejected(SAMPLING_REFUSED)
         if kind == "RECURSIVE_CTE_NODE":
             raise SqlRejected("recursive queries (WITH RECURSIVE) are not allowed")
         if kind == "TABLE_FUNCTION":
@@ -191,7 +198,7 @@ class _Walk:
         """A FROM item (the walk goes on into subqueries and join conditions by itself)."""
         if not isinstance(node, dict):
             return
-        kind = node.get("type")
+        kind = _name(node, "type")
         if kind == "TABLE_FUNCTION":
             raise SqlRejected("table functions (read_csv, read_parquet, glob, ...) are not allowed")
         if kind not in TABLE_REFS:
@@ -211,13 +218,13 @@ class _Walk:
                               f"the SSB tables are {', '.join(sorted(TABLE_NAMES))}")
 
     def _expression(self, node: dict[str, Any]) -> None:
-        cls = node.get("class")
+        cls = _name(node, "class")
         if cls == "PARAMETER":
             raise SqlRejected("parameters ($1, ?) are not allowed: write the values into the SQL")
         if cls not in EXPRESSIONS:
             raise SqlRejected(f"{str(cls).lower().replace('_', ' ')} expressions are not allowed")
-        if cls == "OPERATOR" and node.get("type") not in OPERATOR_KINDS:
-            raise SqlRejected(f"the {str(node.get('type')).lower().replace('_', ' ')} operator is not allowed")
+        if cls == "OPERATOR" and _name(node, "type") not in OPERATOR_KINDS:
+            raise SqlRejected(f"the {str(_name(node, 'type')).lower().replace('_', ' ')} operator is not allowed")
         if cls in ("FUNCTION", "WINDOW") and node.get("function_name") is not None:
             _check_function(node)
         elif cls == "TYPE":
@@ -236,6 +243,14 @@ class _Walk:
             raise SqlRejected(f"{'.'.join(parts)}: a column is named as column or table.column, no more parts")
         if len(parts) == 2:
             self.scope.qualified(parts[0], parts[1])
+
+
+def _name(node: dict[str, Any], key: str) -> str | None:
+    """A node's kind under `key`, or None where that holds no string: "type" is also a value's type, as a dict
+    ({"id": "BIGINT", ...} in a sample's size), which the walk goes into as a child but never reads as a kind
+    (None is on no list, so a kind it cannot read is refused, not a crash)."""
+    value = node.get(key)
+    return value if isinstance(value, str) else None
 
 
 def _check_function(node: dict[str, Any]) -> None:

@@ -61,6 +61,14 @@ REFUSED = [
     ("SELECT #1 FROM ddate", "positional reference"),
     ("SELECT abs(x -> x) FROM ddate", "lambda"),
     ("SELECT ARRAY[1, 2]", "array constructor"),
+    # sampling: TABLESAMPLE SYSTEM (10) is 10 rows in DuckDB, 10 percent in PostgreSQL (its size was a dict where
+    # the walk read a node kind: a 500, not a refusal)
+    ("select * from lineorder tablesample system (10) limit 1", "sampling"),
+    ("select * from lineorder using sample 10 limit 1", "sampling"),
+    ("SELECT count(*) FROM lineorder USING SAMPLE 10% (bernoulli, 5)", "sampling"),
+    ("SELECT count(*) FROM (SELECT * FROM ddate) d TABLESAMPLE 5%", "sampling"),
+    ("SELECT d.d_year FROM ddate d JOIN (SELECT * FROM lineorder TABLESAMPLE 1%) l ON l.lo_orderdate = d.d_datekey",
+     "sampling"),
 ]
 
 
@@ -70,6 +78,23 @@ def test_probes_are_refused_saying_what(sql, fragment):
         check(sql)
     assert fragment in str(refused.value), str(refused.value)
     assert refused.value.field == "sql"
+
+
+@pytest.mark.parametrize("tree", [
+    {"type": {"id": "BIGINT", "type_info": None}, "is_null": False, "value": 10},
+    {"type": ["BIGINT"], "value": {"type": {"id": "DOUBLE"}}},
+])
+def test_a_type_that_is_not_a_node_kind_does_not_break_the_walk(tree):
+    """A node kind is a string under "type"; a dict or list there (a value's type) is walked, not read."""
+    from olap.schema import TABLES
+    from olap.sqlguard import _Walk
+    from olap.sqlscope import Scope
+
+    _Walk(Scope(TABLES)).node(tree, ctes={})
+    with pytest.raises(SqlRejected, match="parameters"):  # what such a child holds is still checked
+        _Walk(Scope(TABLES)).node({"type": {"class": "PARAMETER"}}, ctes={})
+    with pytest.raises(SqlRejected, match="not allowed"):  # a kind the walk cannot read is refused
+        _Walk(Scope(TABLES)).node({"class": "OPERATOR", "type": {"id": "BIGINT"}}, ctes={})
 
 
 def test_every_client_error_is_one_class():
