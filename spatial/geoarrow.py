@@ -13,6 +13,7 @@ belongs to the polygon, as shapely's `covers`. Points inside a hole do not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,9 @@ class Polygons:
                 np.maximum.reduceat(self.x, starts), np.maximum.reduceat(self.y, starts))
 
 
-def points_from_lonlat(lon: object, lat: object) -> Points:
+def points_from_lonlat(lon: object, lat: object, field: str | None = None) -> Points:
+    """Points from longitudes and latitudes in degrees; an error names `lon[i]` / `lat[i]`, or with `field`
+    (the points came as WKT, WKB or GeoJSON) `field[i]`."""
     x = np.ascontiguousarray(lon, dtype=np.float64)
     y = np.ascontiguousarray(lat, dtype=np.float64)
     if x.ndim != 1 or y.ndim != 1 or len(x) != len(y):
@@ -75,7 +78,8 @@ def points_from_lonlat(lon: object, lat: object) -> Points:
         bad = ~np.isfinite(values) | (np.abs(values) > limit)
         if bad.any():
             i = int(np.argmax(bad))
-            raise GeometryError(f"{name} {values[i]!r} is outside [-{limit:g}, {limit:g}]", field=name, index=i)
+            raise GeometryError(f"{name} {float(values[i])!r} is outside [-{limit:g}, {limit:g}]",
+                                field=field or name, index=i)
     return Points(x, y)
 
 
@@ -100,11 +104,23 @@ def polygons_from_shapely(geoms: np.ndarray, field: str = "features") -> Polygon
     if outside.any():
         raise GeometryError("has coordinates outside lon [-180, 180] / lat [-90, 90]", field=field,
                             index=int(np.argmax(outside)))
-    multi = shapely.MultiPolygon  # uniform layout: every feature as a MultiPolygon
-    as_multi = np.array([g if g.geom_type == "MultiPolygon" else multi([g]) for g in geoms], dtype=object)
+    if len(geoms) == 0:
+        raise GeometryError("holds no polygons", field=field)
+    as_multi = np.array([_as_multi(g) for g in geoms], dtype=object)
     _, coords, (ring_offsets, part_offsets, geometry_offsets) = shapely.to_ragged_array(as_multi)
     return Polygons(np.clip(coords[:, 0], -180, 180), np.clip(coords[:, 1], -90, 90),
                     ring_offsets.astype(np.int64), part_offsets.astype(np.int64), geometry_offsets.astype(np.int64))
+
+
+def _as_multi(geom: Any) -> Any:
+    """The uniform layout: every feature as a MultiPolygon, without empty parts (`MULTIPOLYGON(EMPTY, ...)` is
+    valid, but an empty part's offsets crash shapely.from_ragged_array, and it covers nothing)."""
+    import shapely
+
+    if geom.geom_type == "Polygon":
+        return shapely.MultiPolygon([geom])
+    parts = list(geom.geoms)
+    return geom if all(not p.is_empty for p in parts) else shapely.MultiPolygon([p for p in parts if not p.is_empty])
 
 
 def polygons_to_shapely(polygons: Polygons) -> np.ndarray:

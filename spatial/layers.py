@@ -40,6 +40,22 @@ def _ids(ids: Any, n: int) -> np.ndarray:
     return array
 
 
+# How deep a GeoJSON geometry's positions lie in its coordinates: a Point's is a position, a Polygon's a list of
+# rings of positions. Other types (GeometryCollection, MultiLineString) are no layer's geometry.
+GEOJSON_DEPTH = {"Point": 0, "MultiPoint": 1, "LineString": 1, "Polygon": 2, "MultiPolygon": 3}
+
+
+def _positions_nested(coordinates: Any, depth: int) -> bool:
+    """Whether `coordinates` are lists `depth` deep of positions, each [lon, lat] or [lon, lat, z] numbers (JSON
+    numbers: shapely would read "1" or true as one)."""
+    if depth < 0 or not isinstance(coordinates, list):
+        return False
+    if depth == 0:
+        return 2 <= len(coordinates) <= 3 and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) for c in coordinates)
+    return all(_positions_nested(c, depth - 1) for c in coordinates)
+
+
 def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | None]]:
     import shapely
 
@@ -50,9 +66,15 @@ def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | 
     for i, feature in enumerate(data["features"]):
         if not isinstance(feature, dict) or not isinstance(feature.get("geometry"), dict):
             raise GeometryError("is not a GeoJSON Feature with a geometry", field="geojson.features", index=i)
+        geometry = feature["geometry"]
+        if not _positions_nested(geometry.get("coordinates"), GEOJSON_DEPTH.get(geometry.get("type"), -1)):
+            raise GeometryError("is not a GeoJSON Point, MultiPoint, LineString, Polygon or MultiPolygon whose "
+                                "coordinates are [lon, lat] numbers nested as its type says",
+                                field="geojson.features", index=i)
         try:
-            geoms.append(shapely.geometry.shape(feature["geometry"]))
-        except (ValueError, TypeError, KeyError, AttributeError, shapely.errors.GEOSException) as exc:
+            geoms.append(shapely.geometry.shape(geometry))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
+                shapely.errors.GEOSException) as exc:
             raise GeometryError(f"has an unreadable geometry ({exc})", field="geojson.features", index=i) from None
         ids.append(feature.get("id"))
         props.append(feature.get("properties"))
@@ -66,12 +88,14 @@ def _shapes_from_text(values: Any, field: str) -> np.ndarray:
         raise GeometryError("must be a non-empty list", field=field)
     out = []
     for i, value in enumerate(values):
+        if isinstance(value, str) and "\x00" in value:  # GEOS would read only up to it
+            raise GeometryError("holds a NUL character", field=field, index=i)
         try:
             if field == "wkt":
                 out.append(shapely.from_wkt(value))
             else:
                 out.append(shapely.from_wkb(base64.b64decode(value, validate=True)))
-        except (binascii.Error, ValueError, TypeError, shapely.errors.GEOSException) as exc:
+        except (binascii.Error, ValueError, TypeError, NotImplementedError, shapely.errors.GEOSException) as exc:
             raise GeometryError(f"is not valid {field.upper().replace('_B64', '')} ({str(exc)[:120]})", field=field,
                                 index=i) from None
     return np.array(out, dtype=object)
@@ -119,7 +143,7 @@ def points_from_shapes(geoms: np.ndarray, field: str) -> Points:
         if g is None or g.geom_type != "Point" or g.is_empty:
             raise GeometryError(f"is not a Point ({getattr(g, 'geom_type', None)})", field=field, index=i)
     coords = shapely.get_coordinates(geoms)
-    return points_from_lonlat(coords[:, 0], coords[:, 1])
+    return points_from_lonlat(coords[:, 0], coords[:, 1], field)
 
 
 def parse_layer(name: str, kind: str, body: dict[str, Any]) -> Layer:

@@ -45,15 +45,20 @@ def encode_cursor(position: int) -> str:
     return base64.urlsafe_b64encode(orjson.dumps({"p": position})).decode()
 
 
-def decode_cursor(cursor: str | None) -> int:
+def decode_cursor(cursor: str | None, points: int) -> int:
+    """The point position a page starts at, from the cursor of the page before it (None: the first page), on a
+    layer of `points` points now: a cursor past its end (the layer was replaced by a smaller one) is refused."""
     if cursor is None:
         return 0
     try:
-        position = int(orjson.loads(base64.urlsafe_b64decode(cursor.encode()))["p"])
+        position = orjson.loads(base64.urlsafe_b64decode(cursor.encode()))["p"]
     except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
         raise GeometryError("is not a cursor this service gave out", field="cursor") from None
-    if position < 0:
+    if type(position) is not int or position < 0:
         raise GeometryError("is not a cursor this service gave out", field="cursor")
+    if position >= points:
+        raise GeometryError(f"points past the layer's end (it holds {points} points now): start again without a "
+                            "cursor", field="cursor")
     return position
 
 
@@ -160,7 +165,7 @@ class SpatialManager:
     def layer(self, name: str, kind: str, field: str) -> Layer:
         layer = self.layers.get(name)
         if layer is None:
-            raise LayerNotFound(f"no layer named {name!r}")
+            raise LayerNotFound(f"no layer named {name!r}", field)
         if layer.kind != kind:
             raise GeometryError(f"layer {name!r} holds {layer.kind}, not {kind}", field=field)
         return layer
@@ -226,7 +231,7 @@ class SpatialManager:
                                                            (pts.geometry, polys.geometry), (points, polygons))
             return JoinAnswer({"polygon_ids": polys.ids.tolist(), "counts": np.asarray(counts).tolist(),
                                "points": len(pts), "matched": int(np.asarray(counts).sum())}, name, took, fallback)
-        start = decode_cursor(cursor)
+        start = decode_cursor(cursor, len(pts))
         stop = min(len(pts), start + page_size)
         (first, second), name, took, fallback = await self._run(
             engine, "pip_pairs", "pip_pairs", (pts.geometry, polys.geometry, start, stop),
@@ -242,7 +247,7 @@ class SpatialManager:
         a = self.layer(left, "points", "left")
         b = self.layer(right, "points", "right")
         self_join = left == right
-        start = decode_cursor(cursor)
+        start = decode_cursor(cursor, len(a))
         stop = min(len(a), start + page_size)
         # At most page_size pairs (or one point's, if it alone has more) are ever computed: the engines count
         # each point's pairs first and write only the points that fit.

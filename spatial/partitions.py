@@ -44,10 +44,10 @@ def decode_cursor(cursor: str | None, parts: int) -> tuple[int, str | None]:
         return 0, None
     try:
         state = orjson.loads(base64.urlsafe_b64decode(cursor.encode()))
-        part, inner = int(state["part"]), state["c"]
+        part, inner = state["part"], state["c"]
     except (ValueError, KeyError, TypeError, orjson.JSONDecodeError):
         raise GeometryError("is not a cursor this service gave out", field="cursor") from None
-    if not 0 <= part < parts or not (inner is None or isinstance(inner, str)):
+    if type(part) is not int or not 0 <= part < parts or not (inner is None or isinstance(inner, str)):
         raise GeometryError("is not a cursor this service gave out", field="cursor")
     return part, inner
 

@@ -20,7 +20,9 @@ class LayerExists(ValueError):
 
 
 class LayerNotFound(LookupError):
-    field = "layer"
+    def __init__(self, message: str, field: str = "layer") -> None:
+        super().__init__(message)
+        self.field = field  # the request's field that named it
 
 
 class SpatialStore:

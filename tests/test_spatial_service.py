@@ -3,7 +3,9 @@ pages of pairs add up to the whole answer, layers survive a restart, bad input i
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import math
 import time
 
@@ -193,15 +195,56 @@ def test_layers_survive_a_restart(make_settings, tmp_path):
         {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [200, 0], [0, 1], [0, 0]]]}}]}},
      "geojson.features[1]"),
     ({"name": "b", "kind": "polygons", "lon": [1]}, "lon"),
+    # points given as geometry are named by their feature, not as lon/lat
+    ({"name": "b", "kind": "points", "wkt": ["POINT (1 1)", "POINT (200 0)"]}, "wkt[1]"),
+    ({"name": "b", "kind": "points", "wkb_b64": [base64.b64encode(shapely.Point(0, 95).wkb).decode()]}, "wkb_b64[0]"),
+    ({"name": "b", "kind": "polygons", "wkt": ["CURVEPOLYGON (CIRCULARSTRING (0 0, 1 1, 2 0, 1 -1, 0 0))"]}, "wkt[0]"),
+    ({"name": "b", "kind": "polygons", "wkt": ["POLYGON ((0 0, 1 0, 1 1, 0 1, 0 0))\x00 POLYGON"]}, "wkt[0]"),
+    ({"name": "b", "kind": "polygons", "geojson": {"type": "FeatureCollection", "features": []}}, "geojson.features"),
+    *[({"name": "b", "kind": kind, "geojson": {"type": "FeatureCollection", "features": [
+        {"type": "Feature", "geometry": geometry}]}}, "geojson.features[0]") for kind, geometry in [
+        ("polygons", {"type": "MultiPolygon", "coordinates": [[], [[[0, 0], [1, 0], [1, 1], [0, 0]]]]}),
+        ("points", {"type": "Point", "coordinates": [1]}),
+        ("points", {"type": "Point", "coordinates": ["1", "2"]}),
+        ("points", {"type": "Point", "coordinates": [True, False]}),
+        ("points", {"type": "Point", "coordinates": [[1, 2]]}),
+        ("polygons", {"type": "Polygon", "coordinates": [[[0, 0], [1, "0"], [1, 1], [0, 0]]]}),
+    ]],
 ])
 def test_bad_layers_are_422_naming_the_feature(app, body, field):
     assert_problem(app.post("/v1/spatial/layers", json=body), 422, "validation-error", field)
     assert "b" not in [layer["name"] for layer in app.get("/v1/spatial/layers").json()]
 
 
+def test_a_multipolygon_with_an_empty_part_is_its_other_parts(app):
+    """`MULTIPOLYGON (EMPTY, ...)` is valid; its empty part covers nothing and is dropped (its offsets made
+    shapely.from_ragged_array, which saving the layer calls, crash the process), so joins answer as for the other
+    parts alone."""
+    wkt = ["MULTIPOLYGON (EMPTY, ((0 0, 1 0, 1 1, 0 1, 0 0)))", "MULTIPOLYGON (((2 2, 3 2, 3 3, 2 2)), EMPTY)"]
+    assert app.post("/v1/spatial/layers", json={"name": "holey", "kind": "polygons", "wkt": wkt}).status_code == 201
+    assert app.post("/v1/spatial/layers", json={"name": "two", "kind": "points", "lon": [0.5, 2.9],
+                                                "lat": [0.5, 2.5]}).status_code == 201
+    r = app.post("/v1/spatial/joins/point-in-polygon", json={"points": "two", "polygons": "holey"})
+    assert r.status_code == 200 and r.json()["counts"] == [1, 1], r.text
+
+
+def test_cursors_past_the_layer_or_not_integers_are_refused(app, layers):
+    """A cursor is the next point's position: past the layer's end (a genuine one, kept while the layer was
+    replaced by a smaller one) or not an integer, it is a 422 naming it, never a 500."""
+    forged = [{"p": 10**6}, {"p": 1e308}, {"p": 1.5}, {"p": True}, {"p": "1"}, {"p": -1}]
+    for state in forged:
+        cursor = base64.urlsafe_b64encode(json.dumps(state).encode()).decode()
+        for path, body in (("point-in-polygon", {"points": "pts", "polygons": "polys", "mode": "pairs"}),
+                           ("within-distance", {"left": "pts", "right": "pts", "radius_m": 10.0})):
+            assert_problem(app.post(f"/v1/spatial/joins/{path}", json={**body, "cursor": cursor}),
+                           422, "validation-error", "cursor")
+
+
 def test_unknown_duplicate_and_wrong_kind(app, layers):
-    assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "nope", "polygons": "polys"}),
-                   404, "not-found")
+    for path, body, field in (("point-in-polygon", {"points": "nope", "polygons": "polys"}, "points"),
+                              ("point-in-polygon", {"points": "pts", "polygons": "nope"}, "polygons"),
+                              ("within-distance", {"left": "pts", "right": "nope", "radius_m": 1.0}, "right")):
+        assert_problem(app.post(f"/v1/spatial/joins/{path}", json=body), 404, "not-found", field)
     assert_problem(app.post("/v1/spatial/layers", json={"name": "pts", "kind": "points", "lon": [0], "lat": [0]}),
                    409, "conflict")
     assert_problem(app.post("/v1/spatial/joins/point-in-polygon", json={"points": "polys", "polygons": "polys"}),
