@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -138,13 +139,15 @@ def check_ids(ids: object, field: str = "ids") -> np.ndarray:
     return array
 
 
-def encode_payloads(payloads: list[object] | None, n: int) -> list[bytes | None] | None:
+def encode_payloads(payloads: list[object] | None, n: int, first: int = 0) -> list[bytes | None] | None:
+    """Payloads as the JSON text stored, or InvalidInput naming `payloads[i]` (`first`: the row the list starts
+    at, in a chunk of a longer stream)."""
     if payloads is None:
         return None
     if len(payloads) != n:
         raise InvalidInput(f"has {len(payloads)} entries for {n} points", field="payloads")
     out: list[bytes | None] = []
-    for i, p in enumerate(payloads):
+    for i, p in enumerate(payloads, first):
         if p is None:
             out.append(None)
             continue
@@ -155,11 +158,24 @@ def encode_payloads(payloads: list[object] | None, n: int) -> list[bytes | None]
         except orjson.JSONEncodeError as exc:  # integers beyond 64 bits, and what JSON cannot hold
             raise InvalidInput(f"is not storable JSON ({exc}): integers must fit in 64 bits",
                                field=f"payloads[{i}]") from None
+        if b"null" in text and _non_finite(p):  # orjson writes NaN and +-Infinity (1e309 too) as null
+            raise InvalidInput("holds a number that is not finite (NaN, Infinity, or beyond float64 like 1e309)",
+                               field=f"payloads[{i}]")
         if b"\\u0000" in text and _NUL.search(text):
             raise InvalidInput("holds a NUL character (\\u0000), which PostgreSQL cannot store in JSON",
                                field=f"payloads[{i}]")
         out.append(text)
     return out if any(p is not None for p in out) else None
+
+
+def _non_finite(value: object) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
 
 
 def payload_keys(payloads: list[bytes | None] | None) -> set[str]:
@@ -246,8 +262,8 @@ def check_payload_sizes(payloads: list[bytes | None] | None, max_value: int = MA
                                    "(SWITCHYARD_MAX_PAYLOAD_VALUE_BYTES)", field=f"payloads[{i}].{key}")
 
 
-def make_points(ids: np.ndarray, vectors: np.ndarray, payloads: list[object] | None) -> Points:
-    return checked_points(ids, vectors, encode_payloads(payloads, len(ids)))
+def make_points(ids: np.ndarray, vectors: np.ndarray, payloads: list[object] | None, first: int = 0) -> Points:
+    return checked_points(ids, vectors, encode_payloads(payloads, len(ids), first))
 
 
 def checked_points(ids: object, vectors: np.ndarray, payloads: list[bytes | None] | None) -> Points:
@@ -272,7 +288,7 @@ def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000, metric: str = "
             if "id" not in columns or vector_column is None:
                 raise InvalidInput(f"needs columns 'id' and 'vector'; it has {sorted(columns)}", field="body")
             pending: list[pa.RecordBatch] = []
-            held = 0
+            held = done = 0  # rows pending, rows yielded
             for batch in reader:
                 while len(batch):
                     take = batch.slice(0, rows - held)
@@ -280,10 +296,10 @@ def arrow_chunks(path: str | Path, dim: int, rows: int = 20_000, metric: str = "
                     pending.append(take)
                     held += len(take)
                     if held == rows:
-                        yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric)
-                        pending, held = [], 0
+                        yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric, done)
+                        pending, held, done = [], 0, done + held
             if held:
-                yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric)
+                yield _arrow_points(pa.Table.from_batches(pending), vector_column, dim, metric, done)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise InvalidInput(f"is not a readable Arrow IPC stream ({exc})", field="body") from None
 
@@ -324,7 +340,7 @@ def scan_arrow(path: str | Path, dim: int, metric: str = "l2",
     return sum(len(chunk) for chunk in ids), keys
 
 
-def _arrow_points(table: Any, vector_column: str, dim: int, metric: str) -> Points:
+def _arrow_points(table: Any, vector_column: str, dim: int, metric: str, first: int) -> Points:
     import pyarrow as pa
 
     if table.column("id").null_count or table.column(vector_column).null_count:
@@ -342,11 +358,11 @@ def _arrow_points(table: Any, vector_column: str, dim: int, metric: str) -> Poin
     payloads = None
     if "payload" in table.column_names:
         payloads = []
-        for value in table.column("payload").to_pylist():
+        for i, value in enumerate(table.column("payload").to_pylist(), first):
             if isinstance(value, str):
                 try:
                     value = orjson.loads(value)
-                except orjson.JSONDecodeError:
-                    raise InvalidInput("payload strings must be JSON objects", field="payload") from None
+                except orjson.JSONDecodeError as exc:  # 1e309 too: orjson reads no number past float64
+                    raise InvalidInput(f"is not a JSON object ({exc})", field=f"payloads[{i}]") from None
             payloads.append(value)
-    return make_points(ids, vectors, payloads)
+    return make_points(ids, vectors, payloads, first)

@@ -60,6 +60,20 @@ def test_arrow_chunks_read_a_stream_a_few_rows_at_a_time(tmp_path):
     assert check_arrow(path, DIM) == 30
 
 
+@pytest.mark.parametrize("bad", ['{"n": 1e309}', '{"n": "x\\u0000"}', "not json"])
+def test_a_bad_payload_is_named_by_its_row_in_the_whole_stream(tmp_path, bad):
+    """Chunks are checked one at a time; the refusal names the payload's row in the stream, not in its chunk."""
+    record_batches = batches(clustered(30, DIM, seed=3))
+    payloads = record_batches[2].column("payload").to_pylist()  # rows 6-17
+    payloads[10] = bad  # row 16, the third of the third chunk of 7
+    record_batches[2] = record_batches[2].set_column(2, "payload", pa.array(payloads))
+    path = tmp_path / "load.arrows"
+    path.write_bytes(stream(record_batches))
+    with pytest.raises(InvalidInput) as caught:
+        list(arrow_chunks(path, DIM, rows=7))
+    assert caught.value.field == "payloads[16]"
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda v: stream(batches(v) + batches(v[:2], first_id=3)), "ids"),  # id 3 again, in a later batch
     (lambda v: stream(batches(v, sizes=(10,), fixed=False)

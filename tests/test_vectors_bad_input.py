@@ -149,6 +149,23 @@ def test_payloads_postgresql_cannot_store_are_422_naming_the_payload(client, pay
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("payload", ['{"a": 1e309}', '{"a": NaN}', '{"a": -Infinity}', '{"a": [1, {"b": 1e999}]}'])
+def test_payload_numbers_that_are_not_finite_are_422_not_stored_as_null(client, payload):
+    """JSON has no NaN or Infinity, and 1e309 is past float64: orjson would write each as null, so the point would
+    be stored with a value other than the one sent. A null sent as null is kept."""
+    name = new_collection(client)
+    body = f'{{"ids": [1, 100], "vectors": [[1, 2, 3, 4], [4, 3, 2, 1]], "payloads": [null, {payload}]}}'
+    r = client.put(f"/v1/collections/{name}/points", content=body, headers={"content-type": "application/json"})
+    assert_problem(r, 422, "validation-error", "payloads[1]")
+    r = client.put(f"/v1/collections/{name}/points", headers=ARROW, content=arrow_body(
+        [50], np.ones((1, DIM)), [payload.replace("NaN", "1e309").replace("-Infinity", "-1e309")]))
+    assert_problem(r, 422, "validation-error", "payloads[0]")
+    assert count(client, name) == 8
+    r = client.put(f"/v1/collections/{name}/points", json={"ids": [100], "vectors": [[4, 3, 2, 1]],
+                                                           "payloads": [{"a": None, "b": [None, 1.5]}]})
+    assert r.status_code == 200, r.text
+
+
 def test_arrow_payloads_with_nul_are_refused_before_the_load(client):
     name = new_collection(client)
     r = client.put(f"/v1/collections/{name}/points", headers=ARROW, content=arrow_body(
