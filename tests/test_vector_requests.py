@@ -29,6 +29,7 @@ def test_long_query_strings_are_parsed_each_time_and_not_remembered():
     ({"vector": [1.0], "recall_target": 0}, "recall_target"),
     ({"vector": [1.0], "recall_target": 1.01}, "recall_target"),
     ({"vector": [1.0], "seq": "4", "consistency": "session"}, "seq"),
+    ({"vectors_b64": ""}, "vectors_b64"),  # no vectors: a search of nothing
 ])
 def test_numbers_are_json_numbers(body, field):
     """A string or a boolean where the schema says number is refused, naming the field, as the schema says."""
@@ -50,7 +51,9 @@ def test_query_string_numbers():
     fields, _ = raw_search_fields("k=5&recall_target=1&ef=64&refine=1.5&seq=3&consistency=session")
     assert (fields["k"], fields["recall_target"], fields["seq"]) == (5, 1.0, 3)
     assert fields["params"] == {"ef": 64, "refine": 1.5} and type(fields["params"]["ef"]) is int
-    for bad, field in (("k=five", "k"), ("k=true", "k"), ("recall_target=2", "recall_target"), ("ef=x", "ef")):
+    assert raw_search_fields("batch=TRUE")[1] and not raw_search_fields("batch=0")[1]
+    for bad, field in (("k=five", "k"), ("k=true", "k"), ("recall_target=2", "recall_target"), ("ef=x", "ef"),
+                       ("batch=maybe", "batch"), ("batch=", "batch"), ("batch=on", "batch")):
         with pytest.raises(RequestValidationError) as caught:
             raw_search_fields(bad)
         assert caught.value.errors()[0]["loc"] == ("query", field), bad

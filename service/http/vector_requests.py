@@ -37,6 +37,7 @@ RAW_VECTORS = "application/octet-stream"
 REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
 
 
+Base64Text = Annotated[str, Field(min_length=1)]  # an empty one holds no vectors
 RecallTarget = Annotated[Float, Field(gt=0, le=1)]  # the schema says exclusiveMinimum 0, maximum 1
 
 
@@ -80,7 +81,7 @@ class SearchRequest(SearchOptions):
     vector: list[Float] | None = Field(default=None, min_length=1, description="One query vector.")
     vectors: list[list[Float]] | None = Field(default=None, min_length=1, max_length=10_000,
                                               description="A batch of query vectors.")
-    vectors_b64: str | None = Field(default=None, description="A batch as base64 little-endian float32.")
+    vectors_b64: Base64Text | None = Field(default=None, description="A batch as base64 little-endian float32.")
 
     @model_validator(mode="after")
     def _one_query(self) -> "SearchRequest":
@@ -92,6 +93,7 @@ class SearchRequest(SearchOptions):
 
 RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
 RAW_NUMBER_FIELDS = {"k", "seq", "recall_target"}
+QUERY_BOOLEANS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
@@ -113,7 +115,10 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
                 raise RequestValidationError([{"type": "json_invalid", "loc": ("query", "filter"), "input": value,
                                                "msg": f"the filter is not JSON ({exc})"}]) from None
         elif name == "batch":
-            batch = value.lower() in ("1", "true", "yes")
+            if value.lower() not in QUERY_BOOLEANS:
+                raise RequestValidationError([{"type": "bool_parsing", "loc": ("query", name), "input": value,
+                                               "msg": f"batch must be one of {', '.join(QUERY_BOOLEANS)}"}])
+            batch = QUERY_BOOLEANS[value.lower()]
         else:
             params[name] = _query_number(name, value)
     if params:
@@ -138,8 +143,8 @@ class UpsertPoints(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=exactly_one_of(("vectors",), ("vectors_b64",)))
     ids: IntList = Field(min_length=1, max_length=100_000, json_schema_extra=UNIQUE_ITEMS)
     vectors: list[list[Float]] | None = Field(default=None, min_length=1, description="One float list per id.")
-    vectors_b64: str | None = Field(default=None,
-                                    description="All vectors as base64 of little-endian float32, row after row.")
+    vectors_b64: Base64Text | None = Field(
+        default=None, description="All vectors as base64 of little-endian float32, row after row.")
     payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
 
     @model_validator(mode="after")
