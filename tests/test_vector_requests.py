@@ -48,12 +48,13 @@ def test_numbers_keep_their_kind():
 
 def test_query_string_numbers():
     """A raw search's query string carries numbers as text: they are read as numbers, and a word is refused."""
-    fields, _ = raw_search_fields("k=5&recall_target=1&ef=64&refine=1.5&seq=3&consistency=session")
+    fields, _ = raw_search_fields("k=5&recall_target=1&ef=64&refine=1.5&seq=3&consistency=session&r=.5&x=2e1")
     assert (fields["k"], fields["recall_target"], fields["seq"]) == (5, 1.0, 3)
-    assert fields["params"] == {"ef": 64, "refine": 1.5} and type(fields["params"]["ef"]) is int
+    assert fields["params"] == {"ef": 64, "refine": 1.5, "r": 0.5, "x": 20} and type(fields["params"]["ef"]) is int
     assert raw_search_fields("batch=TRUE")[1] and not raw_search_fields("batch=0")[1]
     for bad, field in (("k=five", "k"), ("k=true", "k"), ("recall_target=2", "recall_target"), ("ef=x", "ef"),
-                       ("batch=maybe", "batch"), ("batch=", "batch"), ("batch=on", "batch")):
+                       ("batch=maybe", "batch"), ("batch=", "batch"), ("batch=on", "batch"), ("k=1_0", "k"),
+                       ("ef=nan", "ef"), ("ef=inf", "ef"), ("ef=1e999", "ef"), ("k=%205", "k")):
         with pytest.raises(RequestValidationError) as caught:
             raw_search_fields(bad)
         assert caught.value.errors()[0]["loc"] == ("query", field), bad

@@ -8,6 +8,8 @@ no engine.
 from __future__ import annotations
 
 import functools
+import math
+import re
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
@@ -129,13 +131,15 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
+QUERY_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # decimal, as JSON writes numbers (no 1_0, nan, inf)
+
+
 def _query_number(name: str, value: str) -> int | float:
     """A number written in a query string; an integral one as an int, so that integer options take it."""
-    try:
-        number = float(value)
-    except ValueError:
+    number = float(value) if QUERY_NUMBER.fullmatch(value) else math.nan
+    if not math.isfinite(number):
         raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
-                                       "msg": f"{name} must be a number"}]) from None
+                                       "msg": f"{name} must be a finite decimal number"}]) from None
     return int(number) if number.is_integer() else number
 
 
