@@ -22,6 +22,11 @@ class CollectionExists(VectorError):
     pass
 
 
+class CollectionBusy(VectorError):
+    """A change to the collection kept meeting others that PostgreSQL could not let it wait for (a drop
+    deadlocking with index builds): nothing was changed, try again shortly."""
+
+
 class CollectionEmpty(VectorError):
     """The request needs stored points and the collection has none yet (recall's sample)."""
 

@@ -95,14 +95,12 @@ class Builds(ManagerState):
                                      field="collection") from exc
 
     async def _dropped(self, c: Collection) -> bool:
-        """Whether the collection is gone from PostgreSQL (dropped, perhaps re-created under a new id)."""
+        """Whether the collection is gone from PostgreSQL (dropped, perhaps re-created under a new id), once a drop
+        under way has ended: a drop cancels the collection's index builds before it commits (CollectionStore)."""
         try:
-            await self.store.head(c)
-        except CollectionNotFound:
-            return True
+            return await self.store.dropped(c)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
             return False  # the database is unreachable: the failure itself says more
-        return False
 
     async def _build(self, c: Collection, progress: Progress | None, fallback: str) -> dict[str, Any]:
         name = c.name

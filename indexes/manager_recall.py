@@ -11,6 +11,7 @@ from .distance import exact_search, from_engine, prepare
 from .errors import CollectionEmpty, InvalidInput
 from .manager_search import Searches
 from .manager_state import HEAVY_WORK
+from .store import Collection
 from .vectors import check_batch, check_nonzero
 
 
@@ -23,13 +24,16 @@ class Recall(Searches):
         heavy executor's thread of lower CPU priority (HEAVY_WORK): the exact answer, and the engine's search."""
         heavy_work = HEAVY_WORK.set(True)
         try:
-            return await self._recall(name, k, engine, params, sample, queries, seed, recall_target)
+            # As the other reads: a table dropped (here or by another process) while its rows are read is the
+            # collection not found, or the one re-created under its name measured (_with_collection).
+            return (await self._with_collection(name, lambda c: self._recall(
+                c, k, engine, params, sample, queries, seed, recall_target)))[1]
         finally:
             HEAVY_WORK.reset(heavy_work)
 
-    async def _recall(self, name: str, k: int, engine: str, params: dict[str, Any] | None, sample: int,
+    async def _recall(self, c: Collection, k: int, engine: str, params: dict[str, Any] | None, sample: int,
                       queries: np.ndarray | None, seed: int, recall_target: float | None) -> dict[str, Any]:
-        c = await self.collection(name)
+        name = c.name
         if queries is not None:
             if queries.shape[1] != c.dim:
                 raise InvalidInput(f"queries have dimension {queries.shape[1]}, the collection has {c.dim}",

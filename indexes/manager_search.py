@@ -202,8 +202,7 @@ class Searches(ManagerState):
                 except (InvalidInput, EngineUnavailable):
                     raise
                 except asyncpg.UndefinedTableError:
-                    self._forget(c.name)
-                    raise CollectionNotFound(f"no collection named {c.name!r}", field="collection") from None
+                    raise self._vanished(c.name) from None
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
                     self.observe(served, "search", time.perf_counter() - started, False)
                     self.guard.failed(served, exc)

@@ -23,6 +23,7 @@ import asyncpg
 
 from . import snapshots
 from .batching import MicroBatcher
+from .errors import CollectionNotFound
 from .follower import Follower, FollowerHandler
 from .group_commit import GroupCommit
 from .replica import Applied, Replica
@@ -150,8 +151,17 @@ class ManagerState:
             return c, await fn(c)
         except asyncpg.UndefinedTableError:
             self._forget(name)
-            c = await self.collection(name)
+        c = await self.collection(name)  # CollectionNotFound when it is gone
+        try:
             return c, await fn(c)
+        except asyncpg.UndefinedTableError:
+            raise self._vanished(name) from None  # re-created and dropped again meanwhile
+
+    def _vanished(self, name: str) -> CollectionNotFound:
+        """A collection whose table went away during a request (dropped here or by another process): what this
+        process cached of it forgotten, the not-found to raise."""
+        self._forget(name)
+        return CollectionNotFound(f"no collection named {name!r}", field="collection")
 
     def _forget(self, name: str) -> None:
         """Drop this process's cached definition and replica of a collection (dropped here or elsewhere)."""

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from .errors import InvalidInput
+import asyncpg
+
+from .errors import CollectionNotFound, InvalidInput
 from .resident import Changes, ResidentCollection
 from .store import Collection, Commit
 from .tasks import stop_tasks
@@ -70,6 +72,7 @@ class Replica:
     _task: asyncio.Task | None = field(default=None, repr=False)  # the running catch-up or own apply
     _wanted: float = field(default=-math.inf, repr=False)
     _pump: asyncio.Task | None = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)  # forgotten (its collection dropped, or the service stops)
 
     @property
     def watermark(self) -> int:
@@ -176,7 +179,10 @@ class Replica:
             self.wake(time.monotonic())
 
     def wake(self, not_before: float) -> None:
-        """Catch up in the background (a notification or the poll saw a newer head)."""
+        """Catch up in the background (a notification or the poll saw a newer head); never once stopped (a write
+        in flight when its collection was dropped ends by calling this)."""
+        if self._stopped:
+            return
         self._wanted = max(self._wanted, not_before)
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._pump_loop())
@@ -189,6 +195,9 @@ class Replica:
                 delay = 0.05
             except asyncio.CancelledError:
                 raise
+            except (CollectionNotFound, asyncpg.UndefinedTableError):  # ids are never reused: gone for good
+                log.info("collection %s was dropped: its replica stops catching up", self.collection.name)
+                return
             except Exception as exc:  # noqa: BLE001 - retried: the log still holds every change
                 log.warning("collection %s: catch-up failed (%s: %s); retrying", self.collection.name,
                             type(exc).__name__, exc)
@@ -203,6 +212,7 @@ class Replica:
             self.wake(read_at)
 
     async def stop(self) -> None:
+        self._stopped = True
         await stop_tasks(self._pump, self.rebuild_task, self._task)
 
     # -- reporting -------------------------------------------------------------------------------------

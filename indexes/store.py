@@ -10,6 +10,7 @@ process that listens; catalog changes notify "c:<collection id>".
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import io
 import re
@@ -22,7 +23,7 @@ import orjson
 
 from . import digest, pgcopy
 from .distance import prepare
-from .errors import CollectionExists, CollectionNotFound, InvalidInput
+from .errors import CollectionBusy, CollectionExists, CollectionNotFound, InvalidInput
 from .resident import Changes
 from .vectors import MAX_PAYLOAD_ROW_BYTES, MAX_PAYLOAD_VALUE_BYTES, Points, check_payload_sizes, payload_keys
 
@@ -37,6 +38,10 @@ HEAD = "(SELECT coalesce(max(seq), 0) FROM vector_commits WHERE collection_id = 
 # The payloads of the rows read, in seq order, as one JSON array (NULL when none has one): one string for the
 # replica to parse off the event loop.
 PAYLOADS_JSON = "CASE WHEN bool_or(payload IS NOT NULL) THEN json_agg(payload ORDER BY seq)::text END"
+# Index builds on a table ($1), in any process: a drop cancels them (see CollectionStore._drop).
+CANCEL_INDEX_BUILDS = ("SELECT pg_cancel_backend(pid) FROM pg_stat_progress_create_index "
+                       "WHERE relid = to_regclass($1) AND pid <> pg_backend_pid()")
+DROP_TRIES, DROP_BACKOFF_S = 5, 0.05  # a drop that deadlocks: tries in all, and the first wait before the next
 MAX_PAYLOAD_KEYS = 1024  # distinct top-level payload keys a collection may hold (SWITCHYARD_MAX_PAYLOAD_KEYS)
 # How many of `keys` ($2) the collection ($1) already holds, and how many it holds in all.
 KEYS_HELD = ("SELECT (SELECT count(*) FROM vector_payload_keys WHERE collection_id = $1 AND key = ANY($2::text[])) "
@@ -117,8 +122,31 @@ class CollectionStore:
         return c
 
     async def drop(self, name: str) -> Collection:
+        """Drop the collection, its table and its records, in one transaction: retried (with backoff) when
+        PostgreSQL breaks a deadlock by failing it, CollectionBusy (nothing dropped) when that keeps happening."""
+        delay = DROP_BACKOFF_S
+        for _ in range(DROP_TRIES - 1):
+            try:
+                return await self._drop(name)
+            except asyncpg.DeadlockDetectedError:
+                await asyncio.sleep(delay)
+                delay *= 2
+        try:
+            return await self._drop(name)
+        except asyncpg.DeadlockDetectedError as exc:
+            raise CollectionBusy(f"collection {name!r} was not deleted: its drop kept deadlocking with index builds "
+                                 "on its table; try again", field="collection") from exc
+
+    async def _drop(self, name: str) -> Collection:
+        """One try of drop(). A CREATE INDEX CONCURRENTLY on the table (the pgvector index's background build, in
+        any process) waits for every transaction older than its snapshot, this one too while it waits for the
+        table's lock, which the build holds: a deadlock. So the builds are cancelled first (their index goes with
+        the table), after the catalog row is locked, which tells a cancelled build to wait for this drop before it
+        asks whether its collection is gone (dropped()). A build starting in between can still deadlock: drop()
+        tries again."""
         async with self.pool.acquire() as conn, conn.transaction():
-            c = await self._get(conn, name)
+            c = await self._get(conn, name, lock=True)
+            await conn.execute(CANCEL_INDEX_BUILDS, c.table)
             await conn.execute(f"DROP TABLE IF EXISTS {c.table}")
             await conn.execute("DELETE FROM vector_collections WHERE id = $1", c.id)
             await conn.execute("DELETE FROM vector_replica_reports WHERE collection_id = $1", c.id)
@@ -134,9 +162,17 @@ class CollectionStore:
         async with self.pool.acquire() as conn:
             return await self._get(conn, name)
 
+    async def dropped(self, c: Collection) -> bool:
+        """Whether the collection is gone from PostgreSQL, once a drop of it under way has ended (FOR SHARE waits
+        for the drop's lock on its row): what a build that failed asks, which that drop may have cancelled."""
+        return await self.pool.fetchval("SELECT 1 FROM vector_collections WHERE id = $1 FOR SHARE", c.id) is None
+
     @staticmethod
-    async def _get(conn: asyncpg.Connection, name: str) -> Collection:
-        row = await conn.fetchrow("SELECT * FROM vector_collections WHERE name = $1", name)
+    async def _get(conn: asyncpg.Connection, name: str, lock: bool = False) -> Collection:
+        """The collection named `name`; `lock`: its row locked until the transaction ends (a drop's, which other
+        drops of it wait for, then find it gone). NO KEY UPDATE, so writes' foreign-key checks do not wait."""
+        row = await conn.fetchrow("SELECT * FROM vector_collections WHERE name = $1" +
+                                  (" FOR NO KEY UPDATE" if lock else ""), name)
         if row is None:
             raise CollectionNotFound(f"no collection named {name!r}", field="collection")
         return Collection.from_row(row)

@@ -169,7 +169,7 @@ def _domain_problem(exc: Exception) -> tuple[int, str, str, dict[str, str]]:
         return 409, "conflict", "Conflict", {}
     if isinstance(exc, (vec.EngineUnavailable, EngineNotReady)):
         return 409, "engine-unavailable", "Engine unavailable", {}
-    if isinstance(exc, (vec.NotCaughtUp, vec.ShardUnavailable)):
+    if isinstance(exc, (vec.NotCaughtUp, vec.ShardUnavailable, vec.CollectionBusy)):
         return 503, "unavailable", "Service unavailable", {"Retry-After": "1"}
     if isinstance(exc, SqlRejected):
         return 422, "sql-rejected", "SQL not allowed", {}
