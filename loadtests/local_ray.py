@@ -29,39 +29,70 @@ STARTED_LINE = "Ray runtime started"  # what `ray start` prints once its node is
 
 
 @contextmanager
-def local_ray_cluster(nodes: int = 2, cpus_per_node: int = 4) -> Iterator[str]:
+def local_ray_cluster(nodes: int = 2, cpus_per_node: int = 4, tries: int = 2) -> Iterator[str]:
     """A head and nodes - 1 more nodes, loopback only, no auth token (a token left in ~/.ray by another local
     Ray would otherwise split the nodes). Yields the head's address; at exit the driver of this process (if it
-    joined) disconnects and the nodes stop."""
+    joined) disconnects and the nodes stop. A cluster that does not come up is started again, on new ports, up to
+    `tries` times in all; what its head said goes to stderr and into the last error."""
     ray_cli = str(Path(sys.executable).parent / "ray")
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's driver, and every process started below
     # No drain at SIGTERM: a test cluster has no traffic to hand over (Ray 2.60 waits up to 30 s per node).
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     started: list[subprocess.Popen] = []
+    temp = ""
     try:
-        for n in range(nodes):
-            role = ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"
-                    ] if n == 0 else [f"--address={address}"]
-            started.append(_start_node(ray_cli, [
-                *role, "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}",
-                "--disable-usage-stats", f"--temp-dir={temp}/n{n}", f"--dashboard-agent-listen-port={free_port()}",
-            ], env, Path(temp) / f"node-{n}.log"))
+        for attempt in range(1, tries + 1):
+            temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+            address = f"127.0.0.1:{free_port()}"
+            try:
+                for n in range(nodes):
+                    started.append(_start_node(ray_cli, [
+                        *_role(n, address), "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus_per_node}",
+                        "--disable-usage-stats", f"--temp-dir={temp}/n{n}",
+                        f"--dashboard-agent-listen-port={free_port()}"], env, Path(temp) / f"node-{n}.log"))
+                break
+            except RuntimeError as exc:
+                failure = f"{exc}\n{_head_report(started, Path(temp))}"
+                _stop_nodes(started, temp)
+                started = []
+                if attempt == tries:
+                    raise RuntimeError(failure) from None
+                print(f"local Ray cluster, try {attempt} of {tries}, did not start: {failure}", file=sys.stderr)
         yield address
     finally:
         if "ray" in sys.modules and sys.modules["ray"].is_initialized():
             sys.modules["ray"].shutdown()
-        for proc in reversed(started):  # the head last: the other nodes leave it first
-            stop_node(proc)
-        shutil.rmtree(temp, ignore_errors=True)
+        _stop_nodes(started, temp)
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
+
+
+def _role(n: int, address: str) -> list[str]:
+    """`ray start` arguments of node n: the head (n = 0) on the address's port, the others joining it."""
+    if n:
+        return [f"--address={address}"]
+    return ["--head", f"--port={address.rsplit(':', 1)[1]}", "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}"]
+
+
+def _head_report(started: list[subprocess.Popen], temp: Path) -> str:
+    """Whether the head still runs, and the end of its GCS server's logs: why a node could not join it."""
+    alive = bool(started) and started[0].poll() is None
+    lines = [f"head process alive: {alive}"]
+    for log in sorted(temp.glob("n0/session_*/logs/gcs_server.*")):
+        lines.append(f"{log.name}: {log.read_text(errors='replace')[-1500:]}")
+    return "\n".join(lines)
+
+
+def _stop_nodes(started: list[subprocess.Popen], temp: str) -> None:
+    for proc in reversed(started):  # the head last: the other nodes leave it first
+        stop_node(proc)
+    if temp:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _start_node(ray_cli: str, args: list[str], env: dict[str, str], log: Path, timeout_s: float = 180
