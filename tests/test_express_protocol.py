@@ -252,6 +252,19 @@ def test_pipelined_requests_are_answered_in_order_whichever_lane_serves_them(ser
     assert all(b["ids"] == [10, bodies[0]["ids"][1]] for b in bodies)
 
 
+def test_a_head_request_on_a_kept_alive_connection_is_answered(served):
+    """A HEAD's answer has a head and no body: it was held for a body write that never came, so a client (a load
+    balancer's health check) waited for nothing until the keep-alive timeout."""
+    client, _, _ = served
+    with socket.create_connection(("127.0.0.1", client.base_url.port), timeout=5) as s:
+        s.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b'"status":"ok"' not in answer:
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 405") and b"allow: get" in answer.lower()
+    assert answer.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 200" in answer
+
+
 def test_http_1_0_closes_and_expect_100_continue_is_honoured(served):
     client, data, _ = served
     port = client.base_url.port
@@ -326,6 +339,13 @@ def test_an_app_response_of_declared_length_is_written_once_head_and_body_togeth
         waiting.message_event.set()
         await waiting.receive()
         assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+
+        head, transport = app_cycle("HEAD")  # uvicorn writes no body for HEAD: the head goes at once, whole
+        await head.send({"type": "http.response.start", "status": 405,
+                         "headers": [(b"allow", b"GET"), (b"content-length", b"146")]})
+        assert len(transport.writes) == 1 and transport.writes[0].startswith(b"HTTP/1.1 405")
+        await head.send({"type": "http.response.body", "body": b"x" * 146})
+        assert len(transport.writes) == 1 and head.response_complete and not transport.closed
 
         failed, transport = app_cycle()  # a close after the head (the app failed): the head is not lost
         await failed.send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})

@@ -232,7 +232,8 @@ class OneWrite:
     """A cycle's transport that writes a whole response's head with its body: uvicorn writes the head alone at
     http.response.start, and on loopback each write wakes the client (two wakeups, two segments per answer). Only
     a head declaring its length is held, and only until the cycle's next write (its body, or a close): a chunked
-    response's head, a 100 Continue and everything else go out at once."""
+    response's head, a HEAD request's (uvicorn writes no body for it), a 100 Continue and everything else go out
+    at once."""
 
     __slots__ = ("cycle", "transport", "head")
 
@@ -246,7 +247,7 @@ class OneWrite:
             data, self.head = self.head + data, None
         elif self.cycle is not None and self.cycle.response_started:  # the head: decided once, then the cycle is
             cycle, self.cycle = self.cycle, None  # let go (no reference loop between it and its transport)
-            if cycle.chunked_encoding is False:
+            if cycle.chunked_encoding is False and cycle.scope["method"] != "HEAD":  # HEAD: no body write comes
                 self.head = data
                 return
         self.transport.write(data)
