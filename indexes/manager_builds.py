@@ -123,8 +123,9 @@ class Builds(ManagerState):
             out = await resident
             if r is not None and r.loaded and r.index.index is not None:
                 out["pgvector_index"] = "building"
-                self.fallback_builds.add(name)
-                self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
+                if name not in self.fallback_builds:  # another build job may have started one while this rebuilt
+                    self.fallback_builds.add(name)
+                    self._spawn(self._build_fallback(c), f"building the pgvector index of {name}")
                 return out
             say(0, None, "building the pgvector index")  # pgvector serves this collection: needed now
             kind, seconds = await self._timed_pgvector_build(c)

@@ -6,6 +6,7 @@ Per-query knobs go through set_config(..., is_local => true) inside the query's 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
 
 import asyncpg
@@ -88,8 +89,11 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
             await conn.execute("SET max_parallel_maintenance_workers = 0")
             background(await conn.fetchval("SELECT pg_backend_pid()"))
         try:
-            if await conn.fetchval(INDEX_VALID, name) is False:
-                await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
+            while await conn.fetchval(INDEX_VALID, name) is False:  # invalid: being built, or left by a failed build
+                if not await conn.fetchval(BUILDING, c.table):
+                    await conn.execute(f"DROP INDEX {name}")  # left by a concurrent build that failed or was cancelled
+                    break
+                await asyncio.sleep(0.2)  # another build of it (any process's) runs: dropping it would deadlock
             await conn.execute(
                 f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS {name} ON {c.table} "
                 f"USING {kind} (embedding {OPCLASSES[c.metric]}) WITH ({with_})"
@@ -102,6 +106,9 @@ async def build_index(pool: asyncpg.Pool, c: Collection, n_rows: int, concurrent
 
 
 INDEX_VALID = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)"  # NULL: no such index
+# Whether another backend is building an index on the table ($1).
+BUILDING = ("SELECT count(*) > 0 FROM pg_stat_progress_create_index "
+            "WHERE relid = to_regclass($1) AND pid <> pg_backend_pid()")
 
 
 async def has_index(pool: asyncpg.Pool, c: Collection) -> bool:

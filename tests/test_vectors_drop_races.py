@@ -187,3 +187,34 @@ def test_a_replica_whose_collection_was_dropped_stops_catching_up_quietly(served
 
     client.portal.call(drop_elsewhere_then_wake)
     assert _loud(caplog) == []
+
+
+def test_a_second_pgvector_build_waits_for_the_one_running_instead_of_dropping_it(served, caplog):
+    """Two builds of one collection in a row each started the pgvector index's background build; the second took
+    the first's index, invalid while CREATE INDEX CONCURRENTLY runs, for one a failed build left, and dropped it:
+    a deadlock (ERROR in the log). Now a build waits while another backend builds that index, then finds it."""
+    from indexes import pgvector_search
+
+    caplog.set_level(logging.INFO)
+    client, holder = served
+    vectors = client.app.state.switchyard.vectors
+    table = _collection(client, "twice", 300)
+    c = client.portal.call(vectors.collection, "twice")
+    holder.do("BEGIN")
+    holder.do(f"LOCK TABLE {table} IN ROW EXCLUSIVE MODE")  # a writer: the concurrent build waits for it
+    job = wait_job(client, client.post("/v1/collections/twice/build").headers["location"])
+    assert job["result"]["pgvector_index"] == "building", job
+    holder.until("SELECT count(*) FROM pg_stat_progress_create_index WHERE relid = to_regclass($1)", table)
+    assert holder.sql(pgvector_search.INDEX_VALID, f"{table}_ann") is False  # the first build's, under way
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(client.portal.call, pgvector_search.build_index, vectors.pool, c, 300)
+        time.sleep(1.5)  # past PostgreSQL's deadlock_timeout (1 s): a DROP INDEX would have deadlocked by now
+        assert not second.done()  # waiting for the first
+        holder.do("COMMIT")
+        assert second.result(timeout=60) == "hnsw"
+    deadline = time.monotonic() + 30
+    while "twice" in vectors.fallback_builds:
+        assert time.monotonic() < deadline, "the background build never ended"
+        time.sleep(0.02)
+    assert holder.sql(pgvector_search.INDEX_VALID, f"{table}_ann") is True
+    assert _loud(caplog) == []
