@@ -212,7 +212,7 @@ def test_a_deadline_belongs_to_its_task_not_to_tasks_it_starts():
     run(go())
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "3601", ""])
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "3601", "", "1_0", b"1_0"])
 def test_bad_timeouts_are_refused(value):
     with pytest.raises(BadRequest) as bad:
         parse_timeout(value)
@@ -279,6 +279,15 @@ def test_a_request_past_its_deadline_is_not_run(small):
 def test_a_bad_timeout_header_is_400_naming_it(small, path):
     r = small.post(path, json={"vector": [0.5] * 4, "k": 3}, headers={"X-Request-Timeout": "soon"})
     assert_problem(r, 400, "bad-request", field="X-Request-Timeout")
+
+
+@pytest.mark.parametrize("path", ["/v1/collections/adm/search", "/v1/collections"])
+def test_a_repeated_timeout_header_is_400_naming_it(small, path):
+    """Two copies of the deadline: refused, as a repeated Content-Type is, rather than the last one silently kept."""
+    for copies in (["0.0001", "100"], ["100", "0.0001"], ["abc", "5"]):
+        r = small.post(path, json={"vector": [0.5] * 4, "k": 3},
+                       headers=[("X-Request-Timeout", copy) for copy in copies])
+        assert_problem(r, 400, "bad-request", field="X-Request-Timeout")
 
 
 def test_a_write_waits_for_a_connection_at_most_the_acquire_timeout(small):

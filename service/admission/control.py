@@ -75,8 +75,8 @@ def behind(loop_lag: LoopLag, whose: str) -> Shed:
 
 def parse_timeout(value: bytes | str) -> float:
     try:
-        seconds = float(value)
-    except ValueError:
+        seconds = math.nan if "_" in (value.decode("latin-1") if isinstance(value, bytes) else value) else float(value)
+    except ValueError:  # float() reads "1_0" as 10: decimal only
         seconds = math.nan
     if not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails too
         raise BadRequest(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]", field="X-Request-Timeout")

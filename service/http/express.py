@@ -27,7 +27,7 @@ from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, Queu
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.admission.pressure import LIGHT
-from service.errors import ProblemError, internal_problem
+from service.errors import BadRequest, ProblemError, internal_problem
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
@@ -71,7 +71,8 @@ class Headers(NamedTuple):
 
 
 def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
-    """What express reads of the headers; BadRequest for a repeated Content-Type (service/http/media.py)."""
+    """What express reads of the headers; BadRequest for a repeated Content-Type (service/http/media.py) or
+    X-Request-Timeout."""
     length, authorization, timeout, forwarded, chunked, refused = -1, None, None, None, False, None
     media = media_type(headers, JSON)
     for name, value in headers:
@@ -80,6 +81,8 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
         elif name == b"authorization":
             authorization = value
         elif name == TIMEOUT_HEADER:
+            if timeout is not None:  # as Content-Type: no two readers may take different copies
+                raise BadRequest("X-Request-Timeout is given more than once; send it once", field="X-Request-Timeout")
             timeout = value
         elif name == CLIENT_HEADER:
             forwarded = value
