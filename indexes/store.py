@@ -124,18 +124,16 @@ class CollectionStore:
     async def drop(self, name: str) -> Collection:
         """Drop the collection, its table and its records, in one transaction: retried (with backoff) when
         PostgreSQL breaks a deadlock by failing it, CollectionBusy (nothing dropped) when that keeps happening."""
-        delay = DROP_BACKOFF_S
-        for _ in range(DROP_TRIES - 1):
+        tries = 0
+        while True:
             try:
                 return await self._drop(name)
-            except asyncpg.DeadlockDetectedError:
-                await asyncio.sleep(delay)
-                delay *= 2
-        try:
-            return await self._drop(name)
-        except asyncpg.DeadlockDetectedError as exc:
-            raise CollectionBusy(f"collection {name!r} was not deleted: its drop kept deadlocking with index builds "
-                                 "on its table; try again", field="collection") from exc
+            except asyncpg.DeadlockDetectedError as exc:
+                tries += 1
+                if tries == DROP_TRIES:
+                    raise CollectionBusy(f"collection {name!r} was not deleted: its drop kept deadlocking with index "
+                                         "builds on its table; try again", field="collection") from exc
+                await asyncio.sleep(DROP_BACKOFF_S * 2 ** (tries - 1))
 
     async def _drop(self, name: str) -> Collection:
         """One try of drop(). A CREATE INDEX CONCURRENTLY on the table (the pgvector index's background build, in

@@ -73,6 +73,7 @@ def _shapes_from_geojson(data: Any) -> tuple[np.ndarray, list[Any], list[dict | 
                                 field="geojson.features", index=i)
         try:
             geoms.append(shapely.geometry.shape(geometry))
+        # NotImplementedError: shapely's answer to a geometry it does not model (a curve), not a stub of ours
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
                 shapely.errors.GEOSException) as exc:
             raise GeometryError(f"has an unreadable geometry ({exc})", field="geojson.features", index=i) from None
@@ -95,7 +96,8 @@ def _shapes_from_text(values: Any, field: str) -> np.ndarray:
                 out.append(shapely.from_wkt(value))
             else:
                 out.append(shapely.from_wkb(base64.b64decode(value, validate=True)))
-        except (binascii.Error, ValueError, TypeError, NotImplementedError, shapely.errors.GEOSException) as exc:
+        except (binascii.Error, ValueError, TypeError, NotImplementedError,  # NotImplementedError: a curve
+                shapely.errors.GEOSException) as exc:
             raise GeometryError(f"is not valid {field.upper().replace('_B64', '')} ({str(exc)[:120]})", field=field,
                                 index=i) from None
     return np.array(out, dtype=object)

@@ -25,6 +25,7 @@ from service.admission.deadlines import set_deadline
 from service.admission.loop_lag import LoopLag
 from service.admission.pressure import ClassLimit, class_limits
 from service.errors import BadRequest, ProblemError
+from service.http.jsonnum import decimal
 from service.process.devices import is_out_of_memory
 
 PRINCIPAL: ContextVar[str] = ContextVar("switchyard_principal", default="anonymous")
@@ -74,10 +75,7 @@ def behind(loop_lag: LoopLag, whose: str) -> Shed:
 
 
 def parse_timeout(value: bytes | str) -> float:
-    try:
-        seconds = math.nan if "_" in (value.decode("latin-1") if isinstance(value, bytes) else value) else float(value)
-    except ValueError:  # float() reads "1_0" as 10: decimal only
-        seconds = math.nan
+    seconds = decimal(value.decode("latin-1") if isinstance(value, bytes) else value)
     if not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails too
         raise BadRequest(f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]", field="X-Request-Timeout")
     return seconds

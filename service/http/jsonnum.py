@@ -4,6 +4,8 @@ strings, and an integer field still takes 2.0, as JSON Schema's "integer" does."
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, StrictFloat
@@ -30,5 +32,14 @@ Int = Annotated[int, NUMBER_ONLY]
 IntList = Annotated[list[int], BeforeValidator(_number_items_only)]  # one check per list: ids lists are long
 Float = StrictFloat  # strict float takes ints, and no booleans or strings
 Number = Annotated[int | float, NUMBER_ONLY]  # search parameters: an integer stays one
+DECIMAL = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # as JSON writes numbers (a leading dot allowed)
+
+
+def decimal(text: str) -> float:
+    """A number written as text in a query string or a header, or NaN where it is not decimal: Python's float()
+    would also read "1_0" as 10, " 5", "nan", "inf" and "infinity"."""
+    return float(text) if DECIMAL.fullmatch(text) else math.nan
+
+
 # json_schema_extra of an id list the service refuses duplicates in (indexes/vectors.check_ids, spatial ids)
 UNIQUE_ITEMS: dict[str, Any] = {"uniqueItems": True}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
@@ -30,7 +29,7 @@ from indexes.vectors import (
     unshaped_matrix,
 )
 from service.errors import ProblemError
-from service.http.jsonnum import NUMBER_ONLY, UNIQUE_ITEMS, Float, Int, IntList, Number
+from service.http.jsonnum import NUMBER_ONLY, UNIQUE_ITEMS, Float, Int, IntList, Number, decimal
 from service.http.openapi import exactly_one_of
 from service.process.messages import SearchCall, UpsertCall, float32_bytes
 
@@ -131,12 +130,9 @@ def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
         raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors()]) from None
 
 
-QUERY_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # decimal, as JSON writes numbers (no 1_0, nan, inf)
-
-
 def _query_number(name: str, value: str) -> int | float:
     """A number written in a query string; an integral one as an int, so that integer options take it."""
-    number = float(value) if QUERY_NUMBER.fullmatch(value) else math.nan
+    number = decimal(value)
     if not math.isfinite(number):
         raise RequestValidationError([{"type": "float_parsing", "loc": ("query", name), "input": value,
                                        "msg": f"{name} must be a finite decimal number"}]) from None
