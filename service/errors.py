@@ -79,6 +79,10 @@ class PayloadTooLarge(ProblemError):
     status, slug, title = 413, "payload-too-large", "Payload too large"
 
 
+class UnsupportedMediaType(ProblemError):
+    status, slug, title = 415, "unsupported-media-type", "Unsupported media type"
+
+
 class ServiceUnavailable(ProblemError):
     status, slug, title = 503, "unavailable", "Service unavailable"
 

@@ -8,6 +8,7 @@ over keep-alive connections, pipelined requests, HTTP/1.0 and `Expect: 100-conti
 from __future__ import annotations
 
 import asyncio
+import gzip
 import inspect
 import json
 import logging
@@ -155,6 +156,9 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
     assert_problem(client.post("/v1/collections/s1/search", content=q.tobytes(),
                                headers={**RAW, "X-Request-Timeout": "soon"}), 400, "bad-request", "X-Request-Timeout")
+    assert_problem(client.post("/v1/collections/s1/search", content=gzip.compress(q.tobytes()),
+                               headers={**RAW, "Content-Encoding": "gzip"}), 415, "unsupported-media-type",
+                   "Content-Encoding")
     assert synced(client) == before  # none of these was the protocol's to answer
 
 

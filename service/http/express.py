@@ -27,7 +27,7 @@ from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, Queu
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.admission.pressure import LIGHT
-from service.errors import BadRequest, ProblemError, internal_problem
+from service.errors import BadRequest, ProblemError, UnsupportedMediaType, internal_problem
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
@@ -72,8 +72,9 @@ class Headers(NamedTuple):
 
 def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
     """What express reads of the headers; BadRequest for a repeated Content-Type (service/http/media.py) or
-    X-Request-Timeout."""
+    X-Request-Timeout, UnsupportedMediaType for a body with a Content-Encoding."""
     length, authorization, timeout, forwarded, chunked, refused = -1, None, None, None, False, None
+    encodings: list[bytes] = []
     media = media_type(headers, JSON)
     for name, value in headers:
         if name == b"content-length":
@@ -90,6 +91,12 @@ def read_headers(headers: list[tuple[bytes, bytes]]) -> Headers:
             chunked = True
         elif name == REFUSED_HEADER:
             refused = value
+        elif name == b"content-encoding":
+            encodings.extend(coding.strip().lower() for coding in value.split(b","))
+    if any(coding not in (b"", b"identity") for coding in encodings) and (length > 0 or chunked):
+        raise UnsupportedMediaType(  # read as plain, a gzipped body was "invalid JSON" (RFC 9110 15.5.16)
+            f"request bodies are read as sent: Content-Encoding {b', '.join(encodings).decode('latin-1')} is not "
+            "supported; send the body uncompressed", field="Content-Encoding", headers={"Accept-Encoding": "identity"})
     return Headers(length, media, authorization, timeout, forwarded, chunked, refused)
 
 

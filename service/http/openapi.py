@@ -59,6 +59,7 @@ ERRORS = {
     409: "The request conflicts with the resource's state: it exists already, is in use, is empty, or no engine "
          "has the data yet.",
     413: "The body is larger than the route's limit (SWITCHYARD_MAX_BODY_BYTES, SWITCHYARD_MAX_BULK_BYTES).",
+    415: "The body has a Content-Encoding (gzip...): bodies are read only as sent (Accept-Encoding: identity).",
     422: "Invalid input; `field` names it and `detail` says why.",
     429: "Over this API key's quota; retry after Retry-After.",
     500: "An unexpected failure; `error_id` locates it in the service's log.",
@@ -176,7 +177,7 @@ def _error_codes(path: str, method: str, op: dict[str, Any], v1: bool, keyed: bo
     if names_a_resource:
         codes |= {404, 409}
     if "requestBody" in op:
-        codes.add(413)
+        codes |= {413, 415}
     if method in WRITES and not any(part in path for part in READ_ONLY_POSTS):
         codes.add(507)
     return sorted(codes)
