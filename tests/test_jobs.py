@@ -96,3 +96,59 @@ def test_a_build_whose_collection_is_deleted_meanwhile_says_so(client, database_
     state = client.portal.call(scenario)
     assert state["state"] == "failed", state
     assert "error id" not in state["message"] and "deleted" in state["message"] and "doomed" in state["message"]
+
+
+def test_a_finished_job_says_done_not_its_last_step(client):
+    """A succeeded job's counters and message are its end, not the last progress report ("copying ... into
+    PostgreSQL", 0 of 314,299); a failed one keeps how far it got."""
+    wait_ready(client)
+    jobs = client.app.state.switchyard.jobs
+
+    async def run(fail: bool) -> str:
+        async def work(progress):
+            progress(3, 10, "copying lineorder into PostgreSQL")
+            if fail:
+                raise RuntimeError("boom")
+            return {"ok": True}
+
+        job = await jobs.start("test", None, work)
+        while job.id in jobs.running:
+            await asyncio.sleep(0.01)
+        return job.id
+
+    done = client.get(f"/v1/jobs/{client.portal.call(run, False)}").json()  # read back from the table
+    assert (done["state"], done["done"], done["total"], done["message"]) == ("succeeded", 10, 10, "done"), done
+    failed = client.get(f"/v1/jobs/{client.portal.call(run, True)}").json()
+    assert (failed["state"], failed["done"], failed["total"]) == ("failed", 3, 10), failed
+
+
+def test_a_job_answers_to_its_id_in_either_case_and_to_no_other_spelling(client):
+    """An upper-case id named a running job's row in the table (stale) and could not cancel it; braces, URNs and
+    hex without hyphens name no job."""
+    import uuid
+
+    wait_ready(client)
+    jobs = client.app.state.switchyard.jobs
+
+    async def start() -> str:
+        async def work(progress):
+            while True:
+                progress(0, None, "waiting")
+                await asyncio.sleep(0.01)
+
+        job = await jobs.start("test", None, work)
+        while job.state != "running":
+            await asyncio.sleep(0.01)
+        return job.id
+
+    job_id = client.portal.call(start)
+    upper = job_id.upper()
+    for other in (f"{{{job_id}}}", f"urn:uuid:{job_id}", uuid.UUID(job_id).hex):
+        assert client.get(f"/v1/jobs/{other}").status_code == 404, other
+        assert client.post(f"/v1/jobs/{other}/cancel").status_code == 404, other
+    assert client.get(f"/v1/jobs/{upper}").json()["state"] == "running"
+    cancelled = client.post(f"/v1/jobs/{upper}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled", cancelled.text
+    assert client.get(f"/v1/jobs/{job_id}").json()["id"] == job_id
+    assert client.delete(f"/v1/jobs/{upper}").status_code == 204
+    assert client.get(f"/v1/jobs/{job_id}").status_code == 404

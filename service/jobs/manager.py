@@ -55,6 +55,17 @@ def failure_message(job: "Job", exc: Exception) -> str:
     return f"the job failed; quote error id {error_id} when reporting it (the service's log has the cause)"
 
 
+def job_key(job_id: str) -> uuid.UUID | None:
+    """A job's id in its one string form, hex with hyphens, in either case (RFC 9562: case-insensitive on input);
+    None for any other (braces, a URN, no hyphens). Every lookup goes through it: an upper-case id once found a
+    running job's stale row in the table, and could not cancel it."""
+    try:
+        key = uuid.UUID(job_id)
+    except ValueError:
+        return None
+    return key if str(key) == job_id.lower() else None
+
+
 class JobCancelled(Exception):
     """Raised inside a job's work, at its next progress report, once a client cancelled it."""
 
@@ -127,7 +138,8 @@ class JobRunner:
 
     async def cancel(self, job_id: str) -> dict[str, Any] | None:
         """Cancel a queued or running job of this process (None if it has none by that id)."""
-        job = self.running.get(job_id)
+        key = job_key(job_id)
+        job = self.running.get(str(key)) if key is not None else None
         if job is None or job.task is None:
             return None
         job.cancel_requested = True
@@ -138,9 +150,7 @@ class JobRunner:
     async def delete(self, job_id: str) -> bool:
         """Forget a finished job; False if there is none (a queued or running one is cancelled first)."""
         await self.cancel(job_id)
-        try:
-            key = uuid.UUID(job_id)
-        except ValueError:
+        if (key := job_key(job_id)) is None:
             return False
         status = await self.pool.execute("DELETE FROM jobs WHERE id = $1", key)
         return status.split()[-1] != "0"
@@ -167,7 +177,8 @@ class JobRunner:
                 job.state = "running"
                 await self._flush(job)
                 job.result = await work(progress)
-                job.state, job.message = "succeeded", job.message or "done"
+                job.state, job.message = "succeeded", "done"  # not the last step's "copying ... into PostgreSQL"
+                job.done = job.total if job.total is not None else job.done
         except (asyncio.CancelledError, JobCancelled):
             if job.cancel_requested:
                 job.state, job.message = "cancelled", "cancelled by a client; what it had committed is kept"
@@ -205,12 +216,10 @@ class JobRunner:
             log.warning("could not record progress of job %s", job.id)
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
-        if job_id in self.running:
-            return self.running[job_id].as_dict()
-        try:
-            key = uuid.UUID(job_id)
-        except ValueError:
+        if (key := job_key(job_id)) is None:
             return None
+        if (job := self.running.get(str(key))) is not None:
+            return job.as_dict()
         row = await self.pool.fetchrow("SELECT * FROM jobs WHERE id = $1", key)
         if row is None:
             return None
