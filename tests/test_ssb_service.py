@@ -221,7 +221,7 @@ def write_tbl(dataset: Path, target: Path, quoted_dates: bool = False) -> None:
 def test_import_of_tbl_files_through_the_service(app, oracle):
     imports = app.app.state.switchyard.settings.ssb_imports
     write_tbl(app.dataset, imports / "dbgen", quoted_dates=True)
-    r = app.post("/v1/olap/ssb/import", json={"path": str(imports / "dbgen"), "name": "fromtbl"})
+    r = app.post("/v1/olap/ssb/import", json={"path": "dbgen", "name": "fromtbl"})  # relative to the import dir
     assert r.status_code == 202, r.text
     job = wait_job(app, r.headers["location"])
     assert job["state"] == "succeeded", job
@@ -236,7 +236,11 @@ def test_import_of_tbl_files_through_the_service(app, oracle):
 
 def test_import_refuses_paths_outside_the_import_dir_and_incomplete_dirs(app, tmp_path):
     body = assert_problem(app.post("/v1/olap/ssb/import", json={"path": str(tmp_path)}), 403, "forbidden", "path")
-    assert "SWITCHYARD_SSB_IMPORT_DIR" in body["detail"]
+    assert "SWITCHYARD_SSB_IMPORT_DIR" in body["detail"] and "relative" in body["detail"]
+    for escape in ("..", "../import-elsewhere"):  # relative paths are taken from the import dir, not the cwd
+        assert_problem(app.post("/v1/olap/ssb/import", json={"path": escape}), 403, "forbidden", "path")
+    # no server user's home either: "~" is a directory of that name under the import dir (none here)
+    assert_problem(app.post("/v1/olap/ssb/import", json={"path": "~"}), 422, "validation-error", "path")
     imports = app.app.state.switchyard.settings.ssb_imports
     (imports / "partial").mkdir(parents=True, exist_ok=True)
     (imports / "partial" / "part.tbl").write_text("1|x|\n")

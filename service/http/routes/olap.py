@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Path as PathParam
@@ -32,7 +31,8 @@ class GenerateRequest(BaseModel):
 
 class ImportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    path: str = Field(description="Directory of the five ssb-dbgen .tbl files, inside SWITCHYARD_SSB_IMPORT_DIR.")
+    path: str = Field(description="Directory of the five ssb-dbgen .tbl files, inside SWITCHYARD_SSB_IMPORT_DIR: "
+                                  "absolute, or relative to that directory.")
     name: str = Field(default="imported", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                       description="Dataset name (directory under <data_dir>/ssb).")
     expected_rows: dict[str, Int] | None = Field(default=None, description="Row counts to check, per table.")
@@ -120,9 +120,10 @@ async def import_tbl(body: ImportRequest, runtime: RuntimeDep, response: Respons
     if "\x00" in body.path:  # no file system takes it; os calls raise ValueError (a 500 if it got that far)
         raise Unprocessable("the path contains a NUL character", field="path")
     try:
-        source = Path(body.path).expanduser().resolve()
+        source = (root / body.path).resolve()  # a relative path is taken from the import directory, not the cwd
         if source != root and root not in source.parents:
-            raise Forbidden(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR)", field="path")
+            raise Forbidden(f"imports are read only from inside {root} (SWITCHYARD_SSB_IMPORT_DIR): give a path "
+                            "under it, absolute or relative to it", field="path")
         missing = [name for name in TBL_FILES.values() if not (source / name).is_file()]
         if missing:
             raise Unprocessable(f"{source} lacks {', '.join(missing)}", field="path")
