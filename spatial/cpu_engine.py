@@ -12,7 +12,9 @@ spatial/__pycache__/*.nbi/*.nbc if cpu_engine.py did not change too.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
+import os
 import tempfile
 import threading
 from pathlib import Path
@@ -38,6 +40,15 @@ MAX_CELLS_PER_AXIS = 1 << 20  # the distance grid's key (ix * n + iy) * n + iz s
 # numba's parallel loops must not be entered from two threads at once (its workqueue threading layer aborts the
 # process): one engine call at a time in the process.
 _PARALLEL_LOCK = threading.Lock()
+
+
+def warm_up_lock(source: Path) -> Path:
+    """The lock file of the warm-ups sharing `source`'s numba cache (it is kept per source file, beside it or
+    under NUMBA_CACHE_DIR): another installation's compile, which writes a cache this one never reads, is not
+    waited for (one machine-wide lock held a service's first join behind another venv's 20 s compile)."""
+    key = f"{source.resolve()}\0{os.environ.get('NUMBA_CACHE_DIR', '')}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"switchyard-cpu-spatial-warm-up-{digest}.lock"
 
 
 # --- PIP index -----------------------------------------------------------------------------------------------
@@ -489,11 +500,11 @@ class CpuSpatialEngine:
     def warm_up(self) -> None:
         """Load (or, on a fresh machine, compile: 10-20 s) the numba kernels a join needs, by joining two points with
         a square and with each other, for writable point arrays and for read-only ones (Arrow views of a stored
-        layer), which numba compiles separately; the answers are checked. One warm-up per machine at a time: the
-        processes that waited load what the first wrote to numba's cache instead of all compiling at once."""
+        layer), which numba compiles separately; the answers are checked. One warm-up per installation at a time:
+        the processes that waited load what the first wrote to numba's cache instead of all compiling at once."""
         self.warm = True
         try:
-            lock = open(Path(tempfile.gettempdir()) / "switchyard-cpu-spatial-warm-up.lock", "a")  # noqa: SIM115
+            lock = open(warm_up_lock(Path(__file__)), "a")  # noqa: SIM115
         except OSError:  # another user's file: compile without waiting
             self._join_a_square()
             return

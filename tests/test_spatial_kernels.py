@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -584,3 +585,30 @@ def test_the_cpu_engine_warms_up_once_at_its_first_layer(monkeypatch):
     monkeypatch.setattr(wrong, "pip_counts", lambda points, polygons: np.array([0]))
     with pytest.raises(RuntimeError, match="answered its warm-up wrong"):
         wrong.warm_up()
+
+
+def test_a_warm_up_waits_only_for_warm_ups_sharing_its_numba_cache(tmp_path):
+    """Warm-ups of one installation take turns (the later ones load what the first compiled); another installation's
+    compile, into a cache this one never reads, is not waited for."""
+    import fcntl
+    import threading
+
+    import spatial.cpu_engine as cpu_engine
+
+    here = cpu_engine.warm_up_lock(Path(cpu_engine.__file__))
+    elsewhere = cpu_engine.warm_up_lock(tmp_path / "site-packages" / "spatial" / "cpu_engine.py")
+    assert here != elsewhere and here == cpu_engine.warm_up_lock(Path(cpu_engine.__file__).parent / "cpu_engine.py")
+
+    def warm_up_while_held(lock_path: Path) -> bool:
+        with open(lock_path, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            thread = threading.Thread(target=CpuSpatialEngine().warm_up, daemon=True)
+            thread.start()
+            thread.join(60 if lock_path == elsewhere else 1.0)
+            still_waiting = thread.is_alive()
+        thread.join(60)
+        assert not thread.is_alive()
+        return still_waiting
+
+    assert not warm_up_while_held(elsewhere)
+    assert warm_up_while_held(here)
