@@ -22,6 +22,7 @@ from .errors import InvalidInput
 
 MAX_ID = 2**63 - 1
 MAX_K = 1000  # most neighbours one search may ask for
+MAX_DIM = 16_000  # the widest collection (pgvector's vector type holds up to 16,000 dimensions)
 MAX_QUERIES = 10_000  # most query vectors in one search request, whatever their encoding
 MAX_RESULTS = 1_000_000  # most (query, neighbour) pairs one search may answer: queries x k
 MAX_VALUE = 1e15  # largest magnitude of a vector value (squared distances stay finite in float32)

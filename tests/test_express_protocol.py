@@ -156,6 +156,8 @@ def test_what_the_lane_declines_is_answered_by_the_app_errors_included(served):
     assert batch.json()["ids"] == [strong.json()["ids"]] * 2 and deadline.json()["ids"] == strong.json()["ids"]
     assert_problem(client.post("/v1/collections/s1/search", content=q.tobytes(),
                                headers={**RAW, "X-Request-Timeout": "soon"}), 400, "bad-request", "X-Request-Timeout")
+    assert_problem(client.post(f"/v1/collections/s1/search?dim={DIM // 2}", content=q.tobytes(), headers=RAW), 422,
+                   "validation-error", "dim")  # 2 rows of DIM / 2 are as many bytes as one of DIM
     assert_problem(client.post("/v1/collections/s1/search", content=gzip.compress(q.tobytes()),
                                headers={**RAW, "Content-Encoding": "gzip"}), 415, "unsupported-media-type",
                    "Content-Encoding")

@@ -269,3 +269,29 @@ def test_collections_stored_before_the_key_registry_have_their_keys_counted(serv
 
     with fresh_database(server_dsn, "payload_key_backfill") as dsn:
         assert run(migrate(dsn)) == ["a", "b", "c"]
+
+
+def test_a_stated_dimension_other_than_the_collections_is_422_naming_dim(client):
+    """Bytes carry no shape: 3 rows of dimension 2 for 2 ids are 24 bytes, as 2 rows of dimension 3 are. A request
+    that states its vectors' dimension (the client always does) is checked against the collection's."""
+    name = new_collection(client, rows=2)
+    before = client.post(f"/v1/collections/{name}/search", json={"vector": [1.0, 0.0, 0.0, 0.0], "k": 2}).json()
+    wrong = np.arange(2 * DIM, dtype="<f4").reshape(DIM, 2)  # DIM rows of dimension 2: the bytes of 2 rows of DIM
+    b64 = base64.b64encode(wrong.tobytes()).decode()
+    assert_problem(client.put(f"/v1/collections/{name}/points", json={"ids": [0, 1], "vectors_b64": b64, "dim": 2}),
+                   422, "validation-error", "dim")
+    assert_problem(client.post(f"/v1/collections/{name}/search", json={"vectors_b64": b64, "dim": 2}),
+                   422, "validation-error", "dim")
+    assert_problem(client.post(f"/v1/collections/{name}/search?dim=2&k=2", content=wrong.tobytes(),
+                               headers={"content-type": "application/octet-stream"}), 422, "validation-error", "dim")
+    assert_problem(client.post(f"/v1/collections/{name}/search",
+                               json={"vectors": [[1.0] * DIM], "dim": DIM}), 422, "validation-error", "body")
+    after = client.post(f"/v1/collections/{name}/search", json={"vector": [1.0, 0.0, 0.0, 0.0], "k": 2}).json()
+    assert after["ids"] == before["ids"] and after["distances"] == before["distances"]  # nothing was overwritten
+    right = np.eye(2, DIM, dtype="<f4")
+    r = client.put(f"/v1/collections/{name}/points",
+                   json={"ids": [0, 1], "vectors_b64": base64.b64encode(right.tobytes()).decode(), "dim": DIM})
+    assert r.status_code == 200, r.text
+    r = client.post(f"/v1/collections/{name}/search?dim={DIM}&k=1&consistency=strong", content=right[1].tobytes(),
+                    headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["ids"] == [1], r.text

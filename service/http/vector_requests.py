@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from indexes import filters
 from indexes.errors import InvalidInput, VectorError
 from indexes.vectors import (
+    MAX_DIM,
     MAX_ID,
     MAX_K,
     decode_base64,
@@ -40,6 +41,13 @@ REQUEST_ERRORS = (ProblemError, VectorError, RequestValidationError, ValueError)
 
 Base64Text = Annotated[str, Field(min_length=1)]  # an empty one holds no vectors
 RecallTarget = Annotated[Float, Field(gt=0, le=1)]  # the schema says exclusiveMinimum 0, maximum 1
+
+
+StatedDim = Annotated[int, Field(ge=1, le=MAX_DIM), NUMBER_ONLY]
+STATED_DIM = ("With `vectors_b64` (or a raw float32 body, as a query parameter): the dimension of the vectors sent, "
+              "checked against the collection's (a 422 naming `dim` if they differ). Without it the bytes are cut "
+              "into rows of the collection's dimension, so vectors of another one go unnoticed when the byte counts "
+              "happen to agree.")
 
 
 class SearchOptions(BaseModel):
@@ -65,6 +73,7 @@ class SearchOptions(BaseModel):
         "nothing. pgvector always reads the latest commit."))
     seq: Annotated[int, Field(ge=0, le=MAX_ID), NUMBER_ONLY] | None = Field(
         default=None, description="With `session`: the seq a write of yours returned.")
+    dim: StatedDim | None = Field(default=None, description=STATED_DIM)
 
     @field_validator("params")
     @classmethod
@@ -89,16 +98,16 @@ class SearchRequest(SearchOptions):
         given = [x for x in (self.vector, self.vectors, self.vectors_b64) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of 'vector', 'vectors' and 'vectors_b64'")
-        return self
+        return stated_with_base64(self)
 
 
-RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target"}
-RAW_NUMBER_FIELDS = {"k", "seq", "recall_target"}
+RAW_QUERY_FIELDS = {"k", "engine", "consistency", "seq", "recall_target", "dim"}
+RAW_NUMBER_FIELDS = {"k", "seq", "recall_target", "dim"}
 QUERY_BOOLEANS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 
 def raw_search_options(query_string: str) -> tuple[SearchOptions, bool]:
-    """Options of a raw float32 search from its query string: k, engine, consistency, seq, recall_target, filter
+    """Options of a raw float32 search from its query string: k, engine, consistency, seq, recall_target, dim, filter
     (JSON text), `batch=true` (answer lists even for one vector); any other name is a search parameter (`ef=64`).
     Returns (options, batch)."""
     fields: dict[str, Any] = {}
@@ -146,12 +155,20 @@ class UpsertPoints(BaseModel):
     vectors_b64: Base64Text | None = Field(
         default=None, description="All vectors as base64 of little-endian float32, row after row.")
     payloads: list[dict[str, Any] | None] | None = Field(default=None, description="A JSON object (or null) per id.")
+    dim: StatedDim | None = Field(default=None, description=STATED_DIM)
 
     @model_validator(mode="after")
     def _one_encoding(self) -> "UpsertPoints":
         if (self.vectors is None) == (self.vectors_b64 is None):
             raise ValueError("give exactly one of 'vectors' and 'vectors_b64'")
-        return self
+        return stated_with_base64(self)
+
+
+def stated_with_base64(body: Any) -> Any:
+    """`dim` states the width of base64 rows; JSON lists carry their own."""
+    if body.dim is not None and body.vectors_b64 is None:
+        raise ValueError("'dim' goes with 'vectors_b64' only: JSON lists carry their own dimension")
+    return body
 
 
 def parse_json(model: type[BaseModel], raw: bytes) -> Any:
@@ -225,11 +242,14 @@ def parse_upsert(collection: str, raw: bytes, max_keys: int | None = None) -> Up
         matrix = unshaped_matrix(body.vectors, "vectors")
         return UpsertCall(collection, body.ids, float32_bytes(matrix), matrix.shape[1], "vectors", payloads)
     return UpsertCall(collection, body.ids, decode_base64(body.vectors_b64, "vectors_b64"), None, "vectors_b64",
-                      payloads)
+                      payloads, body.dim)
 
 
-def matrix_of(data: bytes, width: int | None, dim: int, field: str) -> np.ndarray:
-    """A call's vectors as a (n, dim) float32 matrix, checked against the collection's dimension."""
+def matrix_of(data: bytes, width: int | None, dim: int, field: str, stated: int | None = None) -> np.ndarray:
+    """A call's vectors as a (n, dim) float32 matrix, checked against the collection's dimension: JSON lists' own
+    `width`, or for bytes the dimension the request `stated`, if it did."""
+    if stated is not None and stated != dim:
+        raise InvalidInput(f"the vectors sent have dimension {stated}, the collection has {dim}", field="dim")
     if width is None:
         return fit_matrix(data, dim, field)
     if width != dim:

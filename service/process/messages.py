@@ -31,6 +31,7 @@ class SearchCall(msgspec.Struct, tag="search", frozen=True):
     recall_target: float | None = None
     consistency: str | None = None
     seq: int | None = None
+    dim: int | None = None  # the dimension a raw or base64 body says its rows have, checked against the collection's
 
     def rows(self, dim: int) -> int:
         """How many query vectors it holds (before the bytes are checked)."""
@@ -45,6 +46,7 @@ class UpsertCall(msgspec.Struct, tag="upsert", frozen=True):
     width: int | None  # floats per row (JSON lists); None: base64 bytes, as wide as the collection
     field: str
     payloads: list[bytes | None] | None = None  # each payload's JSON text
+    dim: int | None = None  # as SearchCall's
 
 
 class UnparsedCall(msgspec.Struct, tag="unparsed", frozen=True):

@@ -11,6 +11,7 @@ from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from indexes.vectors import (
+    MAX_DIM,
     MAX_K,
     arrow_chunks,
     as_matrix,
@@ -82,7 +83,7 @@ class PgvectorIndexSpec(BaseModel):
 class CreateCollection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-    dim: Int = Field(ge=1, le=16000)
+    dim: Int = Field(ge=1, le=MAX_DIM)
     metric: Literal["l2", "cosine", "inner_product"] = "l2"
     index: IndexSpec = Field(default_factory=IndexSpec)
     pgvector_index: PgvectorIndexSpec = Field(default_factory=PgvectorIndexSpec, description=(
@@ -236,7 +237,7 @@ async def answer_upsert(runtime: Any, call: UpsertCall) -> bytes:
     """The run step of a JSON upsert: store it (acknowledged after COMMIT) and answer it."""
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(call.collection)
-    points = checked_points(call.ids, matrix_of(call.vectors, call.width, c.dim, call.field), call.payloads)
+    points = checked_points(call.ids, matrix_of(call.vectors, call.width, c.dim, call.field, call.dim), call.payloads)
     async with runtime.admission.slot("writes", bound_run=False):
         seq = await vectors.upsert(call.collection, points, call.field)
     return WriteOut(upserted=len(points.ids), seq=seq).model_dump_json().encode()
@@ -255,7 +256,7 @@ async def answer_search(runtime: Any, call: SearchCall) -> bytes:
     vectors = domain(runtime, "vectors")
     c = await vectors.collection(call.collection)
     check_batch(call.rows(c.dim), call.k, call.field)  # counted before anything is decoded
-    queries = matrix_of(call.queries, call.width, c.dim, call.field)
+    queries = matrix_of(call.queries, call.width, c.dim, call.field, call.dim)
     # A raw body is one query unless it says batch=true, which it can only tell once the dimension is known.
     single = call.single and (call.field != "body" or len(queries) == 1)
     consistency = call.consistency or vectors.consistency.default
@@ -284,7 +285,7 @@ def search_inline(runtime: Any, call: SearchCall, respond: Callable[[bytes], Non
     c = vectors.catalog.get(call.collection) if vectors is not None else None
     if c is None or len(call.queries) != 4 * c.dim:
         return False
-    if call.width not in (None, c.dim):
+    if call.width not in (None, c.dim) or call.dim not in (None, c.dim):
         return False
     queries = np.frombuffer(call.queries, dtype="<f4").reshape(1, c.dim)
     try:
@@ -305,7 +306,8 @@ def search_inline(runtime: Any, call: SearchCall, respond: Callable[[bytes], Non
     openapi_extra=json_body(SearchRequest,
                             {RAW_VECTORS: {"schema": {"type": "string", "format": "binary"}, "description": (
         "Raw little-endian float32 vectors, row after row (no parsing at all). Options in the query string: "
-        "`k`, `engine`, `consistency`, `seq`, `batch=true` (answer lists for one vector too), and any search "
+        "`k`, `engine`, `consistency`, `seq`, `dim` (the vectors' dimension, checked against the collection's), "
+        "`batch=true` (answer lists for one vector too), and any search "
         "parameter by name, e.g. `?k=10&engine=cpu&ef=64`.")}}),
 )
 async def search(name: CollectionName, request: Request) -> Response:
