@@ -79,9 +79,16 @@ def test_numpy_round_trips_equal_the_json_api(workers):
         filtered = sy.search(name, queries[:2], k=400, filter={"group": 1}, consistency="strong")
         expected = plain.post(f"/v1/collections/{name}/search", json={
             "vectors": queries[:2].tolist(), "k": 400, "filter": {"group": 1}, "consistency": "strong"}).json()
+        assert filtered.ids.shape == filtered.distances.shape == (2, 400)  # k columns, however many matched
         for row, ids in enumerate(expected["ids"]):
             assert list(filtered.ids[row, :len(ids)]) == ids
             assert (filtered.ids[row, len(ids):] == -1).all() and np.isinf(filtered.distances[row, len(ids):]).all()
+        for match in ({"group": 1}, {"group": 7}):  # a single query too, and one nothing matches
+            one = sy.search(name, queries[0], k=400, filter=match, consistency="strong")
+            assert one.ids.shape == one.distances.shape == (400,)
+            found = int((one.ids != -1).sum())
+            assert found == (len(expected["ids"][0]) if match["group"] == 1 else 0)
+            assert np.isinf(one.distances[found:]).all()
         deleted = sy.delete(name, [0, 1, 10_000])
         assert deleted.deleted == 2 and deleted.seq > written.seq
         assert 0 not in sy.search(name, vectors[0], k=3).ids
@@ -129,7 +136,17 @@ def test_errors_are_typed_and_carry_the_field(workers):
         assert bad.value.field == "k" and bad.value.status == 422
         with pytest.raises(InvalidRequest) as bad:
             sy.upsert(name, [1], np.ones((1, DIM + 1)))
-        assert bad.value.field == "vectors_b64"
+        assert bad.value.field == "vectors" and f"dimension {DIM + 1}" in str(bad.value)
+        # bytes of the right count, cut differently: once stored as 2 rows of DIM, searched as 4 queries
+        with pytest.raises(InvalidRequest) as bad:
+            sy.upsert(name, [1, 2], np.ones((4, DIM // 2)))
+        assert bad.value.field == "vectors" and bad.value.problem["field"] == "dim"
+        with pytest.raises(InvalidRequest) as bad:
+            sy.search(name, np.ones((4, DIM // 2)), k=1)
+        assert bad.value.field == "vectors" and f"dimension {DIM // 2}" in str(bad.value)
+        with pytest.raises(InvalidRequest) as bad:
+            sy.upsert(name, [1], np.full((1, DIM), np.nan))
+        assert bad.value.field.startswith("vectors[") and sy.get_collection(name)["count"] == 0
         with pytest.raises(InvalidRequest) as bad:
             sy.upsert(name, [1], np.ones((1, DIM)), payloads=[{"big": 2**64}])
         assert bad.value.field == "payloads[0]"

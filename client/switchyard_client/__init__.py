@@ -31,6 +31,7 @@ from .errors import (
                      Retryable,
                      ServerError,
                      SwitchyardError,
+                     TimedOut,
                      TransportError,
                      Unauthorized,
                      Unavailable,
@@ -40,5 +41,5 @@ from .results import Counts, Pairs, SearchResult, WriteResult
 __all__ = ["AsyncClient", "Client", "Conflict", "Counts", "DeadlineExceeded", "EngineUnavailable", "Forbidden",
            "InsufficientStorage", "InvalidRequest", "JobFailed", "NotFound", "Overloaded", "Pairs",
            "PayloadTooLarge", "QueryFailed", "QuotaExceeded", "RetryPolicy", "Retryable", "SearchResult",
-           "ServerError", "SwitchyardError", "TransportError", "Unauthorized", "Unavailable", "WriteResult",
+           "ServerError", "SwitchyardError", "TimedOut", "TransportError", "Unauthorized", "Unavailable", "WriteResult",
            "__version__"]

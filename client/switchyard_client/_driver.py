@@ -13,6 +13,16 @@ P = ParamSpec("P")
 R = TypeVar("R")
 VERSION = "0.1.0"
 DEFAULT_TIMEOUT_S = 300.0  # a socket's limit when the caller sets none (bulk loads can take minutes)
+ANSWER_GRACE_S = 1.0  # at most this (and a tenth of the timeout) past the deadline, for the service's own answer
+
+
+def wait_limit(request: Request) -> float:
+    """How long the client waits for an answer: the call's timeout, plus a little for the service's answer to the
+    deadline it was sent (503 not run, or 504 stopped: DeadlineExceeded, which says which), past which the client
+    gives up by itself (TimedOut: whether the call ran is unknown)."""
+    if request.timeout is None:
+        return DEFAULT_TIMEOUT_S
+    return request.timeout + min(ANSWER_GRACE_S, request.timeout / 10)
 
 
 def headers_for(request: Request, api_key: str | None) -> dict[str, str]:

@@ -11,9 +11,12 @@ import numpy as np
 
 from ._progress import ProgressArg, Reporter
 from ._wire import ARROW, PARQUET, RAW, Plan, Request, RetryPolicy, Sessions, Sleep, call, dumps, json_request
+from .errors import SwitchyardError
 from .results import Counts, Pairs, SearchResult, WriteResult, neighbours, write_result
 
 FINISHED = ("succeeded", "failed", "cancelled")
+UPSERT_FIELDS = {"vectors_b64": "vectors", "dim": "vectors"}  # the wire fields of upsert()'s arguments
+SEARCH_FIELDS = {"body": "vectors", "dim": "vectors"}  # and of search()'s (a raw body)
 
 
 class JobFailed(RuntimeError):
@@ -39,10 +42,12 @@ def float32_rows(vectors: Any) -> tuple[np.ndarray, bool]:
 
 
 @functools.lru_cache(maxsize=256)
-def search_path(collection: str, k: int, engine: str, level: str | None, seq: int | None, filter_text: str | None,
-                recall_target: float | None, batch: bool, params: tuple[tuple[str, float], ...]) -> str:
-    """A raw search's path and query string; remembered, since a client sends the same one with every vector."""
-    query: dict[str, Any] = {"k": k}
+def search_path(collection: str, k: int, dim: int, engine: str, level: str | None, seq: int | None,
+                filter_text: str | None, recall_target: float | None, batch: bool,
+                params: tuple[tuple[str, float], ...]) -> str:
+    """A raw search's path and query string; remembered, since a client sends the same one with every vector. `dim`
+    (the rows' width) lets the service refuse vectors of another dimension, which raw bytes cannot show."""
+    query: dict[str, Any] = {"k": k, "dim": dim}
     options = (("engine", None if engine == "auto" else engine), ("consistency", level), ("seq", seq),
                ("filter", filter_text), ("recall_target", recall_target), ("batch", "true" if batch else None))
     for name, value in options:
@@ -64,8 +69,12 @@ class Operations:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
 
-    def _call(self, request: Request) -> Plan[Any]:
-        return (yield from call(request, self.retry))
+    def _call(self, request: Request, fields: dict[str, str] | None = None) -> Plan[Any]:
+        """The request's answer; `fields` renames the wire fields an error may name to the caller's arguments."""
+        try:
+            return (yield from call(request, self.retry))
+        except SwitchyardError as error:
+            raise error.renamed(fields) if fields else error from None
 
     def _json(self, method: str, path: str, body: Any = None, idempotent: bool = True) -> Request:
         return json_request(method, path, body, idempotent, self.timeout)
@@ -107,10 +116,11 @@ class Operations:
         """Insert or replace points by id, acknowledged once committed. Vectors travel as base64 float32 (no JSON
         floats); for many thousands of points, load() is faster."""
         matrix, _ = float32_rows(vectors)
-        body: dict[str, Any] = {"ids": id_list(ids), "vectors_b64": base64.b64encode(matrix.data).decode()}
+        body: dict[str, Any] = {"ids": id_list(ids), "vectors_b64": base64.b64encode(matrix.data).decode(),
+                                "dim": matrix.shape[1]}  # checked against the collection's: bytes have no shape
         if payloads is not None:
             body["payloads"] = list(payloads)
-        answer = yield from self._call(self._json("PUT", collection_path(collection, "/points"), body))
+        answer = yield from self._call(self._json("PUT", collection_path(collection, "/points"), body), UPSERT_FIELDS)
         result = write_result(answer)
         self.sessions.wrote(collection, result.seq)
         return result
@@ -133,9 +143,10 @@ class Operations:
         level, at = self.sessions.level(collection, consistency, seq)
         filter_text = None if filter is None else dumps(filter).decode()
         params_key = tuple(sorted(params.items())) if params else ()
-        path = search_path(collection, k, engine, level, at, filter_text, recall_target, batch, params_key)
+        path = search_path(collection, k, matrix.shape[1], engine, level, at, filter_text, recall_target, batch,
+                           params_key)
         request = Request("POST", path, matrix.tobytes(), RAW, True, self.timeout)
-        return neighbours((yield from self._call(request)), batch)
+        return neighbours((yield from self._call(request, SEARCH_FIELDS)), batch, k)
 
     def load(self, collection: str, ids: Any, vectors: Any, payloads: Sequence[dict[str, Any] | None] | None = None,
              *, pgvector: str = "background", progress: ProgressArg = True, wait: bool = True,

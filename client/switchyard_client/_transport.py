@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlsplit
 
 from ._wire import Response
-from .errors import TransportError
+from .errors import TimedOut, TransportError
 
 BLOCK_BYTES = 1 << 20  # a file body is sent this much at a time
 STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
@@ -112,6 +112,9 @@ class HttpPool:
                 if reused and idempotent and attempt == 0:
                     continue
                 raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            except TimeoutError as exc:  # socket.timeout
+                conn.close()
+                raise TimedOut(f"{method} {path}: no answer within {timeout:g} s") from exc
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
@@ -148,6 +151,7 @@ class _Handle:
         self.method: str | None = None
         self.timeout: float | None = None
         self.uploading = False
+        self.fresh = False  # FRESH_CONNECT set: the last call was unsafe to send twice
 
     def headers(self) -> dict[str, str]:
         out = {}
@@ -159,31 +163,47 @@ class _Handle:
 
 
 class CurlPool:
-    """libcurl (pycurl), one handle per calling thread: it keeps its connection alive and reconnects by itself."""
+    """libcurl (pycurl) handles, each keeping its connection alive and reconnecting by itself: one per call in
+    flight, and at most `max_idle` kept between calls, newest first (a handle per thread that ever called kept a
+    socket open for each until close())."""
 
     name = "pycurl"
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, max_idle: int = 32) -> None:
         import pycurl
 
         self.pycurl = pycurl
         self.endpoint = endpoint
         self.base = f"http://{endpoint.host}:{endpoint.port}"
-        self._local = threading.local()
-        self._all: list[_Handle] = []
+        self.max_idle = max_idle
+        self._idle: list[_Handle] = []
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _handle(self) -> _Handle:
-        handle = getattr(self._local, "handle", None)
-        if handle is None:
-            handle = self._local.handle = _Handle(self.pycurl, self.endpoint)
-            with self._lock:
-                self._all.append(handle)
-        return handle
+    def _take(self) -> _Handle:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return _Handle(self.pycurl, self.endpoint)
+
+    def _give_back(self, handle: _Handle) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(handle)
+                return
+        handle.curl.close()
 
     def send(self, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str], timeout: float,
              idempotent: bool) -> Response:
-        pycurl, h = self.pycurl, self._handle()
+        handle = self._take()
+        try:
+            return self._perform(handle, method, path, body, headers, timeout, idempotent)
+        finally:
+            self._give_back(handle)
+
+    def _perform(self, h: _Handle, method: str, path: str, body: bytes | BinaryIO | None, headers: dict[str, str],
+                 timeout: float, idempotent: bool) -> Response:
+        pycurl = self.pycurl
         curl = h.curl
         url = self.base + path
         if url != h.url:
@@ -213,18 +233,25 @@ class CurlPool:
         if method != h.method:
             curl.setopt(pycurl.CUSTOMREQUEST, method)
             h.method = method
+        if h.fresh != (not idempotent):
+            # libcurl sends a request again, unasked, when a reused connection closes before any answer: a call
+            # that is unsafe to send twice goes on a new connection, which it never resends on.
+            curl.setopt(pycurl.FRESH_CONNECT, 0 if idempotent else 1)
+            h.fresh = not idempotent
         h.chunks.clear()
         h.header_lines.clear()
         try:
             curl.perform()
         except pycurl.error as exc:
+            if exc.args and exc.args[0] == pycurl.E_OPERATION_TIMEDOUT:
+                raise TimedOut(f"{method} {path}: no answer within {timeout:g} s: {exc}") from exc
             raise TransportError(f"{method} {path}: {exc}") from exc
         status = curl.getinfo(pycurl.RESPONSE_CODE)
         return Response(status, h.headers() if status >= 400 else {}, b"".join(h.chunks))
 
     def close(self) -> None:
         with self._lock:
-            handles, self._all = self._all, []
+            handles, self._idle, self._closed = self._idle, [], True
         for handle in handles:
             handle.curl.close()
 
@@ -234,7 +261,7 @@ def transport_for(url: str, kind: str, max_idle: int) -> Transport:
     endpoint = Endpoint(url)
     if kind == "pycurl" or kind == "auto":
         try:
-            return CurlPool(endpoint)
+            return CurlPool(endpoint, max_idle)
         except ImportError:
             if kind == "pycurl":
                 raise ImportError("transport='pycurl' needs pycurl (pip install pycurl)") from None

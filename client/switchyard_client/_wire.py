@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generator, Mapping, TypeVar
 
-from .errors import Retryable, SwitchyardError, error_of
+from .errors import DeadlineExceeded, Retryable, SwitchyardError, error_of
 
 
 def _plain(value: Any) -> Any:
@@ -88,17 +88,18 @@ def body_size(body: bytes | BinaryIO | None) -> int:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Idempotent calls refused with 503 or 429 are sent again after the answer's Retry-After (else a jittered
-    backoff from `base_s`), at most `max_retries` times and `budget_s` seconds of waiting in all. Nothing that is
-    not idempotent is ever sent twice."""
+    """Idempotent calls refused with 503 or 429 (but a passed deadline) are sent again after the answer's
+    Retry-After (else a jittered backoff from `base_s`), at most `max_retries` times and `budget_s` seconds of
+    waiting in all. Nothing that is not idempotent is ever sent twice."""
 
     max_retries: int = 3
     budget_s: float = 30.0
     base_s: float = 0.05
 
     def wait_s(self, error: SwitchyardError, attempt: int, waited_s: float) -> float | None:
-        """Seconds to wait before sending again, or None to raise `error`."""
-        if not isinstance(error, Retryable) or attempt >= self.max_retries:
+        """Seconds to wait before sending again, or None to raise `error`. A passed deadline is never retried: the
+        call's time is spent, and another try would have a deadline of its own."""
+        if not isinstance(error, Retryable) or isinstance(error, DeadlineExceeded) or attempt >= self.max_retries:
             return None
         wait = error.retry_after if error.retry_after is not None else self.base_s * 2 ** attempt
         wait *= random.uniform(1.0, 1.25)  # apart, so that refused clients do not all come back at once

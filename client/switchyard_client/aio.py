@@ -7,11 +7,11 @@ from typing import AsyncIterator, BinaryIO
 
 import httpx
 
-from ._driver import DEFAULT_TIMEOUT_S, awaitable, headers_for
+from ._driver import awaitable, headers_for, wait_limit
 from ._ops import Operations
 from ._transport import Endpoint
 from ._wire import Plan, Request, Response, RetryPolicy, Sessions, Sleep, T
-from .errors import TransportError
+from .errors import TimedOut, TransportError
 
 
 async def file_chunks(file: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -58,7 +58,10 @@ class AsyncClient:
         try:
             answer = await self._http.request(request.method, request.path, content=body,
                                               headers=headers_for(request, self.api_key),
-                                              timeout=request.timeout or DEFAULT_TIMEOUT_S)
+                                              timeout=wait_limit(request))
+        except httpx.TimeoutException as exc:
+            raise TimedOut(f"{request.method} {request.path}: no answer within {wait_limit(request):g} s "
+                           f"({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
             raise TransportError(f"{request.method} {request.path}: {type(exc).__name__}: {exc}") from exc
         return Response(answer.status_code, answer.headers, answer.content)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ._driver import DEFAULT_TIMEOUT_S, blocking, headers_for
+from ._driver import blocking, headers_for, wait_limit
 from ._ops import Operations
 from ._transport import Transport, transport_for
 from ._wire import Plan, Request, Response, RetryPolicy, Sessions, Sleep, T
@@ -51,7 +51,7 @@ class Client:
 
     def _send(self, request: Request) -> Response:
         return self._transport.send(request.method, request.path, request.body, headers_for(request, self.api_key),
-                                    request.timeout or DEFAULT_TIMEOUT_S, request.idempotent)
+                                    wait_limit(request), request.idempotent)
 
     def _run(self, plan: Plan[T]) -> T:
         answer: Response | None = None

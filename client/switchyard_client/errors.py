@@ -20,9 +20,22 @@ class SwitchyardError(Exception):
         self.type = str(problem.get("type", "")).removeprefix(PREFIX)
         self.detail = str(problem.get("detail") or problem.get("title") or "")
         self.field: str | None = problem.get("field")
-        where = f"{method} {path}: " if method else ""
+        self._where = f"{method} {path}: " if method else ""
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         named = f" ({self.field})" if self.field else ""
-        super().__init__(f"{where}{status} {self.type or 'error'}{named}: {self.detail}")
+        return f"{self._where}{self.status} {self.type or 'error'}{named}: {self.detail}"
+
+    def renamed(self, wire_to_argument: dict[str, str]) -> "SwitchyardError":
+        """The error naming the caller's argument, not the wire field it travelled in (`vectors_b64[2]` ->
+        `vectors[2]`); `problem` keeps the service's own words."""
+        for wire, argument in wire_to_argument.items():
+            if self.field is not None and (self.field == wire or self.field.startswith(wire + "[")):
+                self.field = argument + self.field[len(wire):]
+                self.args = (self._message(),)
+                break
+        return self
 
 
 class InvalidRequest(SwitchyardError):
@@ -93,6 +106,11 @@ class ServerError(SwitchyardError):
 
 class TransportError(Exception):
     """The request could not be sent, or its answer not read (connection refused or reset, timed out)."""
+
+
+class TimedOut(TransportError):
+    """No answer within the call's timeout (the client's own limit; the service's own answer to a passed deadline is
+    DeadlineExceeded). Whether the call ran is unknown."""
 
 
 _BY_TYPE: dict[str, type[SwitchyardError]] = {

@@ -65,19 +65,17 @@ class Counts(tuple[np.ndarray, np.ndarray]):
         return self[1]
 
 
-def neighbours(answer: dict[str, Any], batch: bool) -> SearchResult:
-    """A search's JSON answer as arrays."""
-    ids, distances = answer["ids"], answer["distances"]
-    if batch:
-        width = max((len(row) for row in ids), default=0)
-        id_array = np.full((len(ids), width), -1, dtype=np.int64)
-        distance_array = np.full((len(ids), width), np.inf, dtype=np.float32)
-        for i, (row_ids, row_distances) in enumerate(zip(ids, distances)):
-            id_array[i, :len(row_ids)] = row_ids
-            distance_array[i, :len(row_distances)] = row_distances
-    else:
-        id_array = np.asarray(ids, dtype=np.int64)
-        distance_array = np.asarray(distances, dtype=np.float32)
+def neighbours(answer: dict[str, Any], batch: bool, k: int) -> SearchResult:
+    """A search's JSON answer as arrays of k columns, rows the answer left short padded with -1 and inf."""
+    rows = answer["ids"] if batch else [answer["ids"]]
+    row_distances = answer["distances"] if batch else [answer["distances"]]
+    id_array = np.full((len(rows), k), -1, dtype=np.int64)
+    distance_array = np.full((len(rows), k), np.inf, dtype=np.float32)
+    for i, (ids, distances) in enumerate(zip(rows, row_distances)):
+        id_array[i, :len(ids)] = ids
+        distance_array[i, :len(distances)] = distances
+    if not batch:
+        id_array, distance_array = id_array[0], distance_array[0]
     return SearchResult(id_array, distance_array, answer["engine"], answer["took_ms"], answer.get("fallback"),
                         answer["consistency"], answer.get("watermark"), answer.get("plan"))
 
