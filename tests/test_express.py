@@ -154,3 +154,49 @@ def test_with_the_loop_gate_inline_answers_neither_move_the_limit_nor_pass_a_loo
                   inline=True)
     assert app.answer_inline(claim, b'{"vector": [1.0], "k": 1}', answers.append, refusals.append)[0]
     assert list(admission.classes["light"].kinds) == [("POST", "/v1/collections/*/search")]
+
+
+def test_a_request_the_server_cancels_at_shutdown_is_a_503_problem_not_a_plain_500():
+    """uvicorn cancels the requests still running once --timeout-graceful-shutdown has passed, and answers a plain-
+    text 500 for any that has not started its answer; one that has keeps what it sent."""
+    import orjson
+
+    started: list[asyncio.Event] = []
+
+    async def running(scope, receive, send) -> None:
+        if scope["path"] == "/v1/answering":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        started[-1].set()
+        await asyncio.sleep(3600)
+
+    async def request(path: str) -> tuple[list[dict], BaseException | None]:
+        ex = Express(app=running, settings=Settings(), runner=None)  # type: ignore[arg-type]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "client": ("127.0.0.1", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]}
+        started.append(asyncio.Event())
+        task = asyncio.create_task(ex(scope, receive, send))
+        await started[-1].wait()
+        task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        try:
+            await task
+        except BaseException as exc:  # noqa: BLE001 - what uvicorn would see
+            return sent, exc
+        return sent, None
+
+    sent, raised = asyncio.run(request("/v1/olap/sql"))
+    assert raised is None and sent[0]["status"] == 503
+    head = dict(sent[0]["headers"])
+    assert head[b"content-type"] == b"application/problem+json" and head[b"retry-after"] == b"1"
+    assert head[b"connection"] == b"close"
+    problem = orjson.loads(sent[1]["body"])
+    assert problem["type"] == "urn:switchyard:problem:unavailable" and "stopped" in problem["detail"]
+    sent, raised = asyncio.run(request("/v1/answering"))
+    assert isinstance(raised, asyncio.CancelledError) and [m["status"] for m in sent] == [200]

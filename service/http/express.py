@@ -16,6 +16,8 @@ log is on.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import re
 import time
@@ -27,7 +29,7 @@ from service.admission.control import PRINCIPAL, TIMEOUT_HEADER, Admission, Queu
 from service.admission.deadlines import deadline as current_deadline
 from service.admission.deadlines import set_deadline
 from service.admission.pressure import LIGHT
-from service.errors import BadRequest, ProblemError, UnsupportedMediaType, internal_problem
+from service.errors import BadRequest, ProblemError, ServiceUnavailable, UnsupportedMediaType, internal_problem
 from service.http.access_log import log_request
 from service.http.auth import api_key, check_bearer
 from service.http.limits import BodyGone, is_bulk, read_body, replay, timed_receive
@@ -41,6 +43,7 @@ from service.settings import Settings
 
 JSON = b"application/json"
 RAW_VECTORS_BYTES = RAW_VECTORS.encode()
+log = logging.getLogger("switchyard.express")
 # A front process's client address, to its engine process (quotas): trusted only by an engine process behind fronts
 # (whose HTTP socket only the fronts reach; a front drops the header from what its clients send).
 CLIENT_HEADER = b"x-switchyard-client"
@@ -266,8 +269,19 @@ class Express:
             await self.app(scope, receive, send)
             return
         queued: Queued | None = scope.get(QUEUED)  # type: ignore[assignment]
+        watched = StatusSend(send, 0)
         try:
-            await self._admitted(scope, receive, send, queued)
+            await self._admitted(scope, receive, watched, queued)
+        except asyncio.CancelledError:
+            # Only the server cancels a request's task: uvicorn at shutdown, once --timeout-graceful-shutdown has
+            # passed. Its own answer would be a plain-text 500 that no client can tell from a bug.
+            if watched.status:
+                raise
+            log.warning("%s %s was still running when the server stopped: answered 503", scope["method"],
+                        scope["path"])
+            await _send_reply(send, problem_of(ServiceUnavailable(
+                "the service stopped while this request ran; what it wrote may or may not have been committed: "
+                "read before you write again", headers={"Retry-After": "1", "Connection": "close"}), scope))
         finally:
             if queued is not None:
                 queued.abandon()  # a place in the queue the request did not wait in (it failed a step before)
