@@ -1,4 +1,6 @@
-"""The `switchyard` command: `serve` runs the HTTP service, `migrate` applies database migrations."""
+"""The `switchyard` command: `serve` runs the HTTP service, `migrate` applies database migrations, `ssb` generates
+or imports SSB data into the data directory, `load-vectors` bulk-loads a .npy file into a running service, and
+`loadtest` runs the Locust load tests."""
 
 # Arguments only: each subcommand turns its parsed arguments into one call. How `serve` runs its processes is
 # service/process/launcher.py; the one-shot subcommands' work is service/commands.py.
@@ -65,6 +67,11 @@ def _ssb(args: argparse.Namespace) -> int:
     return commands.ssb_import(settings.data_dir, Path(args.source), args.name)
 
 
+def default_url() -> str:
+    """Where a service started here with its defaults listens: SWITCHYARD_PORT if set, else 8000."""
+    return f"http://127.0.0.1:{os.environ.get('SWITCHYARD_PORT') or 8000}"
+
+
 def _load_vectors(args: argparse.Namespace) -> int:
     return commands.load_vectors(args.url, args.api_key, args.collection, args.vectors, args.ids, args.first_id)
 
@@ -109,9 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("collection")
     load.add_argument("vectors", help=".npy file, float32 (n, dim)")
     load.add_argument("--ids", help=".npy file of n int64 ids (default: first-id, first-id+1, ...)")
-    load.add_argument("--first-id", dest="first_id", type=int, default=0)
-    load.add_argument("--url", default=os.environ.get("SWITCHYARD_URL", "http://127.0.0.1:8000"))
-    load.add_argument("--api-key", dest="api_key", default=os.environ.get("SWITCHYARD_API_KEY"))
+    load.add_argument("--first-id", dest="first_id", type=int, default=0,
+                      help="the first id when --ids is not given (default 0)")
+    load.add_argument("--url", default=os.environ.get("SWITCHYARD_URL", default_url()),
+                      help="the service (SWITCHYARD_URL; default http://127.0.0.1:$SWITCHYARD_PORT, port 8000)")
+    load.add_argument("--api-key", dest="api_key", default=os.environ.get("SWITCHYARD_API_KEY"),
+                      help="its API key (SWITCHYARD_API_KEY)")
     load.set_defaults(run=_load_vectors)
 
     loadtest = sub.add_parser(
@@ -136,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local state directory (SWITCHYARD_DATA_DIR, default ./data)")
         p.add_argument("--database-url", dest="database_url",
                        help="PostgreSQL URL (SWITCHYARD_DATABASE_URL); unset: embedded PostgreSQL in the data dir")
-        p.add_argument("--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"])
+    for p in (serve, migrate, gen, imp, load):
+        p.add_argument("--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"],
+                       help="(SWITCHYARD_LOG_LEVEL, default info)")
     return parser
 
 

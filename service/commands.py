@@ -94,8 +94,11 @@ def load_vectors(url: str, api_key: str | None, collection: str, vectors_file: s
 
     from switchyard_client import Client, JobFailed, SwitchyardError, TransportError
 
-    vectors = np.load(vectors_file).astype(np.float32)
-    ids = np.load(ids_file).astype(np.int64) if ids_file else np.arange(first_id, first_id + len(vectors))
+    try:
+        vectors = np.load(vectors_file).astype(np.float32)
+        ids = np.load(ids_file).astype(np.int64) if ids_file else np.arange(first_id, first_id + len(vectors))
+    except (OSError, ValueError) as exc:  # a missing file, not a .npy, an object array
+        sys.exit(f"cannot read the vectors or ids: {exc}")
     if vectors.ndim != 2 or len(ids) != len(vectors):
         sys.exit(f"need an (n, dim) array of vectors and n ids; got {vectors.shape} and {len(ids)} ids")
     try:

@@ -223,6 +223,10 @@ def test_load_vectors_command_shows_progress_and_loads(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "service.cli", "load-vectors", "nope", str(tmp_path / "v.npy"),
                               "--url", url], capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and "404" in bad.stderr and "nope" in bad.stderr
+        missing = subprocess.run([sys.executable, "-m", "service.cli", "load-vectors", "cli", str(tmp_path / "no.npy"),
+                                  "--url", url], capture_output=True, text=True, timeout=120)
+        assert missing.returncode != 0 and "Traceback" not in missing.stderr
+        assert "cannot read the vectors" in missing.stderr and "no.npy" in missing.stderr
 
 
 def test_sigterm_drains_in_flight_requests_saves_snapshots_and_stops_postgres(tmp_path):
