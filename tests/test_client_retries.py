@@ -46,7 +46,7 @@ def scripted():
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             script.seen.append((self.command, self.path, time.monotonic()))
             status, body, headers = script.answers[min(len(script.seen), len(script.answers)) - 1]
-            data = json.dumps(body).encode()
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/problem+json" if status >= 400 else "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -57,7 +57,10 @@ def scripted():
 
         do_GET = do_POST = do_PUT = do_DELETE = _answer
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # clients in many threads connect at once
+
+    server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield script, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -229,15 +232,22 @@ def test_connections_are_bounded_by_calls_in_flight_not_by_threads_that_called(s
     script.answers = [(200, SEARCH_ANSWER, {})]
     with Client(url, transport=transport, max_idle_connections=4) as sy:
         before = len(os.listdir("/proc/self/fd"))
+        failed: list[Exception] = []
+
+        def search() -> None:
+            try:
+                sy.search("c", np.ones(4), k=2)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                failed.append(exc)
+
         for _ in range(5):
-            threads = [threading.Thread(target=sy.search, args=("c", np.ones(4)), kwargs={"k": 2})
-                       for _ in range(40)]
+            threads = [threading.Thread(target=search) for _ in range(40)]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
         grown = len(os.listdir("/proc/self/fd")) - before
-    assert len(script.seen) == 200
+    assert not failed and len(script.seen) == 200, failed[:3]
     # The 4 idle connections kept, each a socket at both ends (this server runs in the test's process) and for
     # libcurl a wake-up socket pair per handle: under 24, where a handle per thread that called made about 800.
     assert grown < 24, grown
@@ -287,3 +297,14 @@ class SlowAnswers(list):
     def __getitem__(self, index):
         time.sleep(self.delay_s)
         return super().__getitem__(index)
+
+
+def test_a_success_that_is_not_json_is_a_transport_error(scripted):
+    """A proxy's page answered 200 was orjson's JSONDecodeError, which neither SwitchyardError nor TransportError
+    catches."""
+    from switchyard_client import TransportError
+
+    script, url = scripted
+    script.answers = [(200, b"<html>maintenance</html>", {})]
+    with Client(url, transport="http") as sy, pytest.raises(TransportError, match="not JSON.*maintenance"):
+        sy.list_collections()

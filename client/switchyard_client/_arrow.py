@@ -54,5 +54,6 @@ def answer_table(answer: dict[str, Any]) -> Any:
     columns = answer["columns"]
     names = [c["name"] if isinstance(c, dict) else str(c) for c in columns]
     data = {name: [row[i] for row in answer["rows"]] for i, name in enumerate(names)}
-    meta = {key: str(answer.get(key)) for key in ("engine", "took_ms", "fallback", "truncated", "row_count")}
+    meta = {key: str(answer[key]) for key in ("engine", "took_ms", "fallback", "truncated", "row_count")
+            if answer.get(key) is not None}  # no "None" strings: a key that is absent had no value
     return pa.table(data).replace_schema_metadata(meta)

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generator, Mapping, TypeVar
 
-from .errors import DeadlineExceeded, Retryable, SwitchyardError, error_of
+from .errors import DeadlineExceeded, Retryable, SwitchyardError, TransportError, error_of
 
 
 def _plain(value: Any) -> Any:
@@ -114,7 +114,11 @@ def call(request: Request, retry: RetryPolicy) -> Generator[Request | Sleep, Res
         response = yield request
         assert response is not None
         if response.status < 400:
-            return response.json()
+            try:
+                return response.json()
+            except ValueError:  # not from the service: a proxy's page, a truncated answer
+                raise TransportError(f"{request.method} {request.path.split('?', 1)[0]}: the {response.status} "
+                                     f"answer is not JSON: {response.body[:200]!r}") from None
         error = error_of(response.status, response.body, response.headers.get("retry-after"), request.method,
                          request.path.split("?", 1)[0])
         wait = retry.wait_s(error, attempt, waited) if request.idempotent else None
