@@ -124,11 +124,13 @@ class EmbeddedPostgres:
             self._forget_dead_handles()
             self._clear_dead_lock_file()
             fresh = not (self.pgdata / "PG_VERSION").exists()
+            running = not fresh and self.alive()
             started = time.perf_counter()
             self._server = get_server(self.pgdata, cleanup_mode="stop")
         log.info(
             "embedded PostgreSQL %s in %s (%.1f s)",
-            "initialised and started" if fresh else "started", self.pgdata, time.perf_counter() - started,
+            "initialised and started" if fresh else "already running, joined" if running else "started",
+            self.pgdata, time.perf_counter() - started,
         )
         return self._server.get_uri()
 
@@ -207,8 +209,9 @@ class EmbeddedPostgres:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self._forget_dead_handles()
                 self._server.cleanup()
+                held = self.alive()  # by another process (a running service, while `migrate` lets go)
             self._server = None
-            log.info("embedded PostgreSQL stopped")
+            log.info("embedded PostgreSQL %s", "let go of: other processes still use it" if held else "stopped")
 
     def stop_if_unheld(self, timeout_s: float = 60.0) -> bool:
         """Stop the server in `pgdata` when no live process holds it, though this process never started it: what
