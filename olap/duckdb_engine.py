@@ -107,7 +107,7 @@ class DuckDBEngine:
         if timer:
             timer.start()
         try:
-            reader = cursor.sql(sql).to_arrow_reader(65_536)  # streamed: a huge result is read only to the limit
+            reader = cursor.sql(sql).to_arrow_reader(8_192)  # streamed: a huge result is read only to the limits
             return from_arrow_batches(reader, max_rows, "DuckDB")
         except duckdb.InterruptException:
             raise TimeoutError(f"the query ran longer than {timeout_s} s") from None

@@ -198,6 +198,18 @@ class OlapManager:
             return await getattr(engine, method)(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executors[kind], getattr(engine, method), *args)
 
+    async def _run_within(self, timeout_s: float, kind: str, method: str, *args: Any) -> Result:
+        """_run, given up a second after the engines' own limit, which stops the query itself: a query that waited
+        for the engine's thread, or an answer still being converted, is answered at that second all the same."""
+        try:
+            async with asyncio.timeout(timeout_s + 1):
+                return await self._run(kind, method, *args)
+        except TimeoutError as exc:
+            if str(exc):  # the engine's own, which says what stopped
+                raise
+            raise TimeoutError(f"the query ran past its {timeout_s:g} s limit (timeout_s), counting its wait for the "
+                               "engine and the conversion of its answer") from None
+
     async def _route(self, engine: str, method: str, operation: str, *args: Any, timeout_s: float | None = None,
                      client_errors: tuple[type[Exception], ...] = ()) -> Answer:
         """Run on the engine asked for, or under `auto` down ORDER. `client_errors` are the request's own fault for
@@ -216,9 +228,7 @@ class OlapManager:
                 started = time.perf_counter()
                 try:
                     if timeout_s:
-                        # A second more than the engines' own limits, which stop the query itself.
-                        async with asyncio.timeout(timeout_s + 1):
-                            result = await self._run(kind, method, *args)
+                        result = await self._run_within(timeout_s, kind, method, *args)
                     else:
                         result = await self._run(kind, method, *args)
                 except expected:

@@ -19,12 +19,14 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from . import results
 from .errors import QueryFailed, UnrepresentableResult
 from .queries import render_sql
-from .results import Result, from_records
+from .results import Result, from_records, record_bytes
 from .schema import TABLES
 
 PG_TYPES = {pa.int32(): "integer", pa.int64(): "bigint", pa.string(): "text"}
+FETCH_ROWS = 1_000  # records an ad-hoc answer is read in, between checks of its size
 READER_ROLE = "switchyard_reader"
 
 
@@ -112,8 +114,7 @@ class PostgresEngine:
                 if max_rows is None:
                     records = await stmt.fetch()
                 else:
-                    cursor = await stmt.cursor()
-                    records = await cursor.fetch(max_rows + 1)
+                    records = await _fetch_within(await stmt.cursor(), max_rows + 1)
             except (OverflowError, ValueError) as exc:
                 if isinstance(exc, QueryFailed):
                     raise
@@ -151,3 +152,17 @@ async def _csv_chunks(path: Path) -> AsyncIterator[bytes]:
 
     for i in range(parquet.num_row_groups):
         yield await asyncio.to_thread(row_group_csv, i)
+
+
+async def _fetch_within(cursor: Any, limit: int) -> list[Any]:
+    """Up to `limit` records, FETCH_ROWS at a time, stopping once they pass ANSWER_MAX_BYTES (from_records cuts
+    the answer there): a wide answer is not read whole."""
+    records: list[Any] = []
+    size = 0
+    while len(records) < limit and size <= results.ANSWER_MAX_BYTES:
+        chunk = await cursor.fetch(min(FETCH_ROWS, limit - len(records)))
+        if not chunk:
+            break
+        records.extend(chunk)
+        size += sum(record_bytes(record) for record in chunk)
+    return records

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
+import orjson
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
@@ -110,6 +111,25 @@ def test_adhoc_sql_runs_on_cpu_and_postgres_with_limits(app, oracle):
         few = app.post("/v1/olap/sql", json={"sql": "SELECT lo_orderkey FROM lineorder", "engine": engine,
                                              "max_rows": 7}).json()
         assert few["row_count"] == 7 and few["truncated"] is True
+
+
+def test_a_wide_answer_is_cut_at_the_byte_budget_on_every_engine(app, oracle, monkeypatch):
+    """max_rows bounds rows, not bytes: 250 text columns of 100,000 rows once took 7.5 GB of the service's memory.
+    An answer past ANSWER_MAX_BYTES is cut at a row, in order, and says truncated (a small budget here)."""
+    from olap import results
+
+    con, _ = oracle
+    sql = ("SELECT lo_orderkey, lo_linenumber, " + ", ".join(f"md5(lo_shipmode) AS m{i}" for i in range(8))
+           + " FROM lineorder ORDER BY lo_orderkey, lo_linenumber")
+    want = [list(row) for row in con.execute(sql + " LIMIT 2000").fetchall()]
+    monkeypatch.setattr(results, "ANSWER_MAX_BYTES", 64 << 10)  # 64 KiB: a few hundred of these rows
+    for engine in ("cpu", "postgres"):
+        body = app.post("/v1/olap/sql", json={"sql": sql, "engine": engine, "max_rows": 2000}).json()
+        assert body["truncated"] is True and 0 < body["row_count"] < 2000, body.get("row_count")
+        assert len(orjson.dumps(body["rows"])) < 4 * (64 << 10)
+        assert body["rows"] == want[:body["row_count"]], engine
+    narrow = app.post("/v1/olap/sql", json={"sql": "SELECT lo_orderkey FROM lineorder", "max_rows": 2000}).json()
+    assert narrow["row_count"] == 2000  # 16 KB of values: under the budget, cut by max_rows only
 
 
 def test_adhoc_sql_time_limit(app):

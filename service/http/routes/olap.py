@@ -57,7 +57,8 @@ class ResultOut(BaseModel):
     columns: list[str]
     rows: list[list[Any]]
     row_count: int
-    truncated: bool = Field(description="More rows existed than max_rows.")
+    truncated: bool = Field(description=(
+        "More rows existed than the answer holds: max_rows, or 32 MiB of values (select fewer or narrower columns)."))
     engine: str
     took_ms: float
     fallback: str | None = None
