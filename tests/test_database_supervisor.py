@@ -57,3 +57,42 @@ def test_checks_asked_for_together_never_restart_the_server_twice_at_once():
         return server.most
 
     assert run(scenario()) == 1
+
+
+class StallingPool:
+    """A pool whose first probe finds the event loop stalled (a long callback) while it waits for its answer."""
+
+    def __init__(self, pool: asyncpg.Pool, stall_s: float) -> None:
+        self.pool, self.stall_s, self.probes = pool, stall_s, 0
+
+    async def acquire(self, timeout: float | None = None) -> "StallingPool.Held":
+        self.probes += 1
+        return StallingPool.Held(await self.pool.acquire(timeout=timeout), self.stall_s if self.probes == 1 else 0)
+
+    async def release(self, held: "StallingPool.Held") -> None:
+        await self.pool.release(held.conn)
+
+    class Held:
+        def __init__(self, conn, stall_s: float) -> None:
+            self.conn, self.stall_s = conn, stall_s
+
+        async def fetchval(self, query: str):
+            time.sleep(self.stall_s)  # the loop blocked past the probe's timeout
+            return await self.conn.fetchval(query)
+
+
+def test_a_stalled_event_loop_does_not_mark_a_live_database_down(server_dsn):
+    """A probe timed out because the process's own loop stalled (a large answer encoded) marked PostgreSQL
+    unreachable, and writes answered 503 for a second. A probe that times out is asked once more."""
+    async def scenario() -> tuple[str, int]:
+        pool = await asyncpg.create_pool(server_dsn, min_size=1, max_size=2)
+        stalling = StallingPool(pool, stall_s=0.5)
+        try:
+            supervisor = DatabaseSupervisor(stalling, None, dsn=server_dsn, pool_connect_kwargs={},  # type: ignore[arg-type]
+                                            metrics=Metrics(), probe_timeout_s=0.2)
+            await supervisor.check()
+            return supervisor.state, stalling.probes
+        finally:
+            await pool.close()
+
+    assert run(scenario()) == ("ok", 2)

@@ -103,7 +103,12 @@ class DatabaseSupervisor:
             await self._check()
 
     async def _check(self) -> None:
-        if await self._answers():
+        answered = await self._answers()
+        if not answered and (self.last_error or "").startswith("TimeoutError"):
+            # Asked once more: the event loop itself may have stalled past the probe's timeout (a long callback, a
+            # large answer encoded), which says nothing of the database; a hung one times out again.
+            answered = await self._answers()
+        if answered:
             if not self.up:
                 await self._recovered()
             return
