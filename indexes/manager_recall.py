@@ -24,10 +24,13 @@ class Recall(Searches):
         heavy executor's thread of lower CPU priority (HEAVY_WORK): the exact answer, and the engine's search."""
         heavy_work = HEAVY_WORK.set(True)
         try:
-            # As the other reads: a table dropped (here or by another process) while its rows are read is the
-            # collection not found, or the one re-created under its name measured (_with_collection).
-            return (await self._with_collection(name, lambda c: self._recall(
-                c, k, engine, params, sample, queries, seed, recall_target)))[1]
+            # One at a time, as the heavy executor runs them: 20 at once all queued on its thread, each taking 20
+            # times its own time, where the gate answers 503 with Retry-After past its queue.
+            async with self.guard.slot("recall"):
+                # As the other reads: a table dropped (here or by another process) while its rows are read is the
+                # collection not found, or the one re-created under its name measured (_with_collection).
+                return (await self._with_collection(name, lambda c: self._recall(
+                    c, k, engine, params, sample, queries, seed, recall_target)))[1]
         finally:
             HEAVY_WORK.reset(heavy_work)
 

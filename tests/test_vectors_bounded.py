@@ -277,3 +277,33 @@ def test_an_index_build_takes_every_core_at_a_lower_priority(client, monkeypatch
     builds = [(nice, n) for thread, nice, n in calls if thread.startswith("vectors-cpu-build")]
     assert (min(19, mine + HEAVY_NICE), os.cpu_count()) in builds, calls
     assert all(nice == min(19, mine + HEAVY_NICE) for nice, _ in builds), builds
+
+
+def test_recalls_take_turns_through_a_gate_and_the_rest_are_refused(client, monkeypatch):
+    """Recall runs on the one heavy thread: 20 at once were all admitted and queued there, each taking 20 times its
+    own time. They go through a gate of that one slot; those that cannot get it within the queue's wait are 503."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from indexes import manager_recall
+
+    wait_ready(client)
+    name = f"r{time.monotonic_ns()}"
+    data = clustered(300, 8, seed=5)
+    assert client.post("/v1/collections", json={"name": name, "dim": 8}).status_code == 201
+    assert client.put(f"/v1/collections/{name}/points", json={"ids": list(range(300)),
+                                                               "vectors": data.tolist()}).status_code == 200
+    real = manager_recall.exact_search
+
+    def slow(*args, **kwargs):  # an exact search well past the queue's wait (SWITCHYARD_QUEUE_WAIT_MS, 250 ms)
+        time.sleep(1.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(manager_recall, "exact_search", slow)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: client.post(f"/v1/collections/{name}/recall",
+                                                      json={"sample": 50, "k": 5, "engine": "cpu"}), range(4)))
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses[0] == 200 and 503 in statuses, [r.text for r in answers]
+    for r in answers:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] and r.json()["engine"] == "recall", r.text

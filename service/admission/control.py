@@ -543,4 +543,5 @@ def engine_limits(settings: Any) -> dict[str, int]:
         "pgvector": max(1, pool // 2), "writes": 4 * pool,
         "duckdb": 4, "cudf": 1, "postgres": max(1, settings.database.sql_pool_max),
         "cpu-spatial": 1, "cuda-spatial": 1, "postgis": max(1, pool // 4),
+        "recall": 1,  # the vector managers' one heavy thread (indexes/manager_state.py)
     }
