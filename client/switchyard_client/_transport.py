@@ -140,6 +140,7 @@ class _Handle:
         self.curl = curl = pycurl.Curl()
         curl.setopt(pycurl.TCP_NODELAY, 1)
         curl.setopt(pycurl.NOSIGNAL, 1)  # threads: no SIGALRM for timeouts
+        curl.setopt(pycurl.MAXCONNECTS, 1)  # one kept-alive connection per handle (a fresh one replaces it)
         if endpoint.socket_path is not None:
             curl.setopt(pycurl.UNIX_SOCKET_PATH, endpoint.socket_path)
         self.chunks: list[bytes] = []
