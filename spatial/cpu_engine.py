@@ -1,22 +1,24 @@
 """CPU spatial engine: numba kernels over the shared GeoArrow buffers (spatial/geoarrow.py).
 
-Point in polygon: a uniform grid over the polygons whose cells are decided once (inside or outside a part) where no
-edge reaches them, and elsewhere an exact crossing number over the edges of the point's row band; pairs are
-counted, scanned, then written. Distance join: b's 3-D unit vectors in a grid of cells at least the radius's chord
-wide, so no antimeridian or pole cases. Index layout and rules: docs/design/spatial.md.
+Point in polygon: the grid index of spatial/cpu_pip_index.py, then an exact crossing number over the edges of the
+point's row band. Distance join: b's 3-D unit vectors in a grid of cells at least the radius's chord wide, so no
+antimeridian or pole cases. Pairs are counted per point, a page is cut at whole points within its pair budget
+(geoarrow.pairs_prefix), and only those pairs are written. The kernels run over chunks of points, so a join whose
+caller gave up (the manager sets `cancel`) stops within one chunk. Index layout and rules: docs/design/spatial.md.
 
 numba's cache tracks the source file of each cached function only: after editing kernels.py, clear
-spatial/__pycache__/*.nbi/*.nbc if cpu_engine.py did not change too.
+spatial/__pycache__/*.nbi/*.nbc if cpu_engine.py and cpu_pip_index.py did not change too.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import math
 import os
 import tempfile
 import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numba
@@ -24,22 +26,41 @@ import numpy as np
 from numba import njit, prange
 
 from . import kernels
+from .cpu_pip_index import BOUNDARY, OUTSIDE, K, PipIndex, _cell
 from .geoarrow import Points, Polygons, check_distance_join, pairs_prefix, point_range
 
-K = kernels.compile_core(njit(cache=True))
-_point_in_edges = K.point_in_edges
+_point_in_edges = K.point_in_edges  # K: re-exported for device_distance and the tests
 _dwithin_point = K.dwithin_point
 _unit_vector = K.unit_vector
 _cell_key = K.cell_key
 
-OUTSIDE = kernels.OUTSIDE
-INSIDE = kernels.INSIDE
-BOUNDARY = kernels.BOUNDARY
-PAD = 1e-6  # cells: the edge-to-cell marking margin (the cell arithmetic errs by < 1e-11 cells)
 MAX_CELLS_PER_AXIS = 1 << 20  # the distance grid's key (ix * n + iy) * n + iz stays below 2^60
+CHUNK_POINTS = 1 << 14  # a join's first chunk of points; later ones double while a chunk takes < CHUNK_SECONDS / 2
+MAX_CHUNK_POINTS = 1 << 20
+CHUNK_SECONDS = 0.2
 # numba's parallel loops must not be entered from two threads at once (its workqueue threading layer aborts the
 # process): one engine call at a time in the process.
 _PARALLEL_LOCK = threading.Lock()
+
+
+class JoinStopped(RuntimeError):
+    """The join's caller gave up (its deadline passed): the engine stopped between two chunks of points."""
+
+
+def _chunks(n: int, cancel: threading.Event | None, first: int = CHUNK_POINTS) -> Iterator[tuple[int, int]]:
+    """[lo, hi) ranges covering n points, for one kernel call each, with `cancel` checked before each. The caller
+    runs the kernel while the generator is suspended at `yield`, so the time around it is the chunk's: light joins
+    grow to few, large chunks, heavy ones (many polygons over each point) keep short ones."""
+    lo, size = 0, max(1, first)
+    while lo < n:
+        if cancel is not None and cancel.is_set():
+            raise JoinStopped(f"the join was stopped after {lo} of {n} points: its caller gave up")
+        hi = min(n, lo + size)
+        began = time.perf_counter()
+        yield lo, hi
+        if time.perf_counter() - began < CHUNK_SECONDS / 2:
+            size = min(2 * size, MAX_CHUNK_POINTS)
+        lo = hi
 
 
 def warm_up_lock(source: Path) -> Path:
@@ -51,238 +72,8 @@ def warm_up_lock(source: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"switchyard-cpu-spatial-warm-up-{digest}.lock"
 
 
-# --- PIP index -----------------------------------------------------------------------------------------------
 
-@njit(cache=True)
-def _cell(v, v0, inv, n):
-    """The grid's cell function: monotone in v, clamped to [0, n)."""
-    c = math.floor((v - v0) * inv)
-    if c < 0:
-        return 0
-    if c > n - 1:
-        return n - 1
-    return c
-
-
-@njit(cache=True)
-def _cell_padded(v, v0, inv, n, pad):
-    c = math.floor((v - v0) * inv + pad)
-    if c < 0:
-        return 0
-    if c > n - 1:
-        return n - 1
-    return c
-
-
-@njit(cache=True)
-def _part_bounds(x, y, ring_offsets, part_offsets):
-    n = part_offsets.shape[0] - 1
-    vstart = np.empty(n, np.int64)
-    vend = np.empty(n, np.int64)
-    b = np.empty((4, n), np.float64)
-    for p in range(n):
-        s = ring_offsets[part_offsets[p]]
-        e = ring_offsets[part_offsets[p + 1]]
-        vstart[p] = s
-        vend[p] = e
-        b[0, p] = np.inf
-        b[1, p] = np.inf
-        b[2, p] = -np.inf
-        b[3, p] = -np.inf
-        for i in range(s, e):
-            b[0, p] = min(b[0, p], x[i])
-            b[1, p] = min(b[1, p], y[i])
-            b[2, p] = max(b[2, p], x[i])
-            b[3, p] = max(b[3, p], y[i])
-    return vstart, vend, b
-
-
-@njit(cache=True)
-def _next_vertex(ring_offsets, nv):
-    nxt = np.empty(nv, np.int64)
-    for r in range(ring_offsets.shape[0] - 1):
-        s = ring_offsets[r]
-        e = ring_offsets[r + 1]
-        for i in range(s, e):
-            nxt[i] = i + 1 if i + 1 < e else s
-    return nxt
-
-
-@njit(parallel=True, cache=True)
-def _build_bands(x, y, nxt, vstart, vend, prow0, prow1, band_off, y0, invy, gy):
-    nparts = vstart.shape[0]
-    counts = np.zeros(band_off[nparts] + 1, np.int64)
-    for p in prange(nparts):
-        if vend[p] == vstart[p]:
-            continue
-        base = band_off[p] - prow0[p]
-        for i in range(vstart[p], vend[p]):
-            j = nxt[i]
-            lo = max(_cell_padded(min(y[i], y[j]), y0, invy, gy, -PAD), prow0[p])
-            hi = min(_cell_padded(max(y[i], y[j]), y0, invy, gy, PAD), prow1[p])
-            for r in range(lo, hi + 1):
-                counts[base + r + 1] += 1
-    band_start = np.cumsum(counts)
-    total = band_start[-1]
-    ex0 = np.empty(total, np.float64)
-    ey0 = np.empty(total, np.float64)
-    ex1 = np.empty(total, np.float64)
-    ey1 = np.empty(total, np.float64)
-    cursor = band_start[:-1].copy()
-    for p in prange(nparts):
-        if vend[p] == vstart[p]:
-            continue
-        base = band_off[p] - prow0[p]
-        for i in range(vstart[p], vend[p]):
-            j = nxt[i]
-            lo = max(_cell_padded(min(y[i], y[j]), y0, invy, gy, -PAD), prow0[p])
-            hi = min(_cell_padded(max(y[i], y[j]), y0, invy, gy, PAD), prow1[p])
-            for r in range(lo, hi + 1):
-                k = cursor[base + r]
-                cursor[base + r] = k + 1
-                ex0[k] = x[i]
-                ey0[k] = y[i]
-                ex1[k] = x[j]
-                ey1[k] = y[j]
-    return band_start, ex0, ey0, ex1, ey1
-
-
-@njit(parallel=True, cache=True)
-def _build_cell_states(x, y, nxt, vstart, vend, pb, pcx0, pcx1, prow0, prow1, rect_off, band_off, band_start,
-                       ex0, ey0, ex1, ey1, x0, y0, invx, invy, wx, wy, gx, gy):
-    nparts = vstart.shape[0]
-    states = np.zeros(rect_off[nparts], np.uint8)
-    for p in prange(nparts):
-        if vend[p] == vstart[p]:
-            continue
-        c0 = pcx0[p]
-        c1 = pcx1[p]
-        r0 = prow0[p]
-        r1 = prow1[p]
-        width = c1 - c0 + 1
-        base = rect_off[p]
-        for i in range(vstart[p], vend[p]):
-            j = nxt[i]
-            ca = max(_cell_padded(min(x[i], x[j]), x0, invx, gx, -PAD), c0)
-            cb = min(_cell_padded(max(x[i], x[j]), x0, invx, gx, PAD), c1)
-            ra = max(_cell_padded(min(y[i], y[j]), y0, invy, gy, -PAD), r0)
-            rb = min(_cell_padded(max(y[i], y[j]), y0, invy, gy, PAD), r1)
-            for r in range(ra, rb + 1):
-                for c in range(ca, cb + 1):
-                    states[base + (r - r0) * width + (c - c0)] = BOUNDARY
-        for r in range(r0, r1 + 1):
-            cy = y0 + (r + 0.5) * wy
-            for c in range(c0, c1 + 1):
-                idx = base + (r - r0) * width + (c - c0)
-                if states[idx] == BOUNDARY:
-                    continue
-                cx = x0 + (c + 0.5) * wx
-                if cx < pb[0, p] or cx > pb[2, p] or cy < pb[1, p] or cy > pb[3, p]:
-                    continue  # OUTSIDE: a cell no edge reaches is all on one side
-                rr = min(max(_cell(cy, y0, invy, gy), r0), r1)
-                b = band_off[p] + rr - r0
-                states[idx] = _point_in_edges(cx, cy, ex0, ey0, ex1, ey1, band_start[b], band_start[b + 1])
-    return states
-
-
-@njit(cache=True)
-def _build_cells(states, vstart, vend, pcx0, pcx1, prow0, prow1, rect_off, gx, ncells):
-    nparts = vstart.shape[0]
-    counts = np.zeros(ncells + 1, np.int64)
-    for p in range(nparts):
-        if vend[p] == vstart[p]:
-            continue
-        width = pcx1[p] - pcx0[p] + 1
-        for r in range(prow0[p], prow1[p] + 1):
-            for c in range(pcx0[p], pcx1[p] + 1):
-                if states[rect_off[p] + (r - prow0[p]) * width + (c - pcx0[p])] != OUTSIDE:
-                    counts[r * gx + c + 1] += 1
-    cell_start = np.cumsum(counts)
-    entry_part = np.empty(cell_start[-1], np.int32)
-    entry_state = np.empty(cell_start[-1], np.uint8)
-    cursor = cell_start[:-1].copy()
-    for p in range(nparts):  # in part order: every cell lists its parts (so geometries) ascending
-        if vend[p] == vstart[p]:
-            continue
-        width = pcx1[p] - pcx0[p] + 1
-        for r in range(prow0[p], prow1[p] + 1):
-            for c in range(pcx0[p], pcx1[p] + 1):
-                s = states[rect_off[p] + (r - prow0[p]) * width + (c - pcx0[p])]
-                if s != OUTSIDE:
-                    k = cursor[r * gx + c]
-                    cursor[r * gx + c] = k + 1
-                    entry_part[k] = p
-                    entry_state[k] = s
-    return cell_start, entry_part, entry_state
-
-
-class PipIndex:
-    """The grid, bands and cell lists of one Polygons object (docs/design/spatial.md)."""
-
-    def __init__(self, polygons: Polygons, target_cells: int | None = None) -> None:
-        x = np.ascontiguousarray(polygons.x, dtype=np.float64)
-        y = np.ascontiguousarray(polygons.y, dtype=np.float64)
-        ring_offsets = np.ascontiguousarray(polygons.ring_offsets, dtype=np.int64)
-        part_offsets = np.ascontiguousarray(polygons.part_offsets, dtype=np.int64)
-        self.n_geometries = len(polygons)
-        self.part_geom = np.ascontiguousarray(polygons.part_geometry(), dtype=np.int64)
-        vstart, vend, pb = _part_bounds(x, y, ring_offsets, part_offsets)
-        nonempty = vend > vstart
-        self.empty = not nonempty.any()
-        if self.empty:
-            return
-        x0, y0 = float(pb[0, nonempty].min()), float(pb[1, nonempty].min())
-        x1, y1 = float(pb[2, nonempty].max()), float(pb[3, nonempty].max())
-        width, height = x1 - x0, y1 - y0
-        nv = len(x)
-        if target_cells is None:
-            target_cells = min(max(4 * nv, 1 << 16), 1 << 22)
-        while True:  # keep the per-part cell rectangles within a memory budget
-            gx, gy = self._grid_shape(width, height, target_cells)
-            wx, wy = width / gx, height / gy
-            invx = gx / width if width > 0 else 0.0
-            invy = gy / height if height > 0 else 0.0
-            pcx0 = np.array([_cell(v, x0, invx, gx) if ok else 0 for v, ok in zip(pb[0], nonempty)], np.int64)
-            pcx1 = np.array([_cell(v, x0, invx, gx) if ok else -1 for v, ok in zip(pb[2], nonempty)], np.int64)
-            prow0 = np.array([_cell(v, y0, invy, gy) if ok else 0 for v, ok in zip(pb[1], nonempty)], np.int64)
-            prow1 = np.array([_cell(v, y0, invy, gy) if ok else -1 for v, ok in zip(pb[3], nonempty)], np.int64)
-            areas = (pcx1 - pcx0 + 1) * (prow1 - prow0 + 1)
-            if areas.sum() <= (1 << 26) or target_cells <= 1024:
-                break
-            target_cells //= 4
-        nxt = _next_vertex(ring_offsets, nv)
-        band_off = np.concatenate([[0], np.cumsum(prow1 - prow0 + 1)]).astype(np.int64)
-        rect_off = np.concatenate([[0], np.cumsum(areas)]).astype(np.int64)
-        band_start, ex0, ey0, ex1, ey1 = _build_bands(x, y, nxt, vstart, vend, prow0, prow1, band_off, y0, invy,
-                                                      gy)
-        states = _build_cell_states(x, y, nxt, vstart, vend, pb, pcx0, pcx1, prow0, prow1, rect_off, band_off,
-                                    band_start, ex0, ey0, ex1, ey1, x0, y0, invx, invy, wx, wy, gx, gy)
-        cell_start, entry_part, entry_state = _build_cells(states, vstart, vend, pcx0, pcx1, prow0, prow1,
-                                                           rect_off, gx, gx * gy)
-        self.grid = np.array([x0, y0, x1, y1, invx, invy], np.float64)
-        self.shape = (gx, gy)
-        self.pb, self.prow0, self.band_off = pb, prow0, band_off
-        self.band_start, self.ex0, self.ey0, self.ex1, self.ey1 = band_start, ex0, ey0, ex1, ey1
-        self.cell_start, self.entry_part, self.entry_state = cell_start, entry_part, entry_state
-
-    @staticmethod
-    def _grid_shape(width: float, height: float, cells: int) -> tuple[int, int]:
-        if width <= 0 and height <= 0:
-            return 1, 1
-        if height <= 0:
-            return min(cells, 1 << 16), 1
-        if width <= 0:
-            return 1, min(cells, 1 << 16)
-        gx = round(math.sqrt(cells * width / height))
-        gx = min(max(gx, 1), 1 << 16)
-        gy = min(max(round(cells / gx), 1), 1 << 16)
-        return gx, gy
-
-    def args(self) -> tuple:
-        return (self.grid, self.shape[0], self.shape[1], self.cell_start, self.entry_part, self.entry_state,
-                self.part_geom, self.pb, self.prow0, self.band_off, self.band_start, self.ex0, self.ey0, self.ex1,
-                self.ey1)
-
+# --- point in polygon ----------------------------------------------------------------------------------------
 
 @njit(cache=True)
 def _point_geoms(px, py, grid, gx, gy, cell_start, entry_part, entry_state, part_geom, pb, prow0, band_off,
@@ -335,21 +126,24 @@ def _pip_counts(px, py, nblocks, n_geoms, grid, gx, gy, cell_start, entry_part, 
 
 
 @njit(parallel=True, cache=True)
-def _pip_pairs(px, py, start, grid, gx, gy, cell_start, entry_part, entry_state, part_geom, pb, prow0, band_off,
-               band_start, ex0, ey0, ex1, ey1):
-    n = px.shape[0]
-    counts = np.empty(n, np.int64)
-    first = np.empty(n, np.int64)
-    for i in prange(n):  # count (and keep the first hit)
+def _pip_pair_counts(px, py, counts, first, grid, gx, gy, cell_start, entry_part, entry_state, part_geom, pb,
+                     prow0, band_off, band_start, ex0, ey0, ex1, ey1):
+    """Each point's number of covering geometries into counts, and its first one into first."""
+    for i in prange(px.shape[0]):
         counts[i] = _point_geoms(px[i], py[i], grid, gx, gy, cell_start, entry_part, entry_state, part_geom,
                                  pb, prow0, band_off, band_start, ex0, ey0, ex1, ey1, first, i, 1)
+
+
+@njit(parallel=True, cache=True)
+def _pip_write(px, py, start, counts, first, point, geom, grid, gx, gy, cell_start, entry_part, entry_state,
+               part_geom, pb, prow0, band_off, band_start, ex0, ey0, ex1, ey1):
+    """The pairs of points px, py (positions start, start + 1, ...) into point, geom (sum(counts) long each)."""
+    n = px.shape[0]
     offsets = np.empty(n + 1, np.int64)  # exclusive scan
     offsets[0] = 0
     for i in range(n):
         offsets[i + 1] = offsets[i] + counts[i]
-    point = np.empty(offsets[n], np.int64)
-    geom = np.empty(offsets[n], np.int64)
-    for i in prange(n):  # write
+    for i in prange(n):
         c = counts[i]
         if c == 0:
             continue
@@ -361,7 +155,6 @@ def _pip_pairs(px, py, start, grid, gx, gy, cell_start, entry_part, entry_state,
                          band_off, band_start, ex0, ey0, ex1, ey1, geom, o, c)
         for k in range(c):
             point[o + k] = start + i
-    return point, geom
 
 
 # --- distance join -------------------------------------------------------------------------------------------
@@ -403,27 +196,24 @@ def _sort_hits(j, d, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _within_counts(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join):
-    m = alon.shape[0]
-    counts = np.empty(m, np.int64)
+def _within_counts(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join,
+                   counts):
     dummy_j = np.empty(1, np.int64)
     dummy_d = np.empty(1, np.float64)
-    for t in prange(m):
+    for t in prange(alon.shape[0]):
         counts[t] = _dwithin_point(start + t, alon[t], alat[t], b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys,
                                    inv_h, n, radius_m, self_join, dummy_j, dummy_d, 0, 0)
-    return counts
 
 
 @njit(parallel=True, cache=True)
-def _within(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join, counts):
+def _within(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, inv_h, n, radius_m, self_join, counts,
+            out_i, out_j, out_d):
+    """The pairs of points alon, alat (positions start, ...) into out_i, out_j, out_d (sum(counts) long each)."""
     m = alon.shape[0]
     offsets = np.empty(m + 1, np.int64)  # exclusive scan
     offsets[0] = 0
     for t in range(m):
         offsets[t + 1] = offsets[t] + counts[t]
-    out_i = np.empty(offsets[m], np.int64)
-    out_j = np.empty(offsets[m], np.int64)
-    out_d = np.empty(offsets[m], np.float64)
     for t in prange(m):  # write, then sort each point's hits by j
         c = counts[t]
         if c == 0:
@@ -434,7 +224,6 @@ def _within(alon, alat, start, b_lon, b_lat, b_ux, b_uy, b_uz, b_index, b_keys, 
         for k in range(c):
             out_i[o + k] = start + t
         _sort_hits(out_j, out_d, o, o + c)
-    return out_i, out_j, out_d
 
 
 class DistanceGrid:
@@ -455,15 +244,20 @@ class DistanceGrid:
 
 
 class CpuSpatialEngine:
-    """Point-in-polygon and great-circle distance joins on the CPU (numba, all cores)."""
+    """Point-in-polygon and great-circle distance joins on the CPU (numba, all cores). The join methods take
+    `cancel`: once it is set (the manager sets it when the caller gives up) the join raises JoinStopped at its
+    next chunk of points instead of running on while the next join waits for this engine's one thread."""
 
     name = "cpu-spatial"
     kind = "cpu"
     ready = True
+    takes_cancel = True  # the manager passes its joins a threading.Event `cancel`
 
-    def __init__(self, target_cells: int | None = None, cache_size: int = 4) -> None:
+    def __init__(self, target_cells: int | None = None, cache_size: int = 4,
+                 chunk_points: int = CHUNK_POINTS) -> None:
         self.target_cells = target_cells
         self.cache_size = cache_size
+        self.chunk_points = chunk_points  # a join's first chunk of points (_chunks)
         self._pip: list[tuple[Polygons, PipIndex]] = []
         self._grids: list[tuple[Points, float, DistanceGrid]] = []
         self._lock = _PARALLEL_LOCK
@@ -532,29 +326,63 @@ class CpuSpatialEngine:
         """Nothing to drop: this engine caches structures (PIP indexes, distance grids), never join results, so
         every join is computed (the GPU engine's method of the same name clears its result cache)."""
 
-    def pip_counts(self, points: Points, polygons: Polygons) -> np.ndarray:
+    def pip_counts(self, points: Points, polygons: Polygons, cancel: threading.Event | None = None) -> np.ndarray:
         """Number of points covered by each geometry (boundary included; once per MultiPolygon)."""
         with self._lock:
             index = self.pip_index(polygons)
+            counts = np.zeros(len(polygons), np.int64)
             if index.empty or len(points) == 0:
-                return np.zeros(len(polygons), np.int64)
+                return counts
             px = np.ascontiguousarray(points.x, dtype=np.float64)
             py = np.ascontiguousarray(points.y, dtype=np.float64)
-            nblocks = max(1, min(16 * numba.get_num_threads(), len(px) // 4096 + 1))
-            return _pip_counts(px, py, nblocks, index.n_geometries, *index.args())
+            for lo, hi in _chunks(len(px), cancel, self.chunk_points):
+                nblocks = max(1, min(16 * numba.get_num_threads(), (hi - lo) // 1024 + 1))
+                counts += _pip_counts(px[lo:hi], py[lo:hi], nblocks, index.n_geometries, *index.args())
+            return counts
 
     def pip_pairs(self, points: Points, polygons: Polygons, start: int | None = 0,
                   stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
         (point, geometry); point indices are positions in `points`."""
+        return self.pip_pairs_page(points, polygons, start, stop)[:2]
+
+    def pip_pairs_page(self, points: Points, polygons: Polygons, start: int | None = 0, stop: int | None = None,
+                       max_pairs: int | None = None, cancel: threading.Event | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, int]:
+        """pip_pairs for the leading points of points[start:stop] whose pairs fit max_pairs
+        (geoarrow.pairs_prefix), and the position after the last point it covered: each point's pairs are
+        counted first, so only the page's pairs are ever allocated (plus one point's, if it alone has more)."""
         start, stop = point_range(len(points), start, stop)
         with self._lock:
             index = self.pip_index(polygons)
             if index.empty or stop == start:
-                return np.empty(0, np.int64), np.empty(0, np.int64)
+                return np.empty(0, np.int64), np.empty(0, np.int64), stop
             px = np.ascontiguousarray(points.x[start:stop], dtype=np.float64)
             py = np.ascontiguousarray(points.y[start:stop], dtype=np.float64)
-            return _pip_pairs(px, py, start, *index.args())
+            args = index.args()
+            counts, first = np.empty(len(px), np.int64), np.empty(len(px), np.int64)
+            ends = self._counted(counts, cancel, max_pairs, lambda lo, hi: _pip_pair_counts(
+                px[lo:hi], py[lo:hi], counts[lo:hi], first[lo:hi], *args))
+            m = pairs_prefix(ends, max_pairs)
+            point, geom = np.empty(ends[m - 1], np.int64), np.empty(ends[m - 1], np.int64)
+            for lo, hi in _chunks(m, cancel, self.chunk_points):
+                o0, o1 = (ends[lo - 1] if lo else 0), ends[hi - 1]
+                _pip_write(px[lo:hi], py[lo:hi], start + lo, counts[lo:hi], first[lo:hi], point[o0:o1],
+                           geom[o0:o1], *args)
+            return point, geom, start + m
+
+    def _counted(self, counts: np.ndarray, cancel: threading.Event | None, max_pairs: int | None,
+                 count: Callable[[int, int], None]) -> np.ndarray:
+        """The cumulative pair counts of a page's leading points, `count(lo, hi)` filling counts[lo:hi] a chunk at a
+        time, up to the chunk that passes `max_pairs`: no point after it can be on the page (a page of 100,000
+        dense points counted all their pairs, quadratic, to return the first 100,000 pairs)."""
+        total = 0
+        for lo, hi in _chunks(len(counts), cancel, self.chunk_points):
+            count(lo, hi)
+            total += int(counts[lo:hi].sum())
+            if max_pairs is not None and total > max_pairs:
+                return np.cumsum(counts[:hi])
+        return np.cumsum(counts)
 
     def within_distance(self, a: Points, b: Points, radius_m: float, start: int | None = 0, stop: int | None = None,
                         self_join: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -563,7 +391,8 @@ class CpuSpatialEngine:
         return self.within_distance_page(a, b, radius_m, start, stop, self_join)[:3]
 
     def within_distance_page(self, a: Points, b: Points, radius_m: float, start: int | None = 0,
-                             stop: int | None = None, self_join: bool = False, max_pairs: int | None = None
+                             stop: int | None = None, self_join: bool = False, max_pairs: int | None = None,
+                             cancel: threading.Event | None = None
                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """within_distance for the leading points of a[start:stop] whose pairs fit max_pairs
         (geoarrow.pairs_prefix), and the position after the last point it covered."""
@@ -574,8 +403,16 @@ class CpuSpatialEngine:
             grid = self.distance_grid(b, radius_m)
             alon = np.ascontiguousarray(a.x[start:stop], dtype=np.float64)
             alat = np.ascontiguousarray(a.y[start:stop], dtype=np.float64)
-            args = (start, grid.lon, grid.lat, grid.ux, grid.uy, grid.uz, grid.index, grid.keys, grid.inv_h, grid.n,
+            args = (grid.lon, grid.lat, grid.ux, grid.uy, grid.uz, grid.index, grid.keys, grid.inv_h, grid.n,
                     radius_m, bool(self_join))
-            counts = _within_counts(alon, alat, *args)
-            m = pairs_prefix(np.cumsum(counts), max_pairs)
-            return (*_within(alon[:m], alat[:m], *args, counts[:m]), start + m)
+            counts = np.empty(len(alon), np.int64)
+            ends = self._counted(counts, cancel, max_pairs, lambda lo, hi: _within_counts(
+                alon[lo:hi], alat[lo:hi], start + lo, *args, counts[lo:hi]))
+            m = pairs_prefix(ends, max_pairs)
+            out_i, out_j = np.empty(ends[m - 1], np.int64), np.empty(ends[m - 1], np.int64)
+            out_d = np.empty(ends[m - 1], np.float64)
+            for lo, hi in _chunks(m, cancel, self.chunk_points):
+                o0, o1 = (ends[lo - 1] if lo else 0), ends[hi - 1]
+                _within(alon[lo:hi], alat[lo:hi], start + lo, *args, counts[lo:hi], out_i[o0:o1], out_j[o0:o1],
+                        out_d[o0:o1])
+            return out_i, out_j, out_d, start + m

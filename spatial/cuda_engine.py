@@ -482,13 +482,26 @@ class CudaSpatialEngine:
                   stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(point index, geometry index) for points[start:stop] covered by a geometry: unique, sorted by
         (point, geometry); point indices are positions in `points`."""
+        return self.pip_pairs_page(points, polygons, start, stop)[:2]
+
+    def pip_pairs_page(self, points: Points, polygons: Polygons, start: int | None = 0, stop: int | None = None,
+                       max_pairs: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """pip_pairs for the leading points of points[start:stop] whose pairs fit max_pairs, and the position
+        after the last point it covered: geoarrow.pairs_prefix's cut (the CPU engine's page, pair for pair), found
+        by binary search in the cached join on the device, so only the page's pairs are copied to the host. The
+        join itself holds every pair of the two layers on the device (built once, then sliced)."""
         start, stop = point_range(len(points), start, stop)
         if stop == start or len(polygons) == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
+            return np.empty(0, np.int64), np.empty(0, np.int64), stop
         join = self._pip_join(points, polygons)
         xp = _xp()
         lo, hi = (int(v) for v in _host(xp.searchsorted(join.point, xp.asarray([start, stop], dtype=np.int64))))
-        return _host(join.point[lo:hi]).astype(np.int64), _host(join.geom[lo:hi]).astype(np.int64)
+        if max_pairs is not None and hi - lo > max_pairs:
+            # The point of pair max_pairs + 1 is the first whose pairs do not all fit: the page ends before it,
+            # or after it when it is the page's first point (at least one point per page).
+            stop = max(start + 1, int(_host(join.point[lo + max_pairs])))
+            hi = int(_host(xp.searchsorted(join.point, xp.asarray([stop], dtype=np.int64)))[0])
+        return _host(join.point[lo:hi]).astype(np.int64), _host(join.geom[lo:hi]).astype(np.int64), stop
 
     def pip_counts(self, points: Points, polygons: Polygons) -> np.ndarray:
         """Number of points covered by each geometry (boundary included; once per MultiPolygon), counted on the

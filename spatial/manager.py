@@ -1,15 +1,19 @@
 """The spatial domain's facade: layers (PostgreSQL, resident as GeoArrow-style buffers), joins, routing.
 
 Joins run on the engine asked for, or for `auto` gpu -> cpu -> postgis, falling back on failure. Pair outputs
-are paged with a cursor (the next point position): each page computes one range of points, counted first and
-then written, so no request ever allocates the whole output.
+are paged with a cursor (the next point position): each page's points are counted first and only the leading
+whole points whose pairs fit page_size pairs are written (geoarrow.pairs_prefix), so no request allocates more
+than a page of pairs (or one point's, if it alone has more). An engine with `takes_cancel` (the CPU one) gets a
+threading.Event set when the caller gives up (its deadline passed), and stops at its next chunk of points.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,18 +64,6 @@ def decode_cursor(cursor: str | None, points: int) -> int:
         raise GeometryError(f"points past the layer's end (it holds {points} points now): start again without a "
                             "cursor", field="cursor")
     return position
-
-
-def cut_at_point_boundary(first: np.ndarray, page_size: int, stop: int) -> tuple[int, int]:
-    """How many sorted pairs fit a page without splitting one point's pairs, and where the next page starts."""
-    if len(first) <= page_size:
-        return len(first), stop
-    last_point = int(first[page_size])  # this point's pairs would straddle the page end: it starts the next page
-    keep = int(np.searchsorted(first, last_point, side="left"))
-    if keep == 0:  # one point alone has more pairs than a page: return all of them
-        keep = int(np.searchsorted(first, last_point, side="right"))
-        return keep, last_point + 1
-    return keep, last_point
 
 
 def _prepare(engine: Any, layer: Layer) -> None:
@@ -201,7 +193,7 @@ class SpatialManager:
                     if kind == "postgis":
                         result = await fn(*by_name)
                     else:
-                        result = await asyncio.get_running_loop().run_in_executor(self.executors[kind], fn, *args)
+                        result = await self._in_thread(kind, impl, fn, args)
                 except GeometryError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - an engine failure falls back under auto
@@ -221,6 +213,18 @@ class SpatialManager:
                 return result, impl.name, round(took * 1000, 3), fallback
         raise SpatialEngineNotReady("no spatial engine could answer")
 
+    async def _in_thread(self, kind: str, impl: Any, fn: Callable, args: tuple) -> Any:
+        """fn(*args) on the engine's thread. The thread cannot be interrupted: when this await ends early (the
+        request's deadline cancelled it) an engine that takes `cancel` is told to stop at its next chunk of points,
+        so the next join does not wait behind one nobody reads."""
+        cancel = threading.Event()
+        call = functools.partial(fn, *args, cancel=cancel) if getattr(impl, "takes_cancel", False) else \
+            functools.partial(fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executors[kind], call)
+        finally:
+            cancel.set()  # after an answer: nothing left to stop
+
     # -- joins -----------------------------------------------------------------------------------------
     async def point_in_polygon(self, points: str, polygons: str, mode: str, engine: str, cursor: str | None,
                                page_size: int) -> JoinAnswer:
@@ -233,11 +237,11 @@ class SpatialManager:
                                "points": len(pts), "matched": int(np.asarray(counts).sum())}, name, took, fallback)
         start = decode_cursor(cursor, len(pts))
         stop = min(len(pts), start + page_size)
-        (first, second), name, took, fallback = await self._run(
-            engine, "pip_pairs", "pip_pairs", (pts.geometry, polys.geometry, start, stop),
-            (points, polygons, start, stop))
-        keep, next_start = cut_at_point_boundary(np.asarray(first), page_size, stop)
-        pairs = np.column_stack([pts.ids[np.asarray(first)[:keep]], polys.ids[np.asarray(second)[:keep]]])
+        # As within_distance: the engines count each point's pairs and write only the points that fit page_size.
+        (first, second, next_start), name, took, fallback = await self._run(
+            engine, "pip_pairs", "pip_pairs_page", (pts.geometry, polys.geometry, start, stop, page_size),
+            (points, polygons, start, stop, page_size))
+        pairs = np.column_stack([pts.ids[np.asarray(first)], polys.ids[np.asarray(second)]])
         return JoinAnswer({"pairs": pairs.tolist(),
                            "next_cursor": encode_cursor(next_start) if next_start < len(pts) else None},
                           name, took, fallback)

@@ -63,14 +63,27 @@ class PostgisEngine:
         return np.array([r["n"] for r in rows], dtype=np.int64)
 
     async def pip_pairs(self, points: str, polygons: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        return (await self.pip_pairs_page(points, polygons, start, stop))[:2]
+
+    async def pip_pairs_page(self, points: str, polygons: str, start: int, stop: int, max_pairs: int | None = None
+                             ) -> tuple[np.ndarray, np.ndarray, int]:
+        """pip_pairs for the leading points whose pairs fit max_pairs, and the position after the last point
+        covered: counted per point first, as within_distance_page."""
         async with self.pool.acquire() as conn:
             _, pts = await self._layer(conn, points)
             _, polys = await self._layer(conn, polygons)
-            rows = await conn.fetch(
-                f"SELECT p.position AS i, g.position AS j FROM {pts} p JOIN {polys} g ON ST_Intersects(g.geom, p.geom) "
-                f"WHERE p.position >= $1 AND p.position < $2 ORDER BY 1, 2", start, stop)
+            join = (f"FROM {pts} p JOIN {polys} g ON ST_Intersects(g.geom, p.geom) "
+                    "WHERE p.position >= $1 AND p.position < $2")
+            if max_pairs is not None:
+                counted = await conn.fetch(f"SELECT p.position AS i, count(*) AS c {join} GROUP BY 1 ORDER BY 1",
+                                           start, stop)
+                positions, counts = _columns(counted, "i", "c")
+                kept = pairs_prefix(np.cumsum(counts), max_pairs)
+                if kept < len(positions):
+                    stop = int(positions[kept])  # the first point whose pairs do not fit starts the next page
+            rows = await conn.fetch(f"SELECT p.position AS i, g.position AS j {join} ORDER BY 1, 2", start, stop)
         i, j = _columns(rows, "i", "j")
-        return i, j
+        return i, j, stop
 
     async def within_distance(self, left: str, right: str, radius_m: float, start: int, stop: int,
                               self_join: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -278,7 +278,7 @@ def test_an_engine_out_of_memory_is_a_503_and_a_rewritten_layer_is_forgotten(mak
 
             client.post("/v1/spatial/layers", json={"name": "polys", "kind": "polygons", "geojson": polys})
 
-            def full(*args):
+            def full(*args, **kwargs):
                 raise MemoryError("std::bad_alloc: out_of_memory: CUDA error")
 
             engine.pip_counts = full
@@ -288,3 +288,200 @@ def test_an_engine_out_of_memory_is_a_503_and_a_rewritten_layer_is_forgotten(mak
             r = client.post("/v1/spatial/joins/point-in-polygon", json=join)
             assert_problem(r, 503, "engine-cooling-down")
             assert client.get("/readyz").status_code == 200
+
+
+# --- pair pages within their pair budget; a join given up on stops --------------------------------------------
+
+class Recorder:
+    """An engine as the manager sees it, recording how many pairs each pairs call handed back (all it wrote)."""
+
+    def __init__(self, engine):
+        self.engine, self.pairs = engine, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.engine, name)
+        if not name.startswith(("pip_pairs", "within_distance")):
+            return attr
+
+        def call(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            self.pairs.append(len(out[0]))
+            return out
+
+        return call
+
+
+def overlapping_layers(app, copies=25):
+    """Points under `copies` identical boxes and the shapes of `layers`, and shapely's pairs of them."""
+    lon, lat = sample_points(n=300)
+    geoms = [shapely.box(-6, -16, 41, 16)] * copies + [shapely.geometry.shape(g) for g in (
+        SQUARE_WITH_HOLE, TWO_ISLANDS, ACROSS_ANTIMERIDIAN, NEIGHBOUR)]
+    assert app.post("/v1/spatial/layers", json={"name": "many", "kind": "points", "lon": lon.tolist(),
+                                                "lat": lat.tolist()}).status_code == 201
+    assert app.post("/v1/spatial/layers", json={"name": "stack", "kind": "polygons",
+                                                "wkt": [shapely.to_wkt(g) for g in geoms]}).status_code == 201
+    points = shapely.points(lon, lat)
+    return {(int(i), g) for g, geom in enumerate(geoms) for i in np.flatnonzero(shapely.covers(geom, points))}
+
+
+def test_pip_pair_pages_write_only_their_pair_budget(app):
+    """Every point here lies in up to 27 polygons: a page of 200 points holds thousands of pairs, yet the engine
+    writes only the leading whole points whose pairs fit 200 (one point if it alone has more), and the pages
+    concatenate, in order, to shapely's answer (the old engine computed all of the page's points' pairs)."""
+    truth = overlapping_layers(app)
+    spatial = app.app.state.switchyard.spatial
+    recorder = spatial.engines["cpu"] = Recorder(spatial.engines["cpu"])
+    got, cursor, page_size = [], None, 200
+    while True:
+        body = app.post("/v1/spatial/joins/point-in-polygon", json={
+            "points": "many", "polygons": "stack", "mode": "pairs", "engine": "cpu", "cursor": cursor,
+            "page_size": page_size}).json()
+        page = [tuple(p) for p in body["pairs"]]
+        assert recorder.pairs[-1] == len(page)  # written = returned
+        assert len(page) <= page_size or len({i for i, _ in page}) == 1
+        got += page
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert len(recorder.pairs) > 30 and max(recorder.pairs) <= page_size
+    assert got == sorted(truth) and len(truth) > 5000
+
+
+def test_a_join_past_its_deadline_stops_the_engine(app):
+    """The 504 of a join whose X-Request-Timeout passed stops the CPU engine at its next chunk of points, so the
+    next join does not wait for one nobody reads."""
+    overlapping_layers(app, copies=3)
+    spatial = app.app.state.switchyard.spatial
+    engine = spatial.engines["cpu"]
+    outcome = []
+
+    class Slow:
+        name, kind, takes_cancel = engine.name, engine.kind, True
+
+        def pip_counts(self, points, polygons, cancel):
+            cancel.wait(10)  # the join runs on past the request's deadline
+            try:
+                return engine.pip_counts(points, polygons, cancel=cancel)
+            except Exception as exc:
+                outcome.append(type(exc).__name__)
+                raise
+
+    spatial.engines["cpu"] = Slow()
+    join = {"points": "many", "polygons": "stack", "engine": "cpu"}
+    r = app.post("/v1/spatial/joins/point-in-polygon", json=join, headers={"X-Request-Timeout": "0.3"})
+    assert_problem(r, 504, "deadline-exceeded")
+    spatial.executors["cpu"].submit(lambda: None).result(timeout=10)  # the engine's thread is free again
+    assert outcome == ["JoinStopped"]
+    spatial.engines["cpu"] = engine
+    assert app.post("/v1/spatial/joins/point-in-polygon", json=join).status_code == 200
+
+
+def world_stack(copies, n, seed=5):
+    """The probe's shape, scaled down: `copies` identical near-world polygons and a few small ones over n points."""
+    from spatial.geoarrow import points_from_lonlat, polygons_from_shapely
+
+    rng = np.random.default_rng(seed)
+    geoms = [shapely.box(-179, -84, 179, 84)] * copies + [shapely.box(x, -10, x + 20, 10) for x in range(-60, 60, 15)]
+    lon, lat = rng.uniform(-180, 180, n), rng.uniform(-90, 90, n)
+    return points_from_lonlat(lon, lat), polygons_from_shapely(np.array(geoms, dtype=object)), geoms
+
+
+@pytest.mark.parametrize("max_pairs", [1, 37, 1000, None])
+def test_cpu_pip_pages_hold_whole_points_within_the_budget(monkeypatch, max_pairs):
+    """Pages of pip_pairs_page (in chunks of a few points) keep whole points within max_pairs, write no more than
+    they return, and concatenate to pip_pairs' whole answer, which equals shapely's."""
+    from spatial import cpu_engine
+
+    written, counted = [], []
+    write, count = cpu_engine._pip_write, cpu_engine._pip_pair_counts
+    monkeypatch.setattr(cpu_engine, "_pip_write", lambda *a: (written.append(len(a[5])), write(*a))[1])
+    monkeypatch.setattr(cpu_engine, "_pip_pair_counts", lambda *a: (counted.append(len(a[0])), count(*a))[1])
+    pts, polys, geoms = world_stack(60, 1500)
+    engine = cpu_engine.CpuSpatialEngine(chunk_points=7)
+    whole = cpu_engine.CpuSpatialEngine().pip_pairs(pts, polys, 0, len(pts))
+    per_point = np.bincount(whole[0], minlength=len(pts))
+    pages, start = [], 0
+    while start < len(pts):
+        stop = min(len(pts), start + 400)  # as the manager asks: page_size points at most
+        written.clear()
+        counted.clear()
+        point, geom, reached = engine.pip_pairs_page(pts, polys, start, stop, max_pairs)
+        assert start < reached <= stop and sum(written) == len(point)
+        # Counting stops at the chunk that passes the budget (chunks of 7 points, doubling): not the whole range.
+        assert max_pairs is None or sum(counted) <= 4 * (reached - start) + 7, (sum(counted), reached - start)
+        np.testing.assert_array_equal(np.bincount(point, minlength=len(pts))[start:reached], per_point[start:reached])
+        assert max_pairs is None or len(point) <= max_pairs or reached - start == 1
+        if reached < stop:  # it stopped because the next point would not fit
+            assert len(point) + per_point[reached] > max_pairs
+        pages.append((point, geom))
+        start = reached
+    for k in range(2):
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in pages]), whole[k])
+    shapes = shapely.points(pts.x, pts.y)
+    truth = sorted((int(i), g) for g, geom in enumerate(geoms) for i in np.flatnonzero(shapely.covers(geom, shapes)))
+    assert list(zip(whole[0].tolist(), whole[1].tolist())) == truth
+
+
+def test_a_cancelled_cpu_join_stops_between_chunks(monkeypatch):
+    """`cancel` set while a join runs stops it at its next chunk of points (JoinStopped), for each join."""
+    import threading
+
+    from spatial import cpu_engine
+
+    pts, polys, _ = world_stack(5, 2000)
+    engine = cpu_engine.CpuSpatialEngine(chunk_points=100)
+    for name, call in (("_pip_counts", lambda c: engine.pip_counts(pts, polys, cancel=c)),
+                       ("_pip_pair_counts", lambda c: engine.pip_pairs_page(pts, polys, 0, len(pts), None, c)),
+                       ("_within_counts", lambda c: engine.within_distance_page(pts, pts, 1e5, 0, len(pts), True,
+                                                                                None, c))):
+        cancel, chunks = threading.Event(), []
+        kernel = getattr(cpu_engine, name)
+
+        def first_chunk_then_cancel(*args, kernel=kernel, cancel=cancel, chunks=chunks):
+            chunks.append(1)
+            cancel.set()  # the caller gives up while this chunk runs
+            return kernel(*args)
+
+        monkeypatch.setattr(cpu_engine, name, first_chunk_then_cancel)
+        with pytest.raises(cpu_engine.JoinStopped):
+            call(cancel)
+        assert chunks == [1], name
+        monkeypatch.setattr(cpu_engine, name, kernel)
+        call(threading.Event())  # an Event never set: the whole join
+
+
+GPU_PAGES = r"""
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+from test_spatial_service import world_stack
+from spatial.cpu_engine import CpuSpatialEngine
+from spatial.cuda_engine import CudaSpatialEngine
+
+pts, polys, _ = world_stack(12, 300)
+gpu, cpu = CudaSpatialEngine(max_depth=6, max_size=16), CpuSpatialEngine()
+for max_pairs in (1, 5, 40, 700, None):
+    for start, stop in ((0, 300), (17, 120), (299, 300)):
+        got, want = gpu.pip_pairs_page(pts, polys, start, stop, max_pairs), cpu.pip_pairs_page(pts, polys, start,
+                                                                                                stop, max_pairs)
+        assert got[2] == want[2], (max_pairs, start, got[2], want[2])
+        for k in range(2):
+            np.testing.assert_array_equal(got[k], want[k])
+print("gpu pages ok")
+"""
+
+
+def test_gpu_pip_pages_are_the_cpu_engines_in_the_simulator():
+    """The GPU engine cuts a pairs page where the CPU engine does (pairs_prefix), in numba-cuda's simulator."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("numba.cuda") is None:  # found, not imported: no CUDA set up in this process
+        pytest.skip("numba.cuda is not installed")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", GPU_PAGES], cwd=root, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"),
+                       capture_output=True, text=True, check=False, timeout=280)
+    assert r.returncode == 0 and "gpu pages ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -57,7 +57,9 @@ class OverQuota(Shed):
 
 
 class DeadlineExceeded(ProblemError):
-    """The request ran past its deadline inside an engine; it was stopped and nothing was acknowledged."""
+    """The request ran past its deadline inside an engine: its answer was given up and nothing was acknowledged
+    (PostgreSQL, DuckDB and the CPU spatial joins stop the work; a call on a thread that cannot be stopped ends by
+    itself)."""
 
     status, slug, title = 504, "deadline-exceeded", "Deadline exceeded"
 
@@ -528,8 +530,9 @@ class Slot:
             self.bucket.charge(held, time.monotonic())
         if expired:
             self.admission.shed(self.engine, "deadline_running")
-            raise DeadlineExceeded(f"the request's deadline passed while engine {self.engine} ran it; it was "
-                                   "stopped (a write is acknowledged only by a 2xx answer)", field="X-Request-Timeout")
+            raise DeadlineExceeded(f"the request's deadline passed while engine {self.engine} ran it; its answer "
+                                   "was given up, and the engine stops the work where it can (a write is "
+                                   "acknowledged only by a 2xx answer)", field="X-Request-Timeout")
         return False
 
 
