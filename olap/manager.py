@@ -49,6 +49,10 @@ class DatasetInUse(Exception):
     """The dataset asked to be deleted is the one the engines hold."""
 
 
+class LoadStopped(Exception):
+    """A dataset's load was stopped by its progress reporter (its job was cancelled)."""
+
+
 class OlapManager:
     def __init__(self, data_dir: Path, guard: Any, observe: Callable[[str, str, float, bool], None] | None = None,
                  thread_init: Callable[[], None] | None = None) -> None:
@@ -66,6 +70,7 @@ class OlapManager:
         self.loading: asyncio.Task | None = None
         self.load_errors: dict[str, str] = {}
         self._load_lock = asyncio.Lock()
+        self._activations: set[asyncio.Task] = set()
 
     # -- engines ---------------------------------------------------------------------------------------
     def attach(self, engine: Any) -> None:
@@ -150,31 +155,71 @@ class OlapManager:
         return {"dataset": str(target), "rows": meta["rows"], "engines": loaded}
 
     async def activate(self, path: Path, progress: Progress | None = None) -> dict[str, Any]:
-        """Load a dataset into every engine; an engine that fails keeps no dataset and says why."""
-        say = progress or (lambda done, total, message: None)
-        out: dict[str, Any] = {}
+        """Load a dataset into every engine; an engine that fails keeps no dataset and says why. Every engine moves
+        to `path` or none does: the load is a task of its own, which the caller's cancellation does not cut short,
+        and a stop its progress reporter raises (a cancelled job's) loads back the dataset that was active. A job
+        cancelled while PostgreSQL copied the tables once left DuckDB answering from the new dataset and
+        PostgreSQL from the old."""
+        task = asyncio.create_task(self._activate(path, progress))
+        self._activations.add(task)  # a strong reference: it may outlive its caller
+        task.add_done_callback(self._ended)
+        try:
+            return await asyncio.shield(task)
+        except LoadStopped as stopped:
+            raise (stopped.__cause__ or stopped) from None  # what the reporter raised: a job's JobCancelled
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._activations.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a load its cancelled caller no longer awaited is not an unread error
+
+    async def _activate(self, path: Path, progress: Progress | None) -> dict[str, Any]:
         async with self._load_lock:
-            for kind in ORDER:
-                engine = self.engines.get(kind)
-                if engine is None:
-                    continue
-                say(0, None, f"loading the dataset into {engine.name}")
-                try:
-                    if kind == "postgres":
-                        out[engine.name] = await engine.load(path, say)
-                    else:
-                        out[engine.name] = await asyncio.get_running_loop().run_in_executor(
-                            self.executors[kind], engine.load, path)
-                    self.load_errors.pop(kind, None)
-                except Exception as exc:  # noqa: BLE001 - one engine's failure leaves the others serving
-                    log.exception("loading %s into %s failed", path, engine.name)
-                    self.load_errors[kind] = f"{type(exc).__name__}: {exc}"
-                    out[engine.name] = {"error": self.load_errors[kind]}
+            previous, switched = self.active, list[str]()
+            try:
+                out = await self._load_into(path, progress, switched)
+            except LoadStopped:
+                if previous is not None and switched:
+                    log.warning("loading %s was stopped after %s; loading %s back", path, switched, previous)
+                    await self._load_into(previous, None, [])
+                raise
             self.active = path
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / "active.json.tmp"
             tmp.write_text(json.dumps({"dataset": str(path)}))
             os.replace(tmp, self.root / "active.json")
+            return out
+
+    async def _load_into(self, path: Path, progress: Progress | None, switched: list[str]) -> dict[str, Any]:
+        """`path` into each engine in ORDER, noting in `switched` those that took it; LoadStopped as soon as
+        `progress` raises."""
+        def say(done: int, total: int | None, message: str) -> None:
+            if progress is not None:
+                try:
+                    progress(done, total, message)
+                except Exception as exc:  # noqa: BLE001 - whatever the reporter raises stops the load
+                    raise LoadStopped(str(exc)) from exc
+
+        out: dict[str, Any] = {}
+        for kind in ORDER:
+            engine = self.engines.get(kind)
+            if engine is None:
+                continue
+            say(0, None, f"loading the dataset into {engine.name}")
+            try:
+                if kind == "postgres":
+                    out[engine.name] = await engine.load(path, say)
+                else:
+                    out[engine.name] = await asyncio.get_running_loop().run_in_executor(
+                        self.executors[kind], engine.load, path)
+                self.load_errors.pop(kind, None)
+                switched.append(kind)
+            except LoadStopped:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one engine's failure leaves the others serving
+                log.exception("loading %s into %s failed", path, engine.name)
+                self.load_errors[kind] = f"{type(exc).__name__}: {exc}"
+                out[engine.name] = {"error": self.load_errors[kind]}
         return out
 
     # -- queries ---------------------------------------------------------------------------------------

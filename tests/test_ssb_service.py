@@ -4,6 +4,8 @@ checked, bad input is a 4xx naming the reason."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import duckdb
@@ -301,3 +303,46 @@ def test_duckdb_runs_within_its_memory_limit(app):
     want_mb = int(app.app.state.switchyard.settings.duckdb_memory.removesuffix("MB"))
     assert abs(got_mb - want_mb) <= 0.05 * want_mb, (limit, want_mb)
     assert int(threads) == app.app.state.switchyard.settings.engine_threads
+
+
+def test_a_generation_cancelled_while_loading_leaves_every_engine_on_the_active_dataset(app, oracle):
+    """A job cancelled while PostgreSQL copied the new tables left DuckDB answering from the new dataset and
+    PostgreSQL (and `active`) from the old. Every engine moves or none does: the engines that took the new one
+    load the old one back."""
+    import threading
+
+    olap = app.app.state.switchyard.olap
+    before = olap.active
+    postgres = olap.engines["postgres"]
+    real, held, release = postgres.load, threading.Event(), threading.Event()
+
+    async def held_load(path, progress=None):
+        if path != before:  # the new dataset: held until the job is cancelled
+            held.set()
+            await asyncio.to_thread(release.wait, 60)
+        return await real(path, progress)
+
+    postgres.load = held_load
+    try:
+        r = app.post("/v1/olap/ssb/generate", json={"scale_factor": SF, "seed": 77})
+        assert r.status_code == 202, r.text
+        assert held.wait(120), "the generation never reached PostgreSQL's load"
+        cancelling = threading.Thread(target=lambda: app.post(f"/v1/jobs/{r.json()['job']}/cancel"))
+        cancelling.start()
+        time.sleep(0.3)  # the cancel is requested, then the held load goes on and reports progress
+        release.set()
+        cancelling.join(120)
+        job = wait_job(app, r.headers["location"])
+    finally:
+        postgres.load = real
+        release.set()
+    assert job["state"] == "cancelled", job
+    deadline = time.monotonic() + 60
+    while getattr(olap, "_activations", ()) and time.monotonic() < deadline:  # the old one loaded back meanwhile
+        time.sleep(0.05)
+    assert olap.active == before and olap.engines["cpu"].dataset == str(before)
+    con, _ = oracle
+    sql = "SELECT count(*), sum(lo_revenue) FROM lineorder"
+    for engine in ("cpu", "postgres"):
+        body = app.post("/v1/olap/sql", json={"sql": sql, "engine": engine}).json()
+        assert rows_of(body["rows"]) == rows_of(con.execute(sql).fetchall()), engine
