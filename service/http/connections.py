@@ -27,16 +27,17 @@ from collections import OrderedDict
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import problem_response
+from service.http.pipelining import BoundedPipeline
 
 log = logging.getLogger("switchyard")
 RESERVE_SHARE, RESERVE_LEAST = 10, 256  # descriptors kept for anything but client connections: a tenth, >= 256
 WARN_EVERY_S = 10.0
 # What this protocol reads or sets of HttpToolsProtocol's own state (checked against the installed uvicorn by
 # tests/test_connections.py).
-UVICORN_STATE = ("limit_concurrency", "connections", "server_state", "transport", "app", "timeout_keep_alive_task")
+UVICORN_STATE = ("limit_concurrency", "connections", "server_state", "transport", "app", "timeout_keep_alive_task",
+                 "pipeline", "flow")  # the last two: service/http/pipelining.py
 
 
 def raise_fd_limit() -> int:
@@ -111,8 +112,9 @@ async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
                            headers={"Retry-After": "1", "Connection": "close"})(scope, receive, send)
 
 
-class CappedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol under the connection cap (config.limit_concurrency; None: no cap)."""
+class CappedProtocol(BoundedPipeline):
+    """uvicorn's httptools protocol under the connection cap (config.limit_concurrency; None: no cap), with its
+    pipelined requests bounded (service/http/pipelining.py)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
