@@ -70,3 +70,24 @@ def test_the_payload_size_limits_hold_through_a_front(fronted):
                                                         "payloads": [{"n": 3, "blob": "b" * 100_000}]})
     assert_problem(r, 422, "validation-error", "payloads[0].blob")
     assert fronted.get("/v1/collections/fc").json()["count"] == 2
+
+
+@pytest.mark.parametrize(("target", "status"), [
+    (b"/v1/collections/fc", 200), (b"/v1/collections/f%63", 200),  # escapes mean what they do in one process
+    (b"//v1/collections/fc", 404), (b"/v1/collections/fc%00", 422), (b"/v1/collections/fc%3Fverify=true", 422),
+    (b"/v1/jobs/%2e%2e/%2e%2e/healthz", 404), (b"/v1/collections/../../healthz", 404)])
+def test_a_front_passes_the_path_on_as_sent(fronted, target, status):
+    """The front rebuilt the engine's URL from the decoded path: `%00` and `//` were a 500 with a traceback, and
+    dot segments were resolved, so `/v1/jobs/%2e%2e/%2e%2e/healthz` reached /healthz (200). The engine now sees
+    the target as sent and answers as a lone process does."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(str(fronted.base_url))
+    with socket.create_connection((where.hostname, where.port), timeout=30) as conn:
+        conn.sendall(b"GET " + target + b" HTTP/1.1\r\nhost: x\r\nauthorization: Bearer " + KEY.encode()
+                     + b"\r\nconnection: close\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert int(answer.split(b" ", 2)[1]) == status, answer[:400]

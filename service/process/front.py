@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import operator
 from typing import Callable, Sequence, TypeVar
+from urllib.parse import quote
 
 import httpx
 from starlette.responses import Response
@@ -113,7 +114,7 @@ class EngineProxy:
                 if not message.get("more_body", False):
                     return
 
-        url = httpx.URL(path=scope["path"], query=scope["query_string"])
+        url = ENGINE_URL.copy_with(raw_path=as_sent(scope))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body() if has_body else None)
         try:
             response = await self.client.send(request, stream=True)
@@ -135,6 +136,20 @@ class EngineProxy:
         if scope["path"].startswith("/v1/"):
             work, _ = work_of(scope["method"], scope["path"], is_bulk(scope["method"], scope["path"], scope["headers"]))
             self.throttles[work].answered(refused is not True)
+
+
+ENGINE_URL = httpx.URL("http://engine")  # the engine process's HTTP socket (the client's unix-socket transport)
+
+
+def as_sent(scope: Scope) -> bytes:
+    """The request's target as the client sent it, for the engine to parse as a lone process would: its raw path
+    (percent-escapes kept), with dot segments escaped so that httpx passes them on instead of resolving them.
+    Rebuilt from the decoded path, `c%00` and `//v1/...` were a 500 here, and `/v1/jobs/%2e%2e/%2e%2e/healthz`
+    reached /healthz."""
+    raw = scope.get("raw_path") or quote(scope["path"]).encode()
+    segments = [b"%2E" * len(part) if part in (b".", b"..") else part for part in raw.split(b"/")]
+    query = scope["query_string"]
+    return b"/".join(segments) + (b"?" + query if query else b"")
 
 
 def taken(counts: dict[str, int]) -> dict[str, int]:
