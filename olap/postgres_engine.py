@@ -111,10 +111,11 @@ class PostgresEngine:
                 if stmt.get_parameters():  # asyncpg would raise InterfaceError at fetch (no values are sent)
                     raise QueryFailed("PostgreSQL: parameters ($1, ...) are not allowed; write the values into the SQL")
                 columns = [a.name for a in stmt.get_attributes()]
+                sizes = None
                 if max_rows is None:
                     records = await stmt.fetch()
                 else:
-                    records = await _fetch_within(await stmt.cursor(), max_rows + 1)
+                    records, sizes = await _fetch_within(await stmt.cursor(), max_rows + 1)
             except (OverflowError, ValueError) as exc:
                 if isinstance(exc, QueryFailed):
                     raise
@@ -126,7 +127,7 @@ class PostgresEngine:
                 raise  # the server is going away: not the query's fault (503, service/errors.py)
             except asyncpg.PostgresError as exc:
                 raise QueryFailed(f"PostgreSQL: {exc}") from None
-        return from_records(columns, records, max_rows)
+        return from_records(columns, records, max_rows, sizes)
 
 
 def fingerprint(dataset_dir: Path) -> str:
@@ -154,15 +155,17 @@ async def _csv_chunks(path: Path) -> AsyncIterator[bytes]:
         yield await asyncio.to_thread(row_group_csv, i)
 
 
-async def _fetch_within(cursor: Any, limit: int) -> list[Any]:
-    """Up to `limit` records, FETCH_ROWS at a time, stopping once they pass ANSWER_MAX_BYTES (from_records cuts
-    the answer there): a wide answer is not read whole."""
+async def _fetch_within(cursor: Any, limit: int) -> tuple[list[Any], list[int]]:
+    """Up to `limit` records and their record_bytes, FETCH_ROWS at a time, stopping once they pass
+    ANSWER_MAX_BYTES (from_records cuts the answer there): a wide answer is not read whole."""
     records: list[Any] = []
-    size = 0
-    while len(records) < limit and size <= results.ANSWER_MAX_BYTES:
+    sizes: list[int] = []
+    total = 0
+    while len(records) < limit and total <= results.ANSWER_MAX_BYTES:
         chunk = await cursor.fetch(min(FETCH_ROWS, limit - len(records)))
         if not chunk:
             break
         records.extend(chunk)
-        size += sum(record_bytes(record) for record in chunk)
-    return records
+        sizes.extend(record_bytes(record) for record in chunk)
+        total = sum(sizes[-len(chunk):], total)
+    return records, sizes

@@ -79,11 +79,14 @@ def record_bytes(record: Iterable[Any]) -> int:
     return sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in record)
 
 
-def from_records(columns: list[str], records: Iterable[Iterable[Any]], max_rows: int | None = None) -> Result:
+def from_records(columns: list[str], records: Iterable[Iterable[Any]], max_rows: int | None = None,
+                 sizes: Iterable[int] | None = None) -> Result:
+    """`sizes`: each record's record_bytes, when the caller measured them already."""
     rows: list[list[Any]] = []
     size, truncated = 0, False
+    measured = iter(sizes) if sizes is not None else None
     for record in records:
-        size += record_bytes(record)
+        size += next(measured) if measured is not None else record_bytes(record)
         if (max_rows is not None and len(rows) == max_rows) or (size > ANSWER_MAX_BYTES and rows):
             truncated = True
             break

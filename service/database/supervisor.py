@@ -38,6 +38,7 @@ class DatabaseSupervisor:
         self.restarts = 0  # successful restarts of the embedded server
         self.reconnects = 0  # times the database came back
         self.last_error: str | None = None
+        self._timed_out = False  # whether the last failed probe was a SELECT 1 past its timeout
         self.recovered_at = -float("inf")  # monotonic
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -104,7 +105,7 @@ class DatabaseSupervisor:
 
     async def _check(self) -> None:
         answered = await self._answers()
-        if not answered and (self.last_error or "").startswith("TimeoutError"):
+        if not answered and self._timed_out:
             # Asked once more: the event loop itself may have stalled past the probe's timeout (a long callback, a
             # large answer encoded), which says nothing of the database; a hung one times out again.
             answered = await self._answers()
@@ -126,6 +127,7 @@ class DatabaseSupervisor:
             return self.up  # every connection busy: no news either way
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            self._timed_out = False
             return False
         try:
             async with asyncio.timeout(self.probe_timeout_s):
@@ -133,6 +135,7 @@ class DatabaseSupervisor:
             return True
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            self._timed_out = isinstance(exc, TimeoutError)
             return False
         finally:
             await self.pool.release(holder)

@@ -127,18 +127,6 @@ class ExpressProtocol(CappedProtocol):
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 
-    def pause_writing(self) -> None:
-        """The client reads its answers slower than it sends requests: read no more of them until it catches up.
-        Answers made here are written with nothing awaiting the write, so pipelined searches from a client that
-        never read piled up in memory (2 GB in 12 s from one connection)."""
-        super().pause_writing()
-        self.flow.pause_reading()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if not self.pipeline and (self.cycle is None or self.cycle.response_complete):  # else the cycle resumes it
-            self.flow.resume_reading()
-
     def shutdown(self) -> None:
         if self.held is None:
             super().shutdown()
@@ -234,7 +222,7 @@ class ExpressProtocol(CappedProtocol):
                       and not self.stopping)
         tail = b"\r\n" if keep_alive else b"connection: close\r\n\r\n"
         self.transport.write(b"".join((head, b"%d\r\n" % len(body), tail, body)))
-        if self.flow.write_paused:  # still unread (uvicorn resumes reading after each of its own answers)
+        if self.flow.write_paused:  # answers nothing awaits: read no more until they are (BoundedPipeline)
             self.flow.pause_reading()
         self.server_state.total_requests += 1
         self.answered = self.responded = True

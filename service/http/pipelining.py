@@ -3,7 +3,8 @@
 uvicorn parses all it reads and resumes reading after every answer, and whenever the app waits for a body. A client
 that pipelines requests without reading the answers was read as fast as it sent: 250,000 requests queued and 700 MB
 held in 5 s from one connection. Past the bound, bytes read are held unparsed and reading stays paused until the
-queue shrinks; the client's sends then block on TCP's own flow control.
+queue shrinks; reading pauses too while answers wait unread in the write buffer. The client's sends then block on
+TCP's own flow control.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class BoundedPipeline(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         super().data_received(data)
+
+    def pause_writing(self) -> None:
+        """The client reads its answers slower than it sends requests: read no more of them until it catches up
+        (answers the protocol writes itself, the express protocol's, await no drain)."""
+        super().pause_writing()
+        self.flow.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if not self.pipeline and (self.cycle is None or self.cycle.response_complete):  # else the cycle resumes it
+            self.flow.resume_reading()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
